@@ -1,0 +1,73 @@
+"""Frozen configuration records. Every knob has a comment; the CLI maps its options one to one onto these."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    kind: str                                   # "llama3" | "linear"
+    factor: float                               # context extension factor
+    low_freq_factor: float = 1.0                # llama3: wavelengths above original/low_freq_factor are scaled fully
+    high_freq_factor: float = 4.0               # llama3: wavelengths below original/high_freq_factor are kept
+    original_max_position_embeddings: int = 8192  # llama3: the context the base frequencies were trained for
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    arch: str                                   # "llama" | "mistral" | "qwen2" (SmolLM is llama)
+    vocab_size: int                             # rows of the embedding and of lm_head
+    hidden_size: int                            # D, the residual width
+    intermediate_size: int                      # F, the SwiGLU inner width
+    n_layers: int                               # decoder layers
+    n_heads: int                                # H, query heads
+    n_kv_heads: int                             # H_kv, key/value heads (grouped-query attention when < H)
+    head_dim: int                               # hd, per-head width (usually D / H)
+    rms_norm_eps: float = 1e-6                  # epsilon inside every RMSNorm
+    rope_theta: float = 10000.0                 # RoPE base
+    rope_scaling: Optional[RopeScaling] = None  # long-context frequency rescaling, None for plain RoPE
+    max_position_embeddings: int = 4096         # the context the model supports
+    tie_word_embeddings: bool = False           # lm_head shares the embedding matrix
+    attention_bias: bool = False                # q/k/v projections carry a bias (Qwen2)
+
+
+@dataclass(frozen=True)
+class OffloadConfig:
+    mode: str = "none"                          # "none": all resident | "cpu": layers in (pinned) host RAM | "disk": packed store on disk
+    gpu_budget: Optional[int] = None            # bytes the target may use on the compute device for weights; None = as many layers resident as fit (all on CPU)
+    n_slots: int = 2                            # ring size: device slots that streamed layers rotate through (>= 2)
+    store_dir: Optional[str] = None             # where the disk-mode packed store lives; None = next to the checkpoint cache
+    host_budget: Optional[int] = None           # bytes of host RAM the pinned arena may take; over it -> pageable fallback
+    overlap: bool = True                        # prefetch the next layers while computing; False = copy then compute (debug)
+    drop_page_cache: bool = True                # disk mode: posix_fadvise(DONTNEED) after each read, keeping host memory bounded
+
+
+@dataclass(frozen=True)
+class TreeConfig:
+    policy: str = "dyspec"                      # "dyspec" | "heap" | "chain" | "static" | "none" (plain autoregressive)
+    budget: Optional[int] = None                # max tree nodes per round; None = "auto": chosen from measured draft and target costs
+    threshold: Optional[float] = None           # DySpec C; None = adaptive (C set so the tree fills the budget)
+    max_depth: int = 32                         # deepest level the draft may grow in one round
+    branching: int = 8                          # candidate children examined per frontier node each depth
+    static_widths: tuple = (4, 2, 2, 1, 1, 1)   # "static": children per node at each depth
+
+
+@dataclass(frozen=True)
+class SamplingConfig:
+    temperature: float = 0.0                    # 0 = greedy
+    top_p: float = 1.0                          # nucleus mass kept (1 = off)
+    top_k: int = 0                              # keep the k most likely tokens (0 = off)
+    seed: int = 0                               # seeds the per-round generators
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature <= 0.0
+
+
+@dataclass(frozen=True)
+class RuntimeConfig:
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))  # compute device for both models
+    dtype: torch.dtype = torch.float32         # compute and weight dtype

@@ -1,0 +1,50 @@
+"""Preallocated K/V cache: a buffer plus a committed length.
+
+Tree tokens are written after the committed prefix; once a round is verified, the accepted path is
+gathered into place right after the prefix (`compact`) and the length advances. Nothing is ever freed
+or reallocated inside the generation loop.
+"""
+from __future__ import annotations
+
+import torch
+
+
+class KVCache:
+    def __init__(self, n_layers: int, batch: int, n_kv_heads: int, capacity: int, head_dim: int,
+                 dtype: torch.dtype, device: torch.device):
+        shape = (n_layers, batch, n_kv_heads, capacity, head_dim)   # (L, B, H_kv, S_max, hd)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.capacity = capacity
+        self.length = 0      # committed tokens: slots [0, length) hold the accepted prefix
+
+    @staticmethod
+    def for_model(cfg, capacity: int, dtype: torch.dtype, device: torch.device, batch: int = 1) -> "KVCache":
+        return KVCache(cfg.n_layers, batch, cfg.n_kv_heads, capacity, cfg.head_dim, dtype, device)
+
+    @property
+    def nbytes(self) -> int:
+        return 2 * self.k.numel() * self.k.element_size()
+
+    def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """slots (T,); k, v (B, H_kv, T, hd) -> cache[layer, :B, :, slots]."""
+        B = k.shape[0]
+        self.k[layer, :B].index_copy_(2, slots, k)
+        self.v[layer, :B].index_copy_(2, slots, v)
+
+    def compact(self, kept_slots: torch.Tensor, start: int) -> None:
+        """Move the K/V at kept_slots (n,) to slots [start, start + n) in every layer; length = start + n.
+
+        Example: prefix of 7, tree written at slots 7..12, accepted path = slots [7, 9, 12]
+        -> compact(tensor([7, 9, 12]), 7) leaves them at 7, 8, 9 and length 10.
+        """
+        n = kept_slots.numel()
+        dest = torch.arange(start, start + n, device=kept_slots.device)
+        if n and not torch.equal(kept_slots, dest):
+            # index_select makes a copy first, so overlapping source and destination are safe.
+            self.k.index_copy_(3, dest, self.k.index_select(3, kept_slots))
+            self.v.index_copy_(3, dest, self.v.index_select(3, kept_slots))
+        self.length = start + n
+
+    def set_length(self, length: int) -> None:
+        self.length = length

@@ -1,0 +1,229 @@
+"""Hugging Face checkpoint folders -> ModelConfig and tensors by layer.
+
+Tensors are read lazily through safetensors' memory map, one layer at a time, so the whole model never
+has to sit in RAM. Every name and shape is checked when the folder is opened (headers only, no data),
+so a truncated or mismatched checkpoint fails with one clear line before any work is done.
+"""
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from .config import ModelConfig, RopeScaling
+from .errors import CheckpointError
+from .model import GlobalWeights, LayerWeights, layer_shapes
+
+# Architectures the functional forward implements (SmolLM/SmolLM2 are LlamaForCausalLM).
+SUPPORTED_ARCHITECTURES = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "mistral",
+    "Qwen2ForCausalLM": "qwen2",
+}
+
+# The one HF -> internal name table. Layer names are relative to "model.layers.{i}.".
+GLOBAL_NAMES = {
+    "embed": "model.embed_tokens.weight",
+    "final_norm": "model.norm.weight",
+    "lm_head": "lm_head.weight",
+}
+LAYER_NAMES = {
+    "input_norm": "input_layernorm.weight",
+    "q_proj": "self_attn.q_proj.weight",
+    "k_proj": "self_attn.k_proj.weight",
+    "v_proj": "self_attn.v_proj.weight",
+    "o_proj": "self_attn.o_proj.weight",
+    "q_bias": "self_attn.q_proj.bias",
+    "k_bias": "self_attn.k_proj.bias",
+    "v_bias": "self_attn.v_proj.bias",
+    "post_norm": "post_attention_layernorm.weight",
+    "gate_proj": "mlp.gate_proj.weight",
+    "up_proj": "mlp.up_proj.weight",
+    "down_proj": "mlp.down_proj.weight",
+}
+
+_FLOAT_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
+
+
+def parse_config(raw: dict, where: str) -> ModelConfig:
+    """config.json (as a dict) -> ModelConfig; unsupported features are refused by name."""
+    archs = raw.get("architectures") or []
+    arch = next((SUPPORTED_ARCHITECTURES[a] for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+    if arch is None:
+        model_type = raw.get("model_type")
+        if model_type in ("llama", "mistral", "qwen2") and not archs:
+            arch = model_type
+        else:
+            name = ", ".join(archs) or f"model_type={model_type!r}"
+            raise CheckpointError(
+                f"{where}: unsupported architecture {name}; offspec runs "
+                f"{', '.join(sorted(SUPPORTED_ARCHITECTURES))}")
+    try:
+        hidden = int(raw["hidden_size"])
+        n_heads = int(raw["num_attention_heads"])
+        cfg_fields = dict(
+            arch=arch,
+            vocab_size=int(raw["vocab_size"]),
+            hidden_size=hidden,
+            intermediate_size=int(raw["intermediate_size"]),
+            n_layers=int(raw["num_hidden_layers"]),
+            n_heads=n_heads,
+            n_kv_heads=int(raw.get("num_key_value_heads") or n_heads),
+            head_dim=int(raw.get("head_dim") or hidden // n_heads),
+        )
+    except (KeyError, TypeError, ValueError) as e:
+        raise CheckpointError(f"{where}: config.json lacks or garbles a required field ({e})") from None
+    if raw.get("mlp_bias"):
+        raise CheckpointError(f"{where}: mlp_bias=true is not supported")
+    if raw.get("hidden_act", "silu") != "silu":
+        raise CheckpointError(f"{where}: hidden_act {raw.get('hidden_act')!r} is not supported (only silu)")
+    # transformers 5 keeps rope settings in "rope_parameters"; older configs use rope_theta + rope_scaling.
+    rope = dict(raw.get("rope_scaling") or {})
+    rope.update(raw.get("rope_parameters") or {})
+    theta = float(rope.get("rope_theta", raw.get("rope_theta", 10000.0)))
+    return ModelConfig(
+        **cfg_fields,
+        rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+        rope_theta=theta,
+        rope_scaling=_parse_rope_scaling(rope, where),
+        max_position_embeddings=int(raw.get("max_position_embeddings", 4096)),
+        tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+        attention_bias=arch == "qwen2" or bool(raw.get("attention_bias", False)),
+    )
+
+
+def _parse_rope_scaling(rope: dict, where: str) -> Optional[RopeScaling]:
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    if kind in (None, "default"):
+        return None
+    if kind == "linear":
+        return RopeScaling(kind="linear", factor=float(rope["factor"]))
+    if kind == "llama3":
+        return RopeScaling(
+            kind="llama3", factor=float(rope["factor"]),
+            low_freq_factor=float(rope.get("low_freq_factor", 1.0)),
+            high_freq_factor=float(rope.get("high_freq_factor", 4.0)),
+            original_max_position_embeddings=int(rope.get("original_max_position_embeddings", 8192)))
+    raise CheckpointError(f"{where}: rope scaling type {kind!r} is not supported (only llama3 and linear)")
+
+
+class Checkpoint:
+    """An HF folder: config.json, model.safetensors or sharded *.safetensors + index, tokenizer files."""
+
+    def __init__(self, path: str | Path):
+        from safetensors import SafetensorError, safe_open
+
+        self.path = Path(path)
+        if not self.path.is_dir():
+            raise CheckpointError(f"{self.path}: no such model folder")
+        config_file = self.path / "config.json"
+        if not config_file.is_file():
+            raise CheckpointError(f"{self.path}: no config.json (is this a Hugging Face model folder?)")
+        try:
+            self.raw_config = json.loads(config_file.read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise CheckpointError(f"{config_file}: not valid JSON ({e})") from None
+        self.config = parse_config(self.raw_config, str(self.path))
+
+        self._files = self._weight_files()
+        self._handles = {}
+        self._where: dict[str, str] = {}   # tensor name -> file name
+        for file in sorted(set(self._files.values())):
+            try:
+                handle = safe_open(str(self.path / file), framework="pt", device="cpu")
+            except (SafetensorError, OSError, ValueError) as e:
+                raise CheckpointError(f"{self.path / file}: unreadable or corrupt safetensors ({e})") from None
+            self._handles[file] = handle
+            for name in handle.keys():
+                self._where[name] = file
+        self._check_tensors()
+
+    def _weight_files(self) -> dict[str, str]:
+        index = self.path / "model.safetensors.index.json"
+        if index.is_file():
+            try:
+                weight_map = json.loads(index.read_text())["weight_map"]
+            except (json.JSONDecodeError, KeyError, TypeError) as e:
+                raise CheckpointError(f"{index}: malformed index ({e})") from None
+            missing = sorted({f for f in weight_map.values() if not (self.path / f).is_file()})
+            if missing:
+                raise CheckpointError(f"{self.path}: shard(s) listed in the index are missing: {', '.join(missing)}")
+            return dict(weight_map)
+        files = sorted(p.name for p in self.path.glob("*.safetensors"))
+        if not files:
+            raise CheckpointError(f"{self.path}: no *.safetensors weights (pytorch .bin checkpoints are not supported)")
+        return {f: f for f in files}
+
+    def _expected_shapes(self) -> dict[str, tuple[int, ...]]:
+        cfg = self.config
+        expected = {GLOBAL_NAMES["embed"]: (cfg.vocab_size, cfg.hidden_size),
+                    GLOBAL_NAMES["final_norm"]: (cfg.hidden_size,)}
+        if not cfg.tie_word_embeddings or GLOBAL_NAMES["lm_head"] in self._where:
+            expected[GLOBAL_NAMES["lm_head"]] = (cfg.vocab_size, cfg.hidden_size)
+        for i in range(cfg.n_layers):
+            for field, shape in layer_shapes(cfg).items():
+                expected[f"model.layers.{i}.{LAYER_NAMES[field]}"] = shape
+        return expected
+
+    def _check_tensors(self) -> None:
+        for name, shape in self._expected_shapes().items():
+            if name not in self._where:
+                raise CheckpointError(f"{self.path}: tensor {name} is missing")
+            sl = self._handles[self._where[name]].get_slice(name)
+            if tuple(sl.get_shape()) != shape:
+                raise CheckpointError(
+                    f"{self.path}: tensor {name} has shape {tuple(sl.get_shape())}, config implies {shape}")
+            if sl.get_dtype() not in _FLOAT_DTYPES:
+                raise CheckpointError(f"{self.path}: tensor {name} has dtype {sl.get_dtype()}, expected a float type")
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The dtype the layer weights are stored in."""
+        name = f"model.layers.0.{LAYER_NAMES['q_proj']}"
+        return _FLOAT_DTYPES[self._handles[self._where[name]].get_slice(name).get_dtype()]
+
+    def tensor(self, name: str) -> torch.Tensor:
+        try:
+            return self._handles[self._where[name]].get_tensor(name)
+        except Exception as e:  # safetensors raises its own error types for truncated data
+            raise CheckpointError(f"{self.path}: cannot read tensor {name} ({type(e).__name__}: {e})") from None
+
+    def layer_tensors(self, i: int) -> dict[str, torch.Tensor]:
+        """Layer i's tensors keyed by LayerWeights field names, in the stored dtype, on the CPU."""
+        return {field: self.tensor(f"model.layers.{i}.{LAYER_NAMES[field]}") for field in layer_shapes(self.config)}
+
+    def layer_weights(self, i: int, device: torch.device, dtype: torch.dtype) -> LayerWeights:
+        return LayerWeights(**{k: v.to(device=device, dtype=dtype) for k, v in self.layer_tensors(i).items()})
+
+    def global_weights(self, device: torch.device, dtype: torch.dtype) -> GlobalWeights:
+        embed = self.tensor(GLOBAL_NAMES["embed"]).to(device=device, dtype=dtype)
+        if GLOBAL_NAMES["lm_head"] in self._where:
+            lm_head = self.tensor(GLOBAL_NAMES["lm_head"]).to(device=device, dtype=dtype)
+        else:
+            lm_head = embed
+        final_norm = self.tensor(GLOBAL_NAMES["final_norm"]).to(device=device, dtype=dtype)
+        return GlobalWeights(embed=embed, final_norm=final_norm, lm_head=lm_head)
+
+    def parameter_count(self) -> int:
+        return sum(math.prod(s) for s in self._expected_shapes().values())
+
+    def fingerprint(self) -> str:
+        """Identifies the weights for caches derived from them (the disk store): files, sizes, mtimes."""
+        parts = []
+        for file in sorted(set(self._files.values())):
+            st = (self.path / file).stat()
+            parts.append(f"{file}:{st.st_size}:{int(st.st_mtime)}")
+        return ";".join(parts)
+
+
+def load_tokenizer(path: str | Path):
+    """The checkpoint's own tokenizer (with its chat template), via transformers."""
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(str(path))
+    except (OSError, ValueError, TypeError) as e:
+        raise CheckpointError(f"{path}: cannot load the tokenizer ({str(e).splitlines()[0]})") from None

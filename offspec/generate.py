@@ -1,0 +1,208 @@
+"""The one generation loop. Every consumer (CLI, batch, bench) iterates `Engine.generate` and reads Steps.
+
+Cache bookkeeping, with `seq` = prompt + emitted tokens and root = seq[-1] (the last committed token):
+  target cache  holds seq[:Lt]; the next pass feeds seq[Lt:-1] (the prompt, in the first round; nothing
+                later) followed by the tree [root, node 1, ..., node N-1].  Tree node j sits at slot
+                len(seq) - 1 + j and RoPE position len(seq) - 1 + depth(j).
+  draft cache   holds seq[:Ld]; each round first feeds seq[Ld:] (what the draft has not seen, ending with
+                the root) to get the root's distribution, then one batched call per depth over the
+                frontier; tree node j (j >= 1) sits at slot len(seq) + j - 1.
+After verification both caches keep only the accepted path (compact), so no cache ever holds a rejected
+token, and the bonus token becomes the next root.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterator, Optional, Sequence
+
+import torch
+
+from .config import SamplingConfig, TreeConfig
+from .errors import InputError
+from .kv_cache import KVCache
+from .metrics import Step, Timer
+from .model import Model
+from .sampling import make_generator, process_logits
+from .tree import TokenTree
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    prompt_ids: tuple[int, ...]                 # the tokenized prompt (chat template already applied)
+    max_new_tokens: int = 128                   # stop after this many generated tokens
+    stop_strings: tuple[str, ...] = ()          # stop when the text contains one (not emitted)
+    tree: TreeConfig = TreeConfig()             # growth policy, budget, threshold
+    sampling: SamplingConfig = SamplingConfig()  # temperature, top-p, top-k, seed
+
+
+class StopChecker:
+    """EOS ids and stop strings, honored inside an accepted block: nothing after the stop is emitted."""
+
+    def __init__(self, tokenizer, eos_ids: Sequence[int], stop_strings: Sequence[str], max_new_tokens: int):
+        self.tokenizer = tokenizer
+        self.eos_ids = set(eos_ids)
+        self.stop_strings = [s for s in stop_strings if s]
+        self.max_new_tokens = max_new_tokens
+
+    def cut(self, generated: list[int], block: list[int]) -> tuple[list[int], Optional[str]]:
+        """Given tokens emitted so far and a new block, return the part of the block to emit and why we stop."""
+        for i, token in enumerate(block):
+            if token in self.eos_ids:
+                return block[:i], "eos"
+            if self.stop_strings:
+                text = self.tokenizer.decode(generated + block[: i + 1], skip_special_tokens=True)
+                if any(s in text for s in self.stop_strings):
+                    return block[: i + 1], "stop"   # the text is cut at the stop string by `stop_text`
+            if len(generated) + i + 1 >= self.max_new_tokens:
+                return block[: i + 1], "length"
+        return block, None
+
+    def stop_text(self, text: str) -> str:
+        """The text before the earliest stop string."""
+        cuts = [text.find(s) for s in self.stop_strings if s in text]
+        return text[: min(cuts)] if cuts else text
+
+
+class Engine:
+    """A target (resident or streamed) and an optional resident draft, sharing one tokenizer."""
+
+    def __init__(self, target: Model, draft: Optional[Model], tokenizer, eos_ids: Sequence[int]):
+        self.target = target
+        self.draft = draft
+        self.tokenizer = tokenizer
+        self.eos_ids = tuple(eos_ids)
+        self.device = target.device
+        self.max_context = target.cfg.max_position_embeddings
+        if draft is not None:
+            self.max_context = min(self.max_context, draft.cfg.max_position_embeddings)
+
+    # ------------------------------------------------------------ the loop
+    def generate(self, request: GenerationRequest, budget: int) -> Iterator[Step]:
+        """Yield one Step per target pass until EOS, a stop string, max_new_tokens or the context end."""
+        prompt = list(request.prompt_ids)
+        if not prompt:
+            raise InputError("the prompt is empty")
+        speculative = request.tree.policy != "none" and self.draft is not None and budget > 0
+        budget = budget if speculative else 0
+        if len(prompt) + 1 >= self.max_context:
+            raise InputError(f"the prompt has {len(prompt)} tokens but the context holds only {self.max_context}")
+        capacity = min(self.max_context, len(prompt) + request.max_new_tokens + budget + 2)
+        dt = self.target.dtype
+        t_cache = KVCache.for_model(self.target.cfg, capacity, dt, self.device)
+        d_cache = KVCache.for_model(self.draft.cfg, capacity, self.draft.dtype, self.device) if speculative else None
+        sampling = request.sampling
+        stops = StopChecker(self.tokenizer, self.eos_ids, request.stop_strings, request.max_new_tokens)
+        seed_gen = torch.Generator().manual_seed(sampling.seed)   # seeds a fresh generator every round
+
+        seq, generated = prompt, []
+        while True:
+            generator = make_generator(int(torch.randint(0, 2**62, (1,), generator=seed_gen)), self.device)
+            # Near the end of the context the tree shrinks so it still fits.
+            room = self.max_context - len(seq) - 1
+            round_budget = max(0, min(budget, room))
+            with Timer(self.device) as draft_timer:
+                if speculative and round_budget > 0:
+                    tree = self._grow(seq, d_cache, request.tree, sampling, round_budget, generator)
+                else:
+                    tree = TokenTree.root_only(seq[-1])
+            stream_before = self._stream_stats()
+            with Timer(self.device) as target_timer:
+                q_logits, pass_tokens = self._verify_pass(seq, t_cache, tree)   # (N, V)
+            stream = self._stream_delta(stream_before)
+            verdict = self._accept(tree, q_logits, sampling, generator)
+
+            block = list(verdict.tokens) + [verdict.bonus]
+            emitted, reason = stops.cut(generated, block)
+            # Commit: both caches keep the root and the accepted path; the bonus is the next root.
+            root_slot = len(seq) - 1
+            t_cache.compact(torch.tensor([root_slot + j for j in [0, *verdict.nodes]], device=self.device), root_slot)
+            if d_cache is not None and tree.size > 0:
+                start = len(seq)     # the draft has seen seq whole (root included) before the tree
+                seen = [n for n in verdict.nodes if tree.expanded(n)]
+                d_cache.compact(torch.tensor([start + n - 1 for n in seen], dtype=torch.long, device=self.device),
+                                start)
+            seq = seq + block
+            generated = generated + emitted
+            if reason is None and len(seq) + 1 >= self.max_context:
+                reason = "context"
+            yield Step(
+                tokens=emitted, accepted=len(verdict.nodes), tree_size=tree.size, tree_depth=tree.depth,
+                pass_tokens=pass_tokens,
+                draft_seconds=draft_timer.seconds, target_seconds=target_timer.seconds,
+                wait_seconds=stream.wait_seconds, transfer_seconds=stream.transfer_seconds,
+                bytes_streamed=stream.bytes_streamed, finish_reason=reason)
+            if reason is not None:
+                return
+
+    # ------------------------------------------------------------ draft
+    def _grow(self, seq: list[int], cache: KVCache, tree_cfg: TreeConfig, sampling: SamplingConfig,
+              budget: int, generator: torch.Generator) -> TokenTree:
+        draft, dev = self.draft, self.device
+        # Catch up: feed what the draft has not seen (ends with the root) and read the root's distribution.
+        start = cache.length
+        new = torch.tensor([seq[start:]], device=dev)                                  # (1, T)
+        T = new.shape[1]
+        positions = torch.arange(start, start + T, device=dev)
+        mask = positions[:, None] >= torch.arange(start + T, device=dev)[None, :]      # (T, start+T) causal
+        logits = draft.forward(new, positions[None], positions, mask[None], cache,
+                               logit_rows=torch.tensor([T - 1], device=dev))
+        cache.set_length(start + T)
+        root_dist = process_logits(logits[0, 0], sampling)                              # (V,)
+        committed = len(seq)          # == cache.length: tree node j goes to slot committed + j - 1
+        root_pos = len(seq) - 1
+
+        def draft_step(tree: TokenTree, frontier: torch.Tensor) -> torch.Tensor:
+            """frontier (F,) node ids -> the draft's distributions at those nodes (F, V)."""
+            frontier = frontier.to(dev)
+            n_cols = committed + int(frontier.max()) if frontier.numel() else committed
+            tree_cols = tree.mask[frontier][:, 1: n_cols - committed + 1].to(dev)          # (F, n_cols-committed)
+            mask = torch.cat([torch.ones(frontier.numel(), committed, dtype=torch.bool, device=dev), tree_cols], 1)
+            logits = draft.forward(tree.tokens[frontier].to(dev)[None], (root_pos + tree.depths[frontier].to(dev))[None],
+                                   committed + frontier - 1, mask[None], cache)           # (1, F, V)
+            return process_logits(logits[0], sampling)
+
+        from .grow import grow
+        return grow(tree_cfg, sampling, seq[-1], root_dist, draft_step, budget, generator)
+
+    # ------------------------------------------------------------ target
+    def _verify_pass(self, seq: list[int], cache: KVCache, tree: TokenTree) -> tuple[torch.Tensor, int]:
+        """ONE target pass over [not-yet-cached prompt tokens] + [root + tree] -> (N, V) tree logits, tokens fed."""
+        dev = self.device
+        start = cache.length
+        root_slot = len(seq) - 1
+        pending = seq[start:root_slot]                      # the prompt in the first round, else empty
+        P, N = len(pending), tree.tokens.numel()
+        tokens = torch.tensor([pending + tree.tokens.tolist()], device=dev)               # (1, P+N)
+        positions = torch.cat([torch.arange(start, root_slot), root_slot + tree.depths.cpu()]).to(dev)
+        slots = torch.arange(start, root_slot + N, device=dev)                           # (P+N,)
+        S = root_slot + N
+        mask = torch.zeros(P + N, S, dtype=torch.bool, device=dev)
+        cols = torch.arange(S, device=dev)
+        mask[:P] = cols[None, :] <= slots[:P, None]          # the pending prompt: causal
+        mask[P:, :root_slot] = True                          # tree rows see the whole committed prefix
+        mask[P:, root_slot:] = tree.mask.to(dev)             # ... and their ancestors in the tree
+        logits = self.target.forward(tokens, positions[None], slots, mask[None], cache,
+                                     logit_rows=torch.arange(P, P + N, device=dev))
+        return logits[0], P + N                                                           # (N, V)
+
+    @staticmethod
+    def _accept(tree: TokenTree, q_logits: torch.Tensor, sampling: SamplingConfig, generator):
+        from .accept import verify_greedy, verify_stochastic
+        if sampling.greedy:
+            return verify_greedy(tree, q_logits)
+        return verify_stochastic(tree, process_logits(q_logits, sampling), generator)
+
+    # ------------------------------------------------------------ streaming stats
+    def _stream_stats(self):
+        stats = getattr(self.target.layers, "stats", None)
+        return stats.snapshot() if stats is not None else None
+
+    def _stream_delta(self, before):
+        from types import SimpleNamespace
+        stats = getattr(self.target.layers, "stats", None)
+        if stats is None or before is None:
+            return SimpleNamespace(wait_seconds=0.0, transfer_seconds=0.0, bytes_streamed=0)
+        now = stats.snapshot()
+        return SimpleNamespace(wait_seconds=now.wait_seconds - before.wait_seconds,
+                               transfer_seconds=now.transfer_seconds - before.transfer_seconds,
+                               bytes_streamed=now.bytes_streamed - before.bytes_streamed)

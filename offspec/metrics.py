@@ -1,0 +1,140 @@
+"""One Timer, one Step record, one RunReport: shared by the CLI, batch jobs and benchmarks."""
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Optional
+
+import psutil
+import torch
+
+
+def synchronize(device: torch.device) -> None:
+    """Wait for queued device work so host clocks measure it (once per phase, never per layer)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+class Timer:
+    """Wall-clock seconds of a phase, device work included: `with Timer(dev) as t: ...; t.seconds`."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.seconds = 0.0
+
+    def __enter__(self) -> "Timer":
+        synchronize(self.device)
+        self._start = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        synchronize(self.device)
+        self.seconds = time.perf_counter() - self._start
+
+
+@dataclass
+class Step:
+    """One round of the generation loop: grow a tree, verify it in one target pass, commit, emit."""
+    tokens: list[int]            # tokens emitted this round (accepted path + bonus), cut at a stop
+    accepted: int                # draft tokens the target accepted (the bonus not counted)
+    tree_size: int               # nodes in the tree (root excluded); 0 for plain autoregressive
+    tree_depth: int              # deepest level of the tree
+    pass_tokens: int             # tokens the target pass processed (pending prompt + root + tree)
+    draft_seconds: float         # draft work this round (catch-up + growth)
+    target_seconds: float        # the whole target pass
+    wait_seconds: float          # part of the target pass spent waiting for streamed weights
+    transfer_seconds: float      # time the weight copies of this pass took (overlapped with compute)
+    bytes_streamed: int          # weight bytes moved into the compute device this pass
+    finish_reason: Optional[str] = None   # "eos" | "stop" | "length" | "context" when this round ends generation
+
+
+@dataclass
+class RunReport:
+    """What a user reads after a run (stderr summary and the --json file)."""
+    prompt_tokens: int
+    new_tokens: int
+    tokens: list[int]
+    text: str
+    finish_reason: str
+    seconds_per_token: float            # decode only: (sum of rounds after the first pass) / tokens they made
+    seconds_per_token_e2e: float        # load + prefill + decode, per generated token
+    tokens_per_pass: float              # generated tokens / target passes
+    passes: int
+    prefill_seconds: float              # the first target pass (prompt + first tree)
+    decode_seconds: float
+    load_seconds: float
+    draft_seconds: float
+    target_seconds: float
+    wait_seconds: float
+    compute_seconds: float              # target_seconds - wait_seconds
+    transfer_seconds: float
+    gb_streamed: float
+    gb_per_second: float                # streamed bytes / transfer seconds
+    peak_host_gb: float
+    peak_device_gb: Optional[float]
+    tree_policy: str
+    tree_budget: Optional[int]
+    offload: str
+    device: str
+    dtype: str
+    acceptance: list[int] = field(default_factory=list)   # accepted draft tokens per round
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    def summary(self) -> str:
+        dev = f", device peak {self.peak_device_gb:.2f} GB" if self.peak_device_gb is not None else ""
+        return (
+            f"{self.new_tokens} tokens in {self.passes} target passes ({self.tokens_per_pass:.2f} tokens/pass), "
+            f"finish: {self.finish_reason}\n"
+            f"{self.seconds_per_token:.4f} s/token decode, {self.seconds_per_token_e2e:.4f} s/token end to end "
+            f"(load {self.load_seconds:.2f} s, prefill {self.prefill_seconds:.2f} s)\n"
+            f"target {self.target_seconds:.2f} s (waiting for weights {self.wait_seconds:.2f} s, compute "
+            f"{self.compute_seconds:.2f} s), draft {self.draft_seconds:.2f} s; streamed {self.gb_streamed:.2f} GB "
+            f"at {self.gb_per_second:.2f} GB/s\n"
+            f"tree {self.tree_policy} (budget {self.tree_budget if self.tree_budget is not None else 'auto'}), "
+            f"offload {self.offload}, {self.device} {self.dtype}; host peak {self.peak_host_gb:.2f} GB{dev}"
+        )
+
+
+def peak_host_gb() -> float:
+    """Peak resident set size of this process (Linux ru_maxrss is in KiB)."""
+    try:
+        import resource
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+    except ImportError:  # Windows has no resource module
+        return psutil.Process().memory_info().rss / 2**30
+
+
+def peak_device_gb(device: torch.device) -> Optional[float]:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30
+    return None
+
+
+def build_report(steps: list[Step], *, prompt_tokens: int, text: str, load_seconds: float, tree_policy: str,
+                 tree_budget: Optional[int], offload: str, device: torch.device, dtype: torch.dtype) -> RunReport:
+    tokens = [t for s in steps for t in s.tokens]
+    n = len(tokens)
+    round_seconds = [s.draft_seconds + s.target_seconds for s in steps]
+    prefill = round_seconds[0] if steps else 0.0
+    decode = sum(round_seconds[1:])
+    decode_tokens = n - (len(steps[0].tokens) if steps else 0)
+    target = sum(s.target_seconds for s in steps)
+    wait = sum(s.wait_seconds for s in steps)
+    transfer = sum(s.transfer_seconds for s in steps)
+    streamed = sum(s.bytes_streamed for s in steps)
+    return RunReport(
+        prompt_tokens=prompt_tokens, new_tokens=n, tokens=tokens, text=text,
+        finish_reason=steps[-1].finish_reason if steps and steps[-1].finish_reason else "length",
+        seconds_per_token=decode / decode_tokens if decode_tokens > 0 else (prefill / n if n else 0.0),
+        seconds_per_token_e2e=(load_seconds + prefill + decode) / n if n else 0.0,
+        tokens_per_pass=n / len(steps) if steps else 0.0,
+        passes=len(steps), prefill_seconds=prefill, decode_seconds=decode, load_seconds=load_seconds,
+        draft_seconds=sum(s.draft_seconds for s in steps), target_seconds=target, wait_seconds=wait,
+        compute_seconds=target - wait, transfer_seconds=transfer, gb_streamed=streamed / 1e9,
+        gb_per_second=streamed / 1e9 / transfer if transfer > 0 else 0.0,
+        peak_host_gb=peak_host_gb(), peak_device_gb=peak_device_gb(device),
+        tree_policy=tree_policy, tree_budget=tree_budget, offload=offload, device=str(device),
+        dtype=str(dtype).replace("torch.", ""), acceptance=[s.accepted for s in steps],
+    )

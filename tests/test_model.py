@@ -1,0 +1,87 @@
+"""Our functional forward against transformers' own models (fp32), prompt then token by token with the cache."""
+import pytest
+import torch
+
+from offspec.checkpoint import Checkpoint
+from offspec.draft import load_resident
+from offspec.kv_cache import KVCache
+from tiny import hf_config, make_model, save_checkpoint
+
+CPU = torch.device("cpu")
+
+CONFIGS = {
+    "llama": dict(arch="llama"),
+    "llama3-rope": dict(arch="llama", rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                                   "high_freq_factor": 4.0, "original_max_position_embeddings": 16}),
+    "linear-rope": dict(arch="llama", rope_scaling={"rope_type": "linear", "factor": 2.0}),
+    "qwen2-bias": dict(arch="qwen2"),
+    "tied": dict(arch="llama", tie=True),
+    "mistral-mha": dict(arch="mistral", kv_heads=4),
+}
+
+
+def causal(n_new: int, start: int) -> torch.Tensor:
+    """(1, n_new, start + n_new) mask: new token t sees every cached column and new tokens ≤ t."""
+    S = start + n_new
+    cols = torch.arange(S)
+    rows = torch.arange(start, S)
+    return (cols[None, :] <= rows[:, None])[None]
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_logits_match_transformers(tmp_path, name):
+    hf = make_model(hf_config(**CONFIGS[name]), seed=3)
+    ckpt = Checkpoint(save_checkpoint(hf, tmp_path / name))
+    if name == "tied":
+        assert ckpt.config.tie_word_embeddings
+    ours = load_resident(ckpt, CPU, torch.float32)
+    tokens = torch.randint(0, 128, (1, 12), generator=torch.Generator().manual_seed(0))
+
+    with torch.no_grad():
+        ref_prompt = hf(tokens[:, :9]).logits
+        ref_full = hf(tokens).logits
+    cache = KVCache.for_model(ckpt.config, 32, torch.float32, CPU)
+    pos = torch.arange(9)[None]
+    got = ours.forward(tokens[:, :9], pos, torch.arange(9), causal(9, 0), cache)
+    torch.testing.assert_close(got, ref_prompt, rtol=1e-4, atol=1e-4)
+    for t in range(9, 12):  # token by token through the cache
+        got = ours.forward(tokens[:, t:t + 1], torch.tensor([[t]]), torch.tensor([t]), causal(1, t), cache)
+        torch.testing.assert_close(got[:, 0], ref_full[:, t], rtol=1e-4, atol=1e-4)
+
+
+def test_logit_rows_and_batch(tmp_path):
+    hf = make_model(hf_config("qwen2"), seed=4)
+    ckpt = Checkpoint(save_checkpoint(hf, tmp_path / "m"))
+    ours = load_resident(ckpt, CPU, torch.float32)
+    tokens = torch.randint(0, 128, (2, 6), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        ref = hf(tokens).logits
+    cache = KVCache.for_model(ckpt.config, 8, torch.float32, CPU, batch=2)
+    mask = causal(6, 0).expand(2, -1, -1)
+    got = ours.forward(tokens, torch.arange(6)[None].expand(2, -1), torch.arange(6), mask, cache,
+                       logit_rows=torch.tensor([5]))
+    torch.testing.assert_close(got[:, 0], ref[:, 5], rtol=1e-4, atol=1e-4)
+
+
+def test_kv_compact_equals_recompute(tmp_path):
+    """Write a 'tree' of 4 tokens after a prefix, keep slots [p, p+2], compare with computing that path directly."""
+    hf = make_model(hf_config("llama"), seed=5)
+    ckpt = Checkpoint(save_checkpoint(hf, tmp_path / "m"))
+    ours = load_resident(ckpt, CPU, torch.float32)
+    prefix = torch.randint(0, 128, (1, 5), generator=torch.Generator().manual_seed(2))
+    a, b, c, d = 10, 11, 12, 13
+    cache = KVCache.for_model(ckpt.config, 16, torch.float32, CPU)
+    ours.forward(prefix, torch.arange(5)[None], torch.arange(5), causal(5, 0), cache)
+    # tree: a(depth1) -> b(depth2); a -> c(depth2); d(depth1); slots 5..8
+    tree_tokens = torch.tensor([[a, b, c, d]])
+    depth = torch.tensor([1, 2, 2, 1]) - 1
+    tree_mask = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [0, 0, 0, 1]], dtype=torch.bool)
+    mask = torch.cat([torch.ones(4, 5, dtype=torch.bool), tree_mask], 1)[None]
+    ours.forward(tree_tokens, (5 + depth)[None], torch.arange(5, 9), mask, cache)
+    cache.compact(torch.tensor([5, 7]), 5)   # keep a, c
+    assert cache.length == 7
+    ref = KVCache.for_model(ckpt.config, 16, torch.float32, CPU)
+    ours.forward(torch.cat([prefix, torch.tensor([[a, c]])], 1), torch.arange(7)[None], torch.arange(7),
+                 causal(7, 0), ref)
+    torch.testing.assert_close(cache.k[:, :, :, :7], ref.k[:, :, :, :7], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(cache.v[:, :, :, :7], ref.v[:, :, :, :7], rtol=1e-5, atol=1e-5)

@@ -1,0 +1,83 @@
+"""Tiny random Hugging Face checkpoints (model + char-level tokenizer with a chat template), made in tests."""
+from __future__ import annotations
+
+import string
+from pathlib import Path
+
+import torch
+
+SPECIALS = ["<pad>", "<s>", "<|im_end|>", "<|im_start|>"]
+CHARS = list(string.ascii_letters + string.digits + string.punctuation + " \n")
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+VOCAB = 128
+
+
+def make_tokenizer():
+    from tokenizers import Tokenizer, models, pre_tokenizers, decoders
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {tok: i for i, tok in enumerate(SPECIALS + CHARS)}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<pad>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(pattern="", behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="<|im_end|>",
+                                   pad_token="<pad>", additional_special_tokens=["<|im_start|>"])
+    fast.chat_template = CHAT_TEMPLATE
+    return fast
+
+
+def hf_config(arch: str = "llama", n_layers: int = 4, hidden: int = 64, heads: int = 4, kv_heads: int = 2,
+              tie: bool = False, rope_scaling: dict | None = None, vocab: int = VOCAB):
+    from transformers import LlamaConfig, Qwen2Config, MistralConfig
+
+    common = dict(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=n_layers,
+                  num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=512,
+                  rms_norm_eps=1e-5, tie_word_embeddings=tie, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    if arch == "llama":
+        cfg = LlamaConfig(**common, rope_theta=10000.0)
+        if rope_scaling:
+            cfg.rope_parameters = {"rope_theta": 10000.0, **rope_scaling}
+        return cfg
+    if arch == "qwen2":
+        return Qwen2Config(**common, rope_theta=1000000.0)
+    if arch == "mistral":
+        return MistralConfig(**common, rope_theta=10000.0, sliding_window=None)
+    raise ValueError(arch)
+
+
+def make_model(cfg, seed: int = 0, scale: float = 1.0):
+    """A random transformers model; `scale` multiplies every weight init so logits are peaked, not flat."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.copy_(1.0 + 0.1 * torch.randn_like(p))
+            else:
+                p.copy_(torch.randn_like(p) * scale * (1.0 / p.shape[-1] ** 0.5))
+    return model.eval()
+
+
+def save_checkpoint(model, path: Path, tokenizer=None, dtype: torch.dtype = torch.float32) -> Path:
+    path = Path(path)
+    model.to(dtype).save_pretrained(path)
+    (tokenizer or make_tokenizer()).save_pretrained(path)
+    model.to(torch.float32)
+    return path
+
+
+def perturbed_copy(model, noise: float, seed: int = 1):
+    """The same model with relative Gaussian noise on every weight: a draft that often agrees."""
+    import copy
+
+    torch.manual_seed(seed)
+    draft = copy.deepcopy(model)
+    with torch.no_grad():
+        for p in draft.parameters():
+            p.add_(noise * p.abs().mean() * torch.randn_like(p))
+    return draft

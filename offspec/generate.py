@@ -18,6 +18,7 @@ from typing import Iterator, Optional, Sequence
 import torch
 
 from .config import SamplingConfig, TreeConfig
+from .costmodel import BudgetPlanner
 from .errors import InputError
 from .kv_cache import KVCache
 from .metrics import Step, Timer
@@ -33,6 +34,7 @@ class GenerationRequest:
     stop_strings: tuple[str, ...] = ()          # stop when the text contains one (not emitted)
     tree: TreeConfig = TreeConfig()             # growth policy, budget, threshold
     sampling: SamplingConfig = SamplingConfig()  # temperature, top-p, top-k, seed
+    ignore_eos: bool = False                    # benchmarks: always generate max_new_tokens
 
 
 class StopChecker:
@@ -52,15 +54,10 @@ class StopChecker:
             if self.stop_strings:
                 text = self.tokenizer.decode(generated + block[: i + 1], skip_special_tokens=True)
                 if any(s in text for s in self.stop_strings):
-                    return block[: i + 1], "stop"   # the text is cut at the stop string by `stop_text`
+                    return block[: i + 1], "stop"   # IncrementalText cuts the text at the stop string
             if len(generated) + i + 1 >= self.max_new_tokens:
                 return block[: i + 1], "length"
         return block, None
-
-    def stop_text(self, text: str) -> str:
-        """The text before the earliest stop string."""
-        cuts = [text.find(s) for s in self.stop_strings if s in text]
-        return text[: min(cuts)] if cuts else text
 
 
 class Engine:
@@ -77,13 +74,19 @@ class Engine:
             self.max_context = min(self.max_context, draft.cfg.max_position_embeddings)
 
     # ------------------------------------------------------------ the loop
-    def generate(self, request: GenerationRequest, budget: int) -> Iterator[Step]:
+    def speculative(self, request: GenerationRequest) -> bool:
+        return request.tree.policy != "none" and self.draft is not None and request.tree.budget != 0
+
+    def generate(self, request: GenerationRequest) -> Iterator[Step]:
         """Yield one Step per target pass until EOS, a stop string, max_new_tokens or the context end."""
         prompt = list(request.prompt_ids)
         if not prompt:
             raise InputError("the prompt is empty")
-        speculative = request.tree.policy != "none" and self.draft is not None and budget > 0
-        budget = budget if speculative else 0
+        speculative = self.speculative(request)
+        planner = None
+        if speculative and request.tree.budget is None:
+            planner = BudgetPlanner(start=128 if self.device.type == "cuda" else 32)
+        budget = (planner.max_budget if planner else request.tree.budget) if speculative else 0
         if len(prompt) + 1 >= self.max_context:
             raise InputError(f"the prompt has {len(prompt)} tokens but the context holds only {self.max_context}")
         capacity = min(self.max_context, len(prompt) + request.max_new_tokens + budget + 2)
@@ -91,7 +94,8 @@ class Engine:
         t_cache = KVCache.for_model(self.target.cfg, capacity, dt, self.device)
         d_cache = KVCache.for_model(self.draft.cfg, capacity, self.draft.dtype, self.device) if speculative else None
         sampling = request.sampling
-        stops = StopChecker(self.tokenizer, self.eos_ids, request.stop_strings, request.max_new_tokens)
+        stops = StopChecker(self.tokenizer, () if request.ignore_eos else self.eos_ids, request.stop_strings,
+                            request.max_new_tokens)
         seed_gen = torch.Generator().manual_seed(sampling.seed)   # seeds a fresh generator every round
 
         seq, generated = prompt, []
@@ -99,7 +103,7 @@ class Engine:
             generator = make_generator(int(torch.randint(0, 2**62, (1,), generator=seed_gen)), self.device)
             # Near the end of the context the tree shrinks so it still fits.
             room = self.max_context - len(seq) - 1
-            round_budget = max(0, min(budget, room))
+            round_budget = max(0, min(planner.next_budget() if planner else budget, room))
             with Timer(self.device) as draft_timer:
                 if speculative and round_budget > 0:
                     tree = self._grow(seq, d_cache, request.tree, sampling, round_budget, generator)
@@ -121,6 +125,8 @@ class Engine:
                 seen = [n for n in verdict.nodes if tree.expanded(n)]
                 d_cache.compact(torch.tensor([start + n - 1 for n in seen], dtype=torch.long, device=self.device),
                                 start)
+            if planner is not None:
+                planner.observe(tree, draft_timer.seconds, target_timer.seconds, pass_tokens)
             seq = seq + block
             generated = generated + emitted
             if reason is None and len(seq) + 1 >= self.max_context:
@@ -206,3 +212,28 @@ class Engine:
         return SimpleNamespace(wait_seconds=now.wait_seconds - before.wait_seconds,
                                transfer_seconds=now.transfer_seconds - before.transfer_seconds,
                                bytes_streamed=now.bytes_streamed - before.bytes_streamed)
+
+
+def run(engine: Engine, request: GenerationRequest, *, load_seconds: float = 0.0,
+        offload: str = "none", on_text=None, on_step=None):
+    """Drive the loop to the end: stream text deltas to `on_text`, return (RunReport, steps)."""
+    from .metrics import build_report
+    from .prompt import IncrementalText
+
+    text_stream = IncrementalText(engine.tokenizer, request.stop_strings)
+    steps, generated = [], []
+    for step in engine.generate(request):
+        steps.append(step)
+        generated += step.tokens
+        if on_text is not None:
+            delta = text_stream.delta(generated, final=step.finish_reason is not None)
+            if delta:
+                on_text(delta)
+        if on_step is not None:
+            on_step(step)
+    report = build_report(
+        steps, prompt_tokens=len(request.prompt_ids), text=text_stream.text(generated), load_seconds=load_seconds,
+        tree_policy=request.tree.policy if engine.speculative(request) else "none",
+        tree_budget=request.tree.budget if engine.speculative(request) else 0,
+        offload=offload, device=engine.device, dtype=engine.target.dtype)
+    return report, steps

@@ -39,3 +39,32 @@ def stop_token_ids(tokenizer, generation_eos: Optional[Union[int, Sequence[int]]
         if name in vocab and name in tokenizer.all_special_tokens:
             ids.add(int(vocab[name]))
     return sorted(ids)
+
+
+class IncrementalText:
+    """Turns a growing list of token ids into text deltas that are safe to print: a trailing partial
+    UTF-8 character, or a tail that might still become a stop string, is held back until resolved."""
+
+    def __init__(self, tokenizer, stop_strings: Sequence[str] = ()):
+        self.tokenizer = tokenizer
+        self.stop_strings = [s for s in stop_strings if s]
+        self.hold = max((len(s) for s in self.stop_strings), default=1) - 1
+        self.printed = 0
+
+    def text(self, tokens: list[int]) -> str:
+        """The full text of `tokens`, cut before the earliest stop string."""
+        text = self.tokenizer.decode(tokens, skip_special_tokens=True)
+        cuts = [text.find(s) for s in self.stop_strings if s in text]
+        return text[: min(cuts)] if cuts else text
+
+    def delta(self, tokens: list[int], final: bool) -> str:
+        text = self.text(tokens)
+        end = len(text)
+        if not final:
+            end -= self.hold
+            while end > 0 and text[end - 1] == "\ufffd":
+                end -= 1
+        if end <= self.printed:
+            return ""
+        out, self.printed = text[self.printed: end], end
+        return out

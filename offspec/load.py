@@ -1,0 +1,108 @@
+"""Checkpoint folders -> a ready Engine: target (resident or streamed), optional draft, shared tokenizer."""
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from .checkpoint import Checkpoint, load_tokenizer
+from .config import OffloadConfig, RuntimeConfig
+from .draft import load_resident
+from .errors import CheckpointError, InputError
+from .generate import Engine
+from .model import Model
+from .prompt import stop_token_ids
+
+DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+          "float16": torch.float16, "fp16": torch.float16}
+
+
+def parse_dtype(name: str) -> torch.dtype:
+    if name not in DTYPES:
+        raise InputError(f"unknown dtype {name!r}; choose one of {', '.join(DTYPES)}")
+    return DTYPES[name]
+
+
+def parse_device(name: str) -> torch.device:
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise InputError(f"unknown device {name!r}; use cpu or cuda[:N]") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise InputError(f"device {name!r} requested but CUDA is not available on this machine")
+    if device.type not in ("cpu", "cuda"):
+        raise InputError(f"device type {device.type!r} is not supported; use cpu or cuda[:N]")
+    return device
+
+
+def store_dir_for(ckpt: Checkpoint, dtype: torch.dtype, home: Path) -> Path:
+    """Default place of a checkpoint's packed disk store: one folder per (weights, dtype)."""
+    key = hashlib.sha1(f"{ckpt.path.resolve()}|{ckpt.fingerprint()}|{dtype}".encode()).hexdigest()[:12]
+    return home / "stores" / f"{ckpt.path.name}-{str(dtype).replace('torch.', '')}-{key}"
+
+
+def load_target(ckpt: Checkpoint, offload: OffloadConfig, runtime: RuntimeConfig, progress: bool = True) -> Model:
+    if offload.mode == "none" and offload.gpu_budget is None:
+        return load_resident(ckpt, runtime.device, runtime.dtype)
+    from .demo import offspec_home
+    from .offload import open_target_layers
+
+    store_dir = offload.store_dir or str(store_dir_for(ckpt, runtime.dtype, offspec_home()))
+    layers = open_target_layers(ckpt.layer_tensors, ckpt.config, offload, runtime.device, runtime.dtype,
+                                store_dir=store_dir, progress=progress)
+    return Model(ckpt.config, ckpt.global_weights(runtime.device, runtime.dtype), layers)
+
+
+def check_same_tokenizer(target_tok, draft_tok, target_cfg, draft_cfg) -> None:
+    """Speculation compares token ids, so the two models must speak the same vocabulary."""
+    if target_cfg.vocab_size != draft_cfg.vocab_size:
+        raise CheckpointError(f"draft and target have different vocabularies: embedding rows "
+                              f"{draft_cfg.vocab_size} (draft) vs {target_cfg.vocab_size} (target)")
+    tv, dv = target_tok.get_vocab(), draft_tok.get_vocab()
+    if tv != dv:
+        only_t = sorted(set(tv.items()) - set(dv.items()), key=lambda kv: kv[1])
+        only_d = sorted(set(dv.items()) - set(tv.items()), key=lambda kv: kv[1])
+        first = (f"e.g. target has {only_t[0][0]!r}={only_t[0][1]}" if only_t
+                 else f"e.g. draft has {only_d[0][0]!r}={only_d[0][1]}")
+        raise CheckpointError(f"draft and target tokenizers differ ({len(tv)} vs {len(dv)} tokens, "
+                              f"{len(only_t) + len(only_d)} mismatched entries; {first})")
+
+
+def generation_eos(path: Path):
+    file = Path(path) / "generation_config.json"
+    if file.is_file():
+        try:
+            return json.loads(file.read_text()).get("eos_token_id")
+        except json.JSONDecodeError:
+            return None
+    return None
+
+
+@dataclass
+class Loaded:
+    engine: Engine
+    target_ckpt: Checkpoint
+    draft_ckpt: Optional[Checkpoint]
+    tokenizer: object
+    load_seconds: float
+
+
+def load_engine(target_dir: str | Path, draft_dir: Optional[str | Path], offload: OffloadConfig,
+                runtime: RuntimeConfig, progress: bool = True) -> Loaded:
+    start = time.perf_counter()
+    target_ckpt = Checkpoint(target_dir)
+    tokenizer = load_tokenizer(target_dir)
+    draft_ckpt, draft = None, None
+    if draft_dir is not None:
+        draft_ckpt = Checkpoint(draft_dir)
+        check_same_tokenizer(tokenizer, load_tokenizer(draft_dir), target_ckpt.config, draft_ckpt.config)
+        draft = load_resident(draft_ckpt, runtime.device, runtime.dtype)
+    target = load_target(target_ckpt, offload, runtime, progress)
+    eos = stop_token_ids(tokenizer, generation_eos(target_dir))
+    engine = Engine(target, draft, tokenizer, eos)
+    return Loaded(engine, target_ckpt, draft_ckpt, tokenizer, time.perf_counter() - start)

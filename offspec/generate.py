@@ -12,6 +12,7 @@ token, and the bonus token becomes the next root.
 """
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 from typing import Iterator, Optional, Sequence
 
@@ -19,6 +20,7 @@ import torch
 
 from .config import SamplingConfig, TreeConfig
 from .costmodel import BudgetPlanner
+from .grow import grow, max_working_nodes
 from .errors import InputError
 from .kv_cache import KVCache
 from .metrics import Step, Timer
@@ -92,7 +94,9 @@ class Engine:
         capacity = min(self.max_context, len(prompt) + request.max_new_tokens + budget + 2)
         dt = self.target.dtype
         t_cache = KVCache.for_model(self.target.cfg, capacity, dt, self.device)
-        d_cache = KVCache.for_model(self.draft.cfg, capacity, self.draft.dtype, self.device) if speculative else None
+        # The draft also holds the WORKING tree of a round (every node it ran on), which can exceed the budget.
+        d_capacity = len(prompt) + request.max_new_tokens + max_working_nodes(budget) + 2
+        d_cache = KVCache.for_model(self.draft.cfg, d_capacity, self.draft.dtype, self.device) if speculative else None
         sampling = request.sampling
         stops = StopChecker(self.tokenizer, () if request.ignore_eos else self.eos_ids, request.stop_strings,
                             request.max_new_tokens)
@@ -121,10 +125,12 @@ class Engine:
             root_slot = len(seq) - 1
             t_cache.compact(torch.tensor([root_slot + j for j in [0, *verdict.nodes]], device=self.device), root_slot)
             if d_cache is not None and tree.size > 0:
-                start = len(seq)     # the draft has seen seq whole (root included) before the tree
-                seen = [n for n in verdict.nodes if tree.expanded(n)]
-                d_cache.compact(torch.tensor([start + n - 1 for n in seen], dtype=torch.long, device=self.device),
-                                start)
+                # The draft saw seq whole (root included) before the tree, then the working-tree nodes it ran on;
+                # an accepted node it ran on sits at slot start + origin - 1. Those form a prefix of the path.
+                start, origin = len(seq), tree.origin.tolist()
+                seen = list(itertools.takewhile(lambda n: origin[n] >= 0, verdict.nodes))
+                d_cache.compact(torch.tensor([start + origin[n] - 1 for n in seen], dtype=torch.long,
+                                             device=self.device), start)
             if planner is not None:
                 planner.observe(tree, draft_timer.seconds, target_timer.seconds, pass_tokens)
             seq = seq + block
@@ -158,7 +164,7 @@ class Engine:
         root_pos = len(seq) - 1
 
         def draft_step(tree: TokenTree, frontier: torch.Tensor) -> torch.Tensor:
-            """frontier (F,) node ids -> the draft's distributions at those nodes (F, V)."""
+            """frontier (F,) working-tree node ids -> the draft's distributions at those nodes (F, V)."""
             frontier = frontier.to(dev)
             n_cols = committed + int(frontier.max()) if frontier.numel() else committed
             tree_cols = tree.mask[frontier][:, 1: n_cols - committed + 1].to(dev)          # (F, n_cols-committed)
@@ -167,7 +173,6 @@ class Engine:
                                    committed + frontier - 1, mask[None], cache)           # (1, F, V)
             return process_logits(logits[0], sampling)
 
-        from .grow import grow
         return grow(tree_cfg, sampling, seq[-1], root_dist, draft_step, budget, generator)
 
     # ------------------------------------------------------------ target

@@ -1,0 +1,113 @@
+"""The generation loop on tiny models: speculative greedy == plain greedy (every policy and budget), cache
+bookkeeping, stops inside a block, and plain greedy == transformers' generate."""
+import pytest
+import torch
+
+from offspec.checkpoint import Checkpoint, load_tokenizer
+from offspec.config import OffloadConfig, RuntimeConfig, SamplingConfig, TreeConfig
+from offspec.generate import Engine, GenerationRequest, run
+from offspec.load import load_engine
+from tiny import hf_config, make_model, perturbed_copy, save_checkpoint
+
+RUNTIME = RuntimeConfig(device=torch.device("cpu"), dtype=torch.float32)
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    """A target and a draft that agrees with it often (a noisy copy), both with peaked distributions."""
+    root = tmp_path_factory.mktemp("pair")
+    target = make_model(hf_config("qwen2", n_layers=5), seed=7, scale=3.0)
+    draft = perturbed_copy(target, noise=0.02)
+    return save_checkpoint(target, root / "target"), save_checkpoint(draft, root / "draft"), target
+
+
+def engine(pair, offload=OffloadConfig(), draft=True):
+    return load_engine(pair[0], pair[1] if draft else None, offload, RUNTIME, progress=False).engine
+
+
+PROMPT = tuple(range(5, 25))
+
+
+def tokens_of(eng, tree, sampling=SamplingConfig(), n=40, prompt=PROMPT, ignore_eos=True, stops=()):
+    req = GenerationRequest(prompt_ids=prompt, max_new_tokens=n, tree=tree, sampling=sampling, ignore_eos=ignore_eos,
+                            stop_strings=stops)
+    report, steps = run(eng, req)
+    return report, steps
+
+
+def test_plain_greedy_matches_transformers(pair):
+    eng = engine(pair, draft=False)
+    report, steps = tokens_of(eng, TreeConfig(policy="none"), n=30)
+    with torch.no_grad():
+        ref = pair[2].generate(torch.tensor([PROMPT]), max_new_tokens=30, do_sample=False, eos_token_id=None,
+                               pad_token_id=0)[0, len(PROMPT):].tolist()
+    assert report.tokens == ref
+    assert report.passes == 30 and report.tokens_per_pass == 1.0
+
+
+@pytest.mark.parametrize("policy", ["dyspec", "heap", "chain", "static"])
+@pytest.mark.parametrize("budget", [1, 8, 64, 256])
+def test_speculative_greedy_equals_plain(pair, policy, budget):
+    eng = engine(pair)
+    plain, _ = tokens_of(eng, TreeConfig(policy="none"))
+    spec, steps = tokens_of(eng, TreeConfig(policy=policy, budget=budget))
+    assert spec.tokens == plain.tokens
+    assert max(s.tree_size for s in steps) <= budget
+    if budget >= 8:
+        assert spec.tokens_per_pass > 1.5, "the draft agrees often: trees must get accepted"
+
+
+@pytest.mark.parametrize("threshold", [0.3, 0.05, 0.001])
+def test_fixed_thresholds_equal_plain(pair, threshold):
+    eng = engine(pair)
+    plain, _ = tokens_of(eng, TreeConfig(policy="none"))
+    spec, _ = tokens_of(eng, TreeConfig(policy="dyspec", budget=64, threshold=threshold))
+    assert spec.tokens == plain.tokens
+
+
+def test_auto_budget_equals_plain(pair):
+    eng = engine(pair)
+    plain, _ = tokens_of(eng, TreeConfig(policy="none"), n=60)
+    spec, steps = tokens_of(eng, TreeConfig(policy="dyspec", budget=None), n=60)
+    assert spec.tokens == plain.tokens
+    assert len({s.tree_size for s in steps}) > 1, "auto explores budgets"
+
+
+def test_stop_string_inside_block_cuts_exactly(pair):
+    eng = engine(pair)
+    plain, _ = tokens_of(eng, TreeConfig(policy="none"), n=40)
+    text = plain.text
+    stop = text[12:14]
+    cut = text[: text.find(stop)]
+    for tree in (TreeConfig(policy="none"), TreeConfig(policy="dyspec", budget=32)):
+        report, _ = tokens_of(eng, tree, n=40, stops=(stop,))
+        assert report.text == cut
+        assert report.finish_reason == "stop"
+        assert plain.tokens[: len(report.tokens)] == report.tokens
+
+
+def test_eos_inside_block_stops_before_it(pair):
+    eng = engine(pair)
+    plain, _ = tokens_of(eng, TreeConfig(policy="none"), n=40)
+    eos = plain.tokens[15]
+    first = plain.tokens.index(eos)
+    eng.eos_ids = (eos,)
+    spec, steps = tokens_of(eng, TreeConfig(policy="dyspec", budget=32), n=40, ignore_eos=False)
+    assert spec.tokens == plain.tokens[:first]
+    assert spec.finish_reason == "eos"
+
+
+def test_max_tokens_inside_block(pair):
+    eng = engine(pair)
+    plain, _ = tokens_of(eng, TreeConfig(policy="none"), n=17)
+    spec, _ = tokens_of(eng, TreeConfig(policy="dyspec", budget=64), n=17)
+    assert spec.tokens == plain.tokens and len(spec.tokens) == 17
+    assert spec.finish_reason == "length"
+
+
+def test_sampling_runs_and_is_seeded(pair):
+    eng = engine(pair)
+    s = SamplingConfig(temperature=0.8, top_p=0.9, seed=3)
+    a, _ = tokens_of(eng, TreeConfig(policy="dyspec", budget=16), sampling=s)
+    b, _ = tokens_of(eng, TreeConfig(policy="dyspec", budget=16), sampling=s)
+    assert a.tokens == b.tokens and len(a.tokens) == 40

@@ -396,7 +396,8 @@ def models_prepare(model_dir, dtype, store_dir):
     ckpt = Checkpoint(model_dir)
     dt = parse_dtype(dtype)
     target = Path(store_dir) if store_dir else store_dir_for(ckpt, dt, offspec_home())
-    prepare_disk_store(ckpt.layer_tensors, ckpt.config.n_layers, LayerLayout.of(ckpt.config, dt), target, progress=True)
+    prepare_disk_store(ckpt.layer_tensors, ckpt.config.n_layers, LayerLayout.of(ckpt.config, dt), str(target),
+                       progress=True, source_id=ckpt.fingerprint())
     click.echo(str(target))
 
 

@@ -76,6 +76,19 @@ class Engine:
             self.max_context = min(self.max_context, draft.cfg.max_position_embeddings)
 
     # ------------------------------------------------------------ the loop
+    def weights_source(self) -> str:
+        """Where the target's streamed layers come from, for the report (pinned or not, and why)."""
+        host = getattr(self.target.layers, "host", None)
+        if host is None:
+            return "resident"
+        return f"{host.kind}, {'pinned' if host.pinned else 'pageable: ' + host.reason}"
+
+    def close(self) -> None:
+        """Stop the streamer's threads (a no-op for resident models)."""
+        close = getattr(self.target.layers, "close", None)
+        if close is not None:
+            close()
+
     def speculative(self, request: GenerationRequest) -> bool:
         return request.tree.policy != "none" and self.draft is not None and request.tree.budget != 0
 
@@ -206,17 +219,22 @@ class Engine:
     # ------------------------------------------------------------ streaming stats
     def _stream_stats(self):
         stats = getattr(self.target.layers, "stats", None)
-        return stats.snapshot() if stats is not None else None
+        return stats() if stats is not None else None
 
-    def _stream_delta(self, before):
-        from types import SimpleNamespace
-        stats = getattr(self.target.layers, "stats", None)
-        if stats is None or before is None:
-            return SimpleNamespace(wait_seconds=0.0, transfer_seconds=0.0, bytes_streamed=0)
-        now = stats.snapshot()
-        return SimpleNamespace(wait_seconds=now.wait_seconds - before.wait_seconds,
-                               transfer_seconds=now.transfer_seconds - before.transfer_seconds,
-                               bytes_streamed=now.bytes_streamed - before.bytes_streamed)
+    def _stream_delta(self, before) -> "StreamDelta":
+        now = self._stream_stats()
+        if now is None or before is None:
+            return StreamDelta(0.0, 0.0, 0)
+        return StreamDelta(wait_seconds=now.wait_s - before.wait_s, transfer_seconds=now.transfer_s - before.transfer_s,
+                           bytes_streamed=now.bytes - before.bytes)
+
+
+@dataclass(frozen=True)
+class StreamDelta:
+    """What the streamer did during one target pass."""
+    wait_seconds: float       # compute stood still waiting for a layer
+    transfer_seconds: float   # the copies' own time (overlapped with compute)
+    bytes_streamed: int
 
 
 def run(engine: Engine, request: GenerationRequest, *, load_seconds: float = 0.0,
@@ -240,5 +258,5 @@ def run(engine: Engine, request: GenerationRequest, *, load_seconds: float = 0.0
         steps, prompt_tokens=len(request.prompt_ids), text=text_stream.text(generated), load_seconds=load_seconds,
         tree_policy=request.tree.policy if engine.speculative(request) else "none",
         tree_budget=request.tree.budget if engine.speculative(request) else 0,
-        offload=offload, device=engine.device, dtype=engine.target.dtype)
+        offload=offload, device=engine.device, dtype=engine.target.dtype, weights_source=engine.weights_source())
     return report, steps

@@ -54,7 +54,7 @@ def load_target(ckpt: Checkpoint, offload: OffloadConfig, runtime: RuntimeConfig
 
     store_dir = offload.store_dir or str(store_dir_for(ckpt, runtime.dtype, offspec_home()))
     layers = open_target_layers(ckpt.layer_tensors, ckpt.config, offload, runtime.device, runtime.dtype,
-                                store_dir=store_dir, progress=progress)
+                                store_dir=store_dir, progress=progress, source_id=ckpt.fingerprint())
     return Model(ckpt.config, ckpt.global_weights(runtime.device, runtime.dtype), layers)
 
 

@@ -75,9 +75,11 @@ class RunReport:
     tree_policy: str
     tree_budget: Optional[int]
     offload: str
+    weights_source: str                 # "resident", or where streamed layers live and whether pinned (and why not)
     device: str
     dtype: str
     acceptance: list[int] = field(default_factory=list)   # accepted draft tokens per round
+    tree_sizes: list[int] = field(default_factory=list)   # tree nodes proposed per round
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -93,7 +95,7 @@ class RunReport:
             f"{self.compute_seconds:.2f} s), draft {self.draft_seconds:.2f} s; streamed {self.gb_streamed:.2f} GB "
             f"at {self.gb_per_second:.2f} GB/s\n"
             f"tree {self.tree_policy} (budget {self.tree_budget if self.tree_budget is not None else 'auto'}), "
-            f"offload {self.offload}, {self.device} {self.dtype}; host peak {self.peak_host_gb:.2f} GB{dev}"
+            f"offload {self.offload} ({self.weights_source}), {self.device} {self.dtype}; host peak {self.peak_host_gb:.2f} GB{dev}"
         )
 
 
@@ -113,7 +115,8 @@ def peak_device_gb(device: torch.device) -> Optional[float]:
 
 
 def build_report(steps: list[Step], *, prompt_tokens: int, text: str, load_seconds: float, tree_policy: str,
-                 tree_budget: Optional[int], offload: str, device: torch.device, dtype: torch.dtype) -> RunReport:
+                 tree_budget: Optional[int], offload: str, device: torch.device, dtype: torch.dtype,
+                 weights_source: str = "resident") -> RunReport:
     tokens = [t for s in steps for t in s.tokens]
     n = len(tokens)
     round_seconds = [s.draft_seconds + s.target_seconds for s in steps]
@@ -135,6 +138,8 @@ def build_report(steps: list[Step], *, prompt_tokens: int, text: str, load_secon
         compute_seconds=target - wait, transfer_seconds=transfer, gb_streamed=streamed / 1e9,
         gb_per_second=streamed / 1e9 / transfer if transfer > 0 else 0.0,
         peak_host_gb=peak_host_gb(), peak_device_gb=peak_device_gb(device),
-        tree_policy=tree_policy, tree_budget=tree_budget, offload=offload, device=str(device),
+        tree_policy=tree_policy, tree_budget=tree_budget, offload=offload, weights_source=weights_source,
+        device=str(device),
         dtype=str(dtype).replace("torch.", ""), acceptance=[s.accepted for s in steps],
+        tree_sizes=[s.tree_size for s in steps],
     )

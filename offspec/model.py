@@ -68,7 +68,7 @@ class LayerLayout:
         entries, offset = [], 0
         for name, shape in layer_shapes(cfg).items():
             entries.append((name, shape, offset))
-            offset += _round_up(math.prod(shape) * itemsize, TENSOR_ALIGN)
+            offset += round_up(math.prod(shape) * itemsize, TENSOR_ALIGN)
         return LayerLayout(dtype=dtype, entries=tuple(entries), nbytes=offset)
 
     def views(self, block: torch.Tensor) -> LayerWeights:
@@ -93,7 +93,7 @@ class LayerLayout:
             getattr(views, name).copy_(src)
 
 
-def _round_up(n: int, multiple: int) -> int:
+def round_up(n: int, multiple: int) -> int:
     return (n + multiple - 1) // multiple * multiple
 
 

@@ -111,3 +111,47 @@ def test_sampling_runs_and_is_seeded(pair):
     a, _ = tokens_of(eng, TreeConfig(policy="dyspec", budget=16), sampling=s)
     b, _ = tokens_of(eng, TreeConfig(policy="dyspec", budget=16), sampling=s)
     assert a.tokens == b.tokens and len(a.tokens) == 40
+
+
+@pytest.mark.parametrize("offload", [
+    OffloadConfig(mode="cpu", n_slots=2),
+    OffloadConfig(mode="cpu", n_slots=3, gpu_budget=None),
+    OffloadConfig(mode="disk", n_slots=2),
+])
+def test_streamed_target_equals_resident(pair, tmp_path, offload):
+    from dataclasses import replace
+    resident = engine(pair)
+    if offload.mode == "disk":
+        offload = replace(offload, store_dir=str(tmp_path / "store"))
+    streamed = engine(pair, offload)
+    try:
+        for tree in (TreeConfig(policy="none"), TreeConfig(policy="dyspec", budget=16)):
+            a, _ = tokens_of(resident, tree)
+            b, steps = tokens_of(streamed, tree)
+            assert a.tokens == b.tokens
+            assert sum(s.bytes_streamed for s in steps) > 0
+        assert "arena" in streamed.weights_source() or "disk" in streamed.weights_source()
+    finally:
+        streamed.close()
+
+
+def test_streamed_with_resident_layers_bitwise(pair):
+    """Logits of a streamed target with some layers resident equal the all-resident logits bitwise."""
+    from offspec.model import LayerLayout
+    layer_bytes = LayerLayout.of(Checkpoint(pair[0]).config, torch.float32).nbytes
+    streamed = engine(pair, OffloadConfig(mode="cpu", n_slots=2, gpu_budget=4 * layer_bytes))
+    resident = engine(pair)
+    try:
+        from offspec.kv_cache import KVCache
+        cfg = resident.target.cfg
+        toks = torch.tensor([PROMPT])
+        T = toks.shape[1]
+        mask = (torch.arange(T)[:, None] >= torch.arange(T)[None])[None]
+        outs = []
+        for eng in (resident, streamed):
+            cache = KVCache.for_model(cfg, T, torch.float32, torch.device("cpu"))
+            outs.append(eng.target.forward(toks, torch.arange(T)[None], torch.arange(T), mask, cache))
+        assert torch.equal(outs[0], outs[1])
+        assert len(streamed.target.layers.placement.resident) == 2
+    finally:
+        streamed.close()

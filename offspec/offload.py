@@ -1,0 +1,755 @@
+"""Where the target's decoder layers live, and how they reach the compute device each pass.
+
+  weight stores   HostArenaStore: the streamed layers packed into ONE host arena (pinned on CUDA), one
+                  contiguous block per layer. DiskStore: offspec's packed store on disk (layers.bin with
+                  4096-aligned blocks + manifest.json), read into pinned staging buffers.
+  LayerStreamer   a LayerSource: a ring of n_slots device slots that the streamed layers rotate through,
+                  prefetching ahead and wrapping into the next pass; permanently resident layers are
+                  interleaved in layer order.
+  open_target_layers   the factory: OffloadConfig + gpu_budget -> resident layers and/or a streamer.
+
+Every stream, event and pinned-memory call goes through a transfer backend (transfer.py), so the CPU
+backend runs this exact code in the tests; CUDA.md is the checklist the ring protocol follows.
+
+The ring protocol, for the n-th layer copy ever issued (n counts across passes; slot k = n % n_slots):
+  loader thread    [disk: staging gate synchronize; preadv into staging]
+                   free[k].wait(copy_q)     WAR: compute has finished reading slot k's previous layer
+                   copy host block -> slot k on copy_q
+                   [disk: gate.record(copy_q): the staging buffer may be refilled once this completes]
+                   ready[k].record(copy_q)  RAW: compute may read slot k once this completes
+                   publish "load n issued"
+  consumer thread  wait (host) until load n is issued, so the wait below binds to *its* ready record
+                   ready[k].wait(comp_q); yield the views of slot k; the consumer issues its kernels
+                   ... the consumer asks for the next layer ...
+                   free[k].record(comp_q)   after every kernel reading slot k was issued
+                   post load n + n_slots    strictly after that record
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import hashlib
+import json
+import os
+import threading
+import time
+import zlib
+from collections import deque
+from dataclasses import dataclass
+from typing import Callable, Iterator, Optional, Sequence, Union
+
+import psutil
+import torch
+from tqdm import tqdm
+
+from .config import ModelConfig, OffloadConfig
+from .errors import BudgetError, CheckpointError, InputError, StoreError
+from .model import LayerLayout, LayerWeights, ResidentLayers, round_up
+from .transfer import (PAGE_BYTES, HostBuffer, TransferBackend, TransferEvent, format_bytes, make_backend,
+                       raise_from_worker)
+
+LayerTensorsFn = Callable[[int], dict[str, torch.Tensor]]   # layer index -> tensors keyed by LayerWeights fields
+
+MODES = ("none", "cpu", "disk")
+BLOCK_ALIGN = 4096            # bytes; disk blocks start and end on this boundary (page cache, O_DIRECT-ready)
+N_STAGING = 2                 # disk staging buffers: one being read while the other is copied out
+STORE_FORMAT = "offspec-layer-store"
+STORE_VERSION = 1
+MANIFEST = "manifest.json"
+LAYERS_BIN = "layers.bin"
+CUDA_HEADROOM = 2 << 30       # bytes left free on a GPU when gpu_budget is None (activations, workspaces)
+PIN_CHUNK_BYTES = 1 << 30     # the host arena is pinned in pieces of about this size (whole layers each)
+
+
+def layer_nbytes(cfg: ModelConfig, dtype: torch.dtype) -> int:
+    """Bytes one packed decoder layer takes (on the device, in the arena; the disk block is padded to 4096)."""
+    return LayerLayout.of(cfg, dtype).nbytes
+
+
+def store_fingerprint(layout: LayerLayout, n_layers: int, source_id: str = "") -> str:
+    """Identifies what a disk store holds: the model's layer shapes and dtype (the layout), its layer
+    count, and source_id, whatever names the weights (e.g. Checkpoint.fingerprint()); two checkpoints of
+    one architecture differ only there. Computed from prepare_disk_store's own arguments, so building a
+    store needs no ModelConfig."""
+    text = json.dumps({"dtype": str(layout.dtype), "layout": layout.entries, "n_layers": n_layers,
+                       "source": source_id}, sort_keys=True)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def _pack_layer(layer_tensors_fn: LayerTensorsFn, layer: int, layout: LayerLayout, block: torch.Tensor) -> None:
+    """Layer `layer`'s tensors -> their places in `block` ((layout.nbytes,) uint8), cast to layout.dtype."""
+    tensors = layer_tensors_fn(layer)
+    missing = [name for name, _, _ in layout.entries if name not in tensors]
+    if missing:
+        raise CheckpointError(f"layer {layer}: missing tensors {', '.join(missing)}")
+    try:
+        layout.pack(tensors, block)
+    except ValueError as err:   # a shape that does not match the config
+        raise CheckpointError(f"layer {layer}: {err}") from err
+
+
+@dataclass(frozen=True)
+class StoreInfo:
+    """Where the streamed layers live on the host, for reports."""
+    kind: str          # "host arena" | "disk store"
+    nbytes: int        # arena size, or layers.bin size
+    pinned: bool       # copies start from pinned memory (arena, or the disk staging buffers)
+    reason: str        # why not pinned ("" when pinned)
+    path: str = ""     # disk store directory
+
+
+@dataclass
+class Staged:
+    """One layer's bytes on the host, ready to be copied into a slot."""
+    block: torch.Tensor                # (layout.nbytes,) uint8 host memory
+    pinned: bool                       # block is pinned: the copy may be asynchronous
+    gate: Optional[TransferEvent]      # record on the copy queue after the copy (a staging buffer's reuse gate)
+    read_s: float                      # seconds spent reading it from disk (0 for the arena)
+
+
+# ---------------------------------------------------------------- host arena
+
+class HostArenaStore:
+    """The streamed layers packed into one host arena; layer i is one contiguous block, so moving it is one
+    copy. Pinned (exactly sized) on CUDA, with a reported pageable fallback (transfer.HostBuffer).
+
+    Blocks sit at a page-aligned stride so the arena can be pinned in ~1 GiB pieces of whole layers
+    (CUDA.md §4: one huge registration can fail; no copy may span two registrations)."""
+
+    def __init__(self, layout: LayerLayout, layers: Sequence[int], backend: TransferBackend,
+                 host_budget: Optional[int] = None):
+        self.layout = layout
+        self._block_of = {layer: i for i, layer in enumerate(layers)}   # layer index -> block index
+        self._stride = round_up(layout.nbytes, PAGE_BYTES)             # bytes from one block to the next
+        nbytes = len(layers) * self._stride
+        available = psutil.virtual_memory().available
+        if nbytes > available:
+            raise BudgetError(f"the host arena needs {format_bytes(nbytes)} but only {format_bytes(available)} "
+                              f"of RAM is available: use disk offload")
+        layers_per_piece = max(1, PIN_CHUNK_BYTES // self._stride)
+        self._arena = backend.host_buffer(nbytes, host_budget, chunk_bytes=layers_per_piece * self._stride)
+
+    @classmethod
+    def build(cls, layer_tensors_fn: LayerTensorsFn, layout: LayerLayout, layers: Sequence[int],
+              backend: TransferBackend, host_budget: Optional[int] = None, progress: bool = True) -> "HostArenaStore":
+        store = cls(layout, layers, backend, host_budget)
+        with contextlib.ExitStack() as on_error:
+            on_error.callback(store.close)
+            for layer in tqdm(layers, desc="packing layers into host memory", unit="layer", disable=not progress):
+                _pack_layer(layer_tensors_fn, layer, layout, store.block(layer))
+            on_error.pop_all()
+        return store
+
+    def block(self, layer: int) -> torch.Tensor:
+        """(layout.nbytes,) uint8 view of layer `layer`'s block in the arena."""
+        start = self._block_of[layer] * self._stride
+        return self._arena.tensor[start: start + self.layout.nbytes]
+
+    def acquire(self, layer: int) -> Staged:
+        # The arena is never rewritten, so its blocks need no reuse gate.
+        return Staged(self.block(layer), self._arena.pinned, gate=None, read_s=0.0)
+
+    def info(self) -> StoreInfo:
+        return StoreInfo("host arena", self._arena.nbytes, self._arena.pinned, self._arena.reason)
+
+    def close(self) -> None:
+        self._arena.close()
+
+
+# ---------------------------------------------------------------- disk store
+
+def disk_store_exists(directory: str) -> bool:
+    """A store exists once its manifest does: prepare_disk_store writes the manifest last."""
+    return os.path.isfile(os.path.join(directory, MANIFEST))
+
+
+def _fsync_dir(directory: str) -> None:
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def prepare_disk_store(layer_tensors_fn: LayerTensorsFn, n_layers: int, layout: LayerLayout, directory: str,
+                       progress: bool = True, *, source_id: str = "") -> None:
+    """Pack every layer into `directory`/layers.bin (block i at offset i * block_nbytes, block_nbytes =
+    layout.nbytes rounded up to 4096) and describe it in manifest.json.
+
+    Crash safety: both files are written under .tmp names, fsynced, then renamed; manifest.json is renamed
+    last and is the commit point, so an interrupted build leaves no store (and no temp files when it was
+    an exception). An existing store in `directory` is uncommitted first, then rebuilt."""
+    os.makedirs(directory, exist_ok=True)
+    manifest_path, bin_path = os.path.join(directory, MANIFEST), os.path.join(directory, LAYERS_BIN)
+    tmp_manifest, tmp_bin = manifest_path + ".tmp", bin_path + ".tmp"
+    if os.path.exists(manifest_path):
+        os.unlink(manifest_path)
+        _fsync_dir(directory)
+    block_nbytes = round_up(layout.nbytes, BLOCK_ALIGN)
+    block = torch.zeros(block_nbytes, dtype=torch.uint8)   # reused for every layer; the padding stays zero
+    block_bytes = memoryview(block.numpy())
+    entries = []
+    try:
+        with open(tmp_bin, "wb") as f, tqdm(total=n_layers, desc=f"packing layers into {directory}",
+                                            unit="layer", disable=not progress) as bar:
+            for layer in range(n_layers):
+                _pack_layer(layer_tensors_fn, layer, layout, block[: layout.nbytes])
+                entries.append({"offset": layer * block_nbytes, "nbytes": block_nbytes,
+                                "crc32": zlib.crc32(block_bytes)})
+                f.write(block_bytes)
+                bar.update(1)
+            f.flush()
+            os.fsync(f.fileno())
+            os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)   # the written pages need not stay cached
+        manifest = {
+            "format": STORE_FORMAT,
+            "version": STORE_VERSION,
+            "fingerprint": store_fingerprint(layout, n_layers, source_id),
+            "source_id": source_id,
+            "dtype": str(layout.dtype).removeprefix("torch."),
+            "layer_nbytes": layout.nbytes,
+            "layout": [[name, list(shape), offset] for name, shape, offset in layout.entries],
+            "n_layers": n_layers,
+            "block_nbytes": block_nbytes,
+            "file_size": n_layers * block_nbytes,
+            "layers": entries,
+        }
+        with open(tmp_manifest, "w") as f:
+            json.dump(manifest, f, indent=1)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp_bin, bin_path)
+        os.replace(tmp_manifest, manifest_path)     # the commit point
+        _fsync_dir(directory)
+    finally:
+        for path in (tmp_bin, tmp_manifest):        # present only when the build did not finish
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
+
+
+class DiskStore:
+    """Reads layers of a packed store straight into (pinned) staging buffers with os.preadv.
+
+    Opening validates the manifest against the requested model and layout and the file size against the
+    manifest; each layer's crc32 is checked the first time this store reads it (checking every pass would
+    cost a full extra read of the model per pass). With drop_page_cache, each read range is dropped from
+    the page cache right away, so host memory stays bounded by the ring, not the model.
+
+    On a CPU device the layer is still read into a staging buffer and then copied into the slot (one
+    extra host memcpy instead of reading into the slot directly), so the CUDA path's staging gates are what
+    the tests exercise."""
+
+    def __init__(self, directory: str, layout: LayerLayout, n_layers: int, backend: TransferBackend, *,
+                 source_id: str = "", drop_page_cache: bool = True, n_staging: int = N_STAGING):
+        self.directory = directory
+        self.layout = layout
+        manifest = _read_manifest(directory)
+        self.block_nbytes, self._offsets, self._crc32 = _check_manifest(manifest, directory, layout, n_layers,
+                                                                        source_id)
+        path = os.path.join(directory, LAYERS_BIN)
+        try:
+            size = os.stat(path).st_size
+        except FileNotFoundError:
+            raise StoreError(f"{path} is missing: delete {directory} to rebuild the store") from None
+        if size != manifest["file_size"]:
+            raise StoreError(f"{path} is {size} bytes but its manifest says {manifest['file_size']}: "
+                             f"the store is truncated or was modified; delete {directory} to rebuild it")
+        self.file_size = size
+        self._drop_page_cache = drop_page_cache
+        self._verified: set[int] = set()          # layers whose crc32 this process has checked
+        self._fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        self._stages: list[HostBuffer] = []
+        with contextlib.ExitStack() as on_error:
+            on_error.callback(self.close)
+            for _ in range(n_staging):
+                self._stages.append(backend.host_buffer(self.block_nbytes))
+            on_error.pop_all()
+        self._stage_bytes = [memoryview(stage.tensor.numpy()) for stage in self._stages]   # preadv targets
+        self._gates = [backend.new_event() for _ in self._stages]   # gate[j]: the copy out of stage j is done
+        self._next_stage = 0
+
+    def _read(self, layer: int, out: memoryview) -> None:
+        """Layer `layer`'s padded block -> out[:block_nbytes], crc-checked on its first read."""
+        offset, n, got = self._offsets[layer], self.block_nbytes, 0
+        while got < n:
+            count = os.preadv(self._fd, [out[got:n]], offset + got)
+            if count == 0:
+                raise StoreError(f"{self.directory}/{LAYERS_BIN} ends inside layer {layer}: "
+                                 f"delete {self.directory} to rebuild the store")
+            got += count
+        if self._drop_page_cache:
+            os.posix_fadvise(self._fd, offset, n, os.POSIX_FADV_DONTNEED)
+        if layer not in self._verified:
+            crc = zlib.crc32(out[:n])
+            if crc != self._crc32[layer]:
+                raise StoreError(f"layer {layer} of the store at {self.directory} fails its checksum "
+                                 f"(crc32 {crc:08x}, manifest {self._crc32[layer]:08x}): the file is corrupt; "
+                                 f"delete {self.directory} to rebuild the store")
+            self._verified.add(layer)
+
+    def read_layer(self, layer: int) -> torch.Tensor:
+        """A fresh (layout.nbytes,) uint8 host tensor holding the layer (start-up, for resident layers)."""
+        buffer = torch.empty(self.block_nbytes, dtype=torch.uint8)
+        self._read(layer, memoryview(buffer.numpy()))
+        return buffer[: self.layout.nbytes]
+
+    def acquire(self, layer: int) -> Staged:
+        """Read the layer into the next staging buffer (loader thread only)."""
+        j = self._next_stage
+        self._next_stage = (j + 1) % len(self._stages)
+        self._gates[j].synchronize()      # CUDA.md §2 host-side WAR: the copy out of stage j has completed
+        start = time.perf_counter()
+        self._read(layer, self._stage_bytes[j])
+        read_s = time.perf_counter() - start
+        stage = self._stages[j]
+        return Staged(stage.tensor[: self.layout.nbytes], stage.pinned, gate=self._gates[j], read_s=read_s)
+
+    def info(self) -> StoreInfo:
+        stage = self._stages[0]
+        return StoreInfo("disk store", self.file_size, stage.pinned, stage.reason, path=self.directory)
+
+    def close(self) -> None:
+        for stage in self._stages:
+            stage.close()
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+
+def _read_manifest(directory: str) -> dict:
+    path = os.path.join(directory, MANIFEST)
+    try:
+        with open(path) as f:
+            manifest = json.load(f)
+    except FileNotFoundError:
+        raise StoreError(f"no offspec store at {directory} ({MANIFEST} is missing)") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise StoreError(f"{path} is corrupt ({err}); delete {directory} to rebuild the store") from err
+    if not isinstance(manifest, dict) or manifest.get("format") != STORE_FORMAT:
+        raise StoreError(f"{path} is not an offspec layer store manifest")
+    if manifest.get("version") != STORE_VERSION:
+        raise StoreError(f"the store at {directory} has format version {manifest.get('version')}, this offspec "
+                         f"reads {STORE_VERSION}; delete {directory} to rebuild it")
+    return manifest
+
+
+def _check_manifest(manifest: dict, directory: str, layout: LayerLayout, n_layers: int,
+                    source_id: str) -> tuple[int, list[int], list[int]]:
+    """-> (block_nbytes, per-layer offsets, per-layer crc32), or StoreError saying what does not match."""
+    rebuild = f"delete {directory} to rebuild the store"
+    try:
+        if manifest["source_id"] != source_id:
+            raise StoreError(f"the store at {directory} was built from other weights "
+                             f"({manifest['source_id']!r}, expected {source_id!r}): {rebuild}")
+        dtype = str(layout.dtype).removeprefix("torch.")
+        if manifest["dtype"] != dtype:
+            raise StoreError(f"the store at {directory} holds {manifest['dtype']} weights, {dtype} was asked: {rebuild}")
+        expected = [[name, list(shape), offset] for name, shape, offset in layout.entries]
+        if manifest["layout"] != expected or manifest["layer_nbytes"] != layout.nbytes:
+            raise StoreError(f"the store at {directory} has a different layer layout: {rebuild}")
+        if manifest["n_layers"] != n_layers or len(manifest["layers"]) != n_layers:
+            raise StoreError(f"the store at {directory} has {manifest['n_layers']} layers, the model {n_layers}: {rebuild}")
+        if manifest["fingerprint"] != store_fingerprint(layout, n_layers, source_id):
+            raise StoreError(f"{directory}/{MANIFEST} does not match its own fingerprint: {rebuild}")
+        block_nbytes = int(manifest["block_nbytes"])
+        offsets = [int(entry["offset"]) for entry in manifest["layers"]]
+        crcs = [int(entry["crc32"]) for entry in manifest["layers"]]
+        lengths = [int(entry["nbytes"]) for entry in manifest["layers"]]
+        file_size = int(manifest["file_size"])
+    except (KeyError, TypeError, ValueError) as err:
+        raise StoreError(f"{directory}/{MANIFEST} is incomplete ({err!r}): {rebuild}") from err
+    if block_nbytes != round_up(layout.nbytes, BLOCK_ALIGN) or any(n != block_nbytes for n in lengths):
+        raise StoreError(f"{directory}/{MANIFEST} has wrong block sizes: {rebuild}")
+    if any(off % BLOCK_ALIGN or off + block_nbytes > file_size for off in offsets):
+        raise StoreError(f"{directory}/{MANIFEST} has misaligned or out-of-file layer offsets: {rebuild}")
+    return block_nbytes, offsets, crcs
+
+
+# ---------------------------------------------------------------- streamer
+
+@dataclass
+class StreamStats:
+    """Streaming counters. Copy and wait times are read from timing events once per pass, and only for
+    work that has completed by then, so a pass's last copies may be counted in the next snapshot."""
+    passes: int = 0            # pass_layers() iterations run to their end
+    layers: int = 0            # layer copies counted in bytes and transfer_s
+    bytes: int = 0             # bytes those copies moved host -> device
+    transfer_s: float = 0.0    # seconds those copies took on the copy queue (device-timed on CUDA)
+    wait_s: float = 0.0        # seconds compute stood still waiting for a layer (device-timed on CUDA)
+    read_s: float = 0.0        # disk: seconds the loader spent reading layers.bin (host clock)
+
+    @property
+    def gb_per_s(self) -> float:
+        return self.bytes / self.transfer_s / 1e9 if self.transfer_s > 0 else 0.0
+
+
+WeightStore = Union[HostArenaStore, DiskStore]
+
+
+class LayerStreamer:
+    """A LayerSource streaming the non-resident layers through a ring of `n_slots` device slots.
+
+    The protocol is in the module docstring. Threads: the consumer's thread records/waits events and posts
+    load numbers; one loader thread takes them in order, gets each layer's host bytes from the store (disk:
+    reads them) and issues its copy. Load n always carries streamed layer n % n_streamed into slot
+    n % n_slots, with n counted across passes: a per-pass counter would break the wrap-around into the next
+    pass whenever n_streamed % n_slots != 0 (CUDA.md common bug #3). So when a pass ends, the first layers
+    of the next pass are already being copied while the draft works.
+
+    A yielded LayerWeights is a set of views into a slot: valid only until the consumer asks for the next
+    layer (CUDA.md common bug #4: keep nothing derived from it, e.g. a cached w.T).
+
+    overlap=False (debug): no prefetch, and compute is finished before the next copy starts.
+    The streamer owns `store` and `backend`: close() stops the loader and closes both."""
+
+    def __init__(self, store: WeightStore, backend: TransferBackend, n_layers: int,
+                 resident: dict[int, LayerWeights], n_slots: int, overlap: bool = True):
+        if n_slots < (2 if overlap else 1):
+            raise ValueError(f"n_slots={n_slots}: streaming needs at least 2 slots (1 only with overlap off)")
+        self.store, self.backend = store, backend
+        self.layout: LayerLayout = store.layout
+        self.n_layers, self.n_slots, self.overlap = n_layers, n_slots, overlap
+        self.resident = dict(resident)                          # layer index -> weights kept on the device
+        self.streamed = [i for i in range(n_layers) if i not in self.resident]   # streamed layers, in order
+        if not self.streamed:
+            raise ValueError("nothing to stream: every layer is resident (use ResidentLayers)")
+
+        # Allocated once, never freed or reallocated (CUDA.md §3), so no record_stream is needed.
+        self._slots = [backend.device_buffer(self.layout.nbytes) for _ in range(n_slots)]   # each (nbytes,) uint8
+        self._views = [self.layout.views(slot) for slot in self._slots]
+        self._ready = [backend.new_event() for _ in range(n_slots)]   # copy into slot k done (RAW)
+        self._free = [backend.new_event() for _ in range(n_slots)]    # compute done reading slot k (WAR)
+        backend.synchronize()
+
+        self._ahead = n_slots if overlap else 1   # loads posted beyond the released ones
+        self._posted = 0         # loads posted to the loader (consumer thread only)
+        self._released = 0       # loads whose slot the consumer has handed back (consumer thread only)
+        self._in_pass = False    # a pass_layers() generator is running
+
+        self._cv = threading.Condition()   # guards the fields below, shared with the loader thread
+        self._requests: deque[int] = deque()   # load numbers posted, not yet taken by the loader
+        self._issued = 0                       # loads whose copy and ready record the loader has issued
+        self._loader_error: Optional[BaseException] = None
+        self._closed = False
+
+        self._lock = threading.Lock()          # guards the timing and stats fields below
+        self._stats = StreamStats()
+        self._timing_pool: list[TransferEvent] = []     # completed timing events, ready for reuse
+        self._pending_copies: list[tuple[TransferEvent, TransferEvent, int]] = []   # (start, end, nbytes)
+        self._pending_waits: list[tuple[TransferEvent, TransferEvent]] = []         # (start, end)
+
+        # daemon: a crash elsewhere never hangs interpreter exit on this thread
+        self._loader = threading.Thread(target=self._loader_main, name="offspec-loader", daemon=True)
+        self._loader.start()
+        self._post_loads()   # the first pass starts copying now
+
+    # ---- mapping of load numbers (overridden in tests to reproduce the wrap-around bug)
+    def _layer_for(self, n: int) -> int:
+        return self.streamed[n % len(self.streamed)]
+
+    def _slot_for(self, n: int) -> int:
+        return n % self.n_slots
+
+    # ---- consumer side
+    def pass_layers(self) -> Iterator[tuple[int, LayerWeights]]:
+        if self._closed:
+            raise RuntimeError("LayerStreamer is closed")
+        if self._in_pass:
+            raise RuntimeError("pass_layers() is already running: one pass at a time")
+        self._in_pass = True
+        held: Optional[int] = None                  # load the consumer is reading now
+        try:
+            comp_q = self.backend.compute_queue()   # resolved on the consumer's thread
+            self._finish_abandoned_pass(comp_q)
+            for layer in range(self.n_layers):
+                if layer in self.resident:
+                    yield layer, self.resident[layer]
+                    continue
+                n = self._released
+                assert self._layer_for(n) == layer, (n, layer)
+                k = self._take(n, comp_q)
+                held = n
+                yield layer, self._views[k]
+                held = None
+                self._release(n, comp_q)
+            with self._lock:
+                self._stats.passes += 1
+            self._harvest()
+        finally:
+            if held is not None:   # the consumer left mid-pass (exception, break): its kernels are issued
+                self._release(held, comp_q)
+            self._in_pass = False
+
+    def _take(self, n: int, comp_q) -> int:
+        """Make compute wait until load n is in its slot; -> the slot."""
+        k = self._slot_for(n)
+        stall_start, stall_end = self._timing_event(), self._timing_event()
+        stall_start.record(comp_q)
+        self._wait_issued(n)            # host: the ready record below must be load n's (it binds at call time)
+        self._ready[k].wait(comp_q)     # RAW
+        stall_end.record(comp_q)
+        with self._lock:
+            self._pending_waits.append((stall_start, stall_end))
+        return k
+
+    def _release(self, n: int, comp_q) -> None:
+        """Hand slot k back: after the consumer's last kernel on it, and before any refill is posted."""
+        k = self._slot_for(n)
+        self._free[k].record(comp_q)    # WAR
+        if not self.overlap:
+            self._free[k].synchronize()     # debug: the next copy starts only once compute is done
+        self._released = n + 1
+        self._post_loads()
+
+    def _post_loads(self) -> None:
+        with self._cv:
+            while self._posted < self._released + self._ahead:
+                self._requests.append(self._posted)
+                self._posted += 1
+            self._cv.notify_all()
+
+    def _wait_issued(self, n: int) -> None:
+        with self._cv:
+            self._cv.wait_for(lambda: self._issued > n or self._loader_error is not None or self._closed)
+            if self._issued > n:
+                return
+            if self._loader_error is not None:
+                raise_from_worker(self._loader_error, "layer loader thread")
+            raise RuntimeError("LayerStreamer closed while a pass was waiting for a layer")
+
+    def _finish_abandoned_pass(self, comp_q) -> None:
+        """A consumer that left a pass early leaves that pass's loads in the ring; take them out in order
+        (waiting for each, computing nothing) so this pass starts at its first layer."""
+        while self._released % len(self.streamed):
+            n = self._released
+            self._take(n, comp_q)
+            self._release(n, comp_q)
+
+    # ---- loader side
+    def _loader_main(self) -> None:
+        try:
+            while True:
+                with self._cv:
+                    self._cv.wait_for(lambda: self._requests or self._closed)
+                    if self._closed:
+                        return
+                    n = self._requests.popleft()
+                self._load(n)
+                with self._cv:
+                    self._issued = n + 1
+                    self._cv.notify_all()
+        except BaseException as err:   # handed to the consumer in _wait_issued; never swallowed
+            with self._cv:
+                if not self._closed:
+                    self._loader_error = err
+                self._cv.notify_all()
+
+    def _load(self, n: int) -> None:
+        layer, k = self._layer_for(n), self._slot_for(n)
+        staged = self.store.acquire(layer)     # disk: waits for its staging buffer, then reads
+        copy_q = self.backend.copy_queue
+        copy_start, copy_end = self._timing_event(), self._timing_event()
+        self._free[k].wait(copy_q)             # WAR: slot k's previous layer has been read
+        copy_start.record(copy_q)
+        self.backend.copy_async(self._slots[k], staged.block, src_pinned=staged.pinned)
+        copy_end.record(copy_q)
+        if staged.gate is not None:
+            staged.gate.record(copy_q)         # the staging buffer may be refilled once the copy is done
+        self._ready[k].record(copy_q)          # RAW: slot k holds `layer` once this completes
+        with self._lock:
+            self._pending_copies.append((copy_start, copy_end, staged.block.numel()))
+            self._stats.read_s += staged.read_s
+
+    # ---- timing
+    def _timing_event(self) -> TransferEvent:
+        with self._lock:
+            if self._timing_pool:
+                return self._timing_pool.pop()
+        return self.backend.new_event(timing=True)
+
+    def _harvest(self) -> None:
+        """Count the timed copies and stalls that have completed; query() never blocks."""
+        with self._lock:
+            pending_copies, self._pending_copies = self._pending_copies, []
+            pending_waits, self._pending_waits = self._pending_waits, []
+            for start, end, nbytes in pending_copies:
+                if end.query():
+                    self._stats.transfer_s += start.elapsed_s(end)
+                    self._stats.bytes += nbytes
+                    self._stats.layers += 1
+                    self._timing_pool += (start, end)
+                else:
+                    self._pending_copies.append((start, end, nbytes))
+            for start, end in pending_waits:
+                if end.query():
+                    self._stats.wait_s += start.elapsed_s(end)
+                    self._timing_pool += (start, end)
+                else:
+                    self._pending_waits.append((start, end))
+
+    def stats(self) -> StreamStats:
+        """A snapshot of the counters."""
+        self._harvest()
+        with self._lock:
+            return dataclasses.replace(self._stats)
+
+    def reset_stats(self) -> None:
+        self._harvest()
+        with self._lock:
+            self._stats = StreamStats()
+
+    # ---- shutdown
+    def close(self) -> None:
+        """Stop the loader, then the backend (CUDA: copy_s drained), then the store (unpin, close files)."""
+        with self._cv:
+            if self._closed:
+                return
+            self._closed = True
+            self._cv.notify_all()
+        self._loader.join(timeout=60)
+        if self._loader.is_alive():
+            raise RuntimeError("layer loader thread did not stop within 60 s")
+        self.backend.close()
+        self.store.close()
+
+    def __enter__(self) -> "LayerStreamer":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+# ---------------------------------------------------------------- placement and factory
+
+@dataclass(frozen=True)
+class Placement:
+    """Which target layers stay on the compute device and how many ring slots the rest stream through."""
+    mode: str                   # offload mode asked for: "none" | "cpu" | "disk"
+    n_layers: int               # decoder layers of the target
+    layer_nbytes: int           # bytes of one packed layer
+    resident: tuple[int, ...]   # layers kept on the device for good (the first layers)
+    n_slots: int                # ring slots; 0 when nothing streams
+
+    @property
+    def streamed(self) -> tuple[int, ...]:
+        return tuple(i for i in range(self.n_layers) if i not in self.resident)
+
+    @property
+    def device_bytes(self) -> int:
+        """Device memory the target's decoder layers take: resident blocks + ring."""
+        return (len(self.resident) + self.n_slots) * self.layer_nbytes
+
+
+def plan_placement(n_layers: int, layer_bytes: int, offload: OffloadConfig, device: torch.device) -> Placement:
+    """Spend the device budget: the ring first (n_slots layers), then resident layers, first layers first.
+
+    gpu_budget None: on a GPU, its free memory now less CUDA_HEADROOM (open the target after the draft and
+    KV caches are allocated); on a CPU device, nothing resident, so cpu/disk modes really stream."""
+    mode = offload.mode
+    if mode not in MODES:
+        raise InputError(f"unknown offload mode {mode!r} (expected one of {', '.join(MODES)})")
+    min_slots = 2 if offload.overlap else 1
+    if offload.n_slots < min_slots:
+        raise InputError(f"n_slots={offload.n_slots}: streaming needs at least 2 slots (1 only with overlap off)")
+    all_layers = n_layers * layer_bytes
+    budget, budget_name = offload.gpu_budget, "gpu_budget"
+    if mode == "none":
+        if budget is not None and budget < all_layers:
+            raise BudgetError(f"gpu_budget {format_bytes(budget)} cannot hold all {n_layers} layers "
+                              f"({format_bytes(all_layers)}): use cpu or disk offload")
+        return Placement(mode, n_layers, layer_bytes, resident=tuple(range(n_layers)), n_slots=0)
+    if budget is None:
+        if device.type != "cuda":
+            return Placement(mode, n_layers, layer_bytes, resident=(), n_slots=offload.n_slots)
+        budget = max(0, torch.cuda.mem_get_info(device)[0] - CUDA_HEADROOM)
+        budget_name = "free device memory"
+    ring_min = min_slots * layer_bytes
+    if budget < ring_min:
+        raise BudgetError(f"{budget_name} {format_bytes(budget)} is too small to stream: it needs at least "
+                          f"{format_bytes(ring_min)} ({min_slots} slots × {format_bytes(layer_bytes)} per layer)")
+    if budget >= all_layers:
+        return Placement(mode, n_layers, layer_bytes, resident=tuple(range(n_layers)), n_slots=0)
+    n_slots = min(offload.n_slots, budget // layer_bytes)
+    n_resident = (budget - n_slots * layer_bytes) // layer_bytes   # < n_layers - n_slots since budget < all_layers
+    return Placement(mode, n_layers, layer_bytes, resident=tuple(range(n_resident)), n_slots=n_slots)
+
+
+@dataclass
+class TargetLayers:
+    """What open_target_layers returns: a LayerSource (hand it to Model as its layers) that also says what
+    was decided, reports streaming stats and stops the streamer's threads on close()."""
+    source: Union[ResidentLayers, LayerStreamer]   # the layers themselves
+    placement: Placement                           # resident layers and ring size
+    host: Optional[StoreInfo]                      # where the streamed layers live; None when nothing streams
+
+    def pass_layers(self) -> Iterator[tuple[int, LayerWeights]]:
+        return self.source.pass_layers()
+
+    def stats(self) -> Optional[StreamStats]:
+        return self.source.stats() if isinstance(self.source, LayerStreamer) else None
+
+    def close(self) -> None:
+        if isinstance(self.source, LayerStreamer):
+            self.source.close()
+
+    def __enter__(self) -> "TargetLayers":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _device_layer(layout: LayerLayout, device: torch.device) -> tuple[torch.Tensor, LayerWeights]:
+    block = torch.empty(layout.nbytes, dtype=torch.uint8, device=device)   # (nbytes,) one block per layer
+    return block, layout.views(block)
+
+
+def _resident_from_tensors(layer_tensors_fn: LayerTensorsFn, layer: int, layout: LayerLayout,
+                           device: torch.device) -> LayerWeights:
+    block, weights = _device_layer(layout, device)
+    _pack_layer(layer_tensors_fn, layer, layout, block)
+    return weights
+
+
+def open_target_layers(layer_tensors_fn: LayerTensorsFn, cfg: ModelConfig, offload: OffloadConfig,
+                       device: torch.device, dtype: torch.dtype, store_dir: Optional[str] = None,
+                       progress: bool = True, *, source_id: str = "") -> TargetLayers:
+    """The target's decoder layers, placed as `offload` says.
+
+    layer_tensors_fn(i) gives layer i's tensors keyed by LayerWeights field names, any dtype (cast to
+    `dtype` when packed). mode "none": all resident. "cpu": streamed layers packed into a host arena.
+    "disk": a packed store at store_dir (or offload.store_dir), built once with a progress bar when
+    missing; source_id (e.g. Checkpoint.fingerprint()) is recorded in it, and a store built from other
+    weights is refused. The result is a LayerSource; close it (or use it as a context manager) to stop
+    the streamer's threads."""
+    layout = LayerLayout.of(cfg, dtype)
+    placement = plan_placement(cfg.n_layers, layout.nbytes, offload, device)
+    if not placement.streamed:
+        layers = [_resident_from_tensors(layer_tensors_fn, i, layout, device)
+                  for i in tqdm(range(cfg.n_layers), desc="loading layers", unit="layer", disable=not progress)]
+        return TargetLayers(ResidentLayers(layers), placement, host=None)
+
+    backend = make_backend(device)
+    with contextlib.ExitStack() as on_error:
+        on_error.callback(backend.close)
+        if offload.mode == "cpu":
+            store: WeightStore = HostArenaStore.build(layer_tensors_fn, layout, placement.streamed, backend,
+                                                      offload.host_budget, progress)
+            on_error.callback(store.close)
+            resident = {i: _resident_from_tensors(layer_tensors_fn, i, layout, device) for i in placement.resident}
+        else:
+            directory = store_dir or offload.store_dir
+            if directory is None:
+                raise InputError("disk offload needs a store directory (store_dir)")
+            if not disk_store_exists(directory):
+                prepare_disk_store(layer_tensors_fn, cfg.n_layers, layout, directory, progress, source_id=source_id)
+            store = DiskStore(directory, layout, cfg.n_layers, backend, source_id=source_id,
+                              drop_page_cache=offload.drop_page_cache)
+            on_error.callback(store.close)
+            resident = {}
+            for i in placement.resident:
+                block, resident[i] = _device_layer(layout, device)
+                block.copy_(store.read_layer(i))
+        streamer = LayerStreamer(store, backend, cfg.n_layers, resident, placement.n_slots, overlap=offload.overlap)
+        on_error.pop_all()
+    return TargetLayers(streamer, placement, store.info())

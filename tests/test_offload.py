@@ -1,0 +1,631 @@
+"""Layer streaming on CPU: the ring protocol (CUDA.md §8), streamed == resident bitwise, the disk store's
+validation and crash safety, bounded host memory in disk mode, and the device budget."""
+import json
+import os
+import random
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from offspec.config import ModelConfig, OffloadConfig
+from offspec.errors import BudgetError, InputError, StoreError
+from offspec.kv_cache import KVCache
+from offspec.model import GlobalWeights, LayerLayout, Model, ResidentLayers, layer_shapes
+from offspec.offload import (BLOCK_ALIGN, LAYERS_BIN, MANIFEST, DiskStore, HostArenaStore, LayerStreamer,
+                             disk_store_exists, layer_nbytes, open_target_layers, plan_placement,
+                             prepare_disk_store, store_fingerprint)
+from offspec.transfer import PAGE_BYTES, CpuBackend, CpuEvent
+
+CPU = torch.device("cpu")
+TINY = ModelConfig(arch="llama", vocab_size=64, hidden_size=32, intermediate_size=64, n_layers=7,
+                   n_heads=2, n_kv_heads=2, head_dim=16)
+N_LAYERS = TINY.n_layers   # 7: not a multiple of 2 or 3, so wrap-around needs the global load counter
+
+
+def random_layers(cfg, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return {i: {name: torch.randn(shape, generator=g) for name, shape in layer_shapes(cfg).items()}
+            for i in range(cfg.n_layers)}
+
+
+def filled_layers(cfg, dtype=torch.uint8):
+    """Layer L's tensors all hold the value L + 1."""
+    return lambda i: {name: torch.full(shape, i + 1, dtype=dtype) for name, shape in layer_shapes(cfg).items()}
+
+
+# ---------------------------------------------------------------- the ring protocol (CUDA.md §8)
+
+# Seconds a copy sleeps between its halves, and a kernel between its two reads. Each regime exposes one
+# hazard: when copies are slow, compute catches up with the copy queue (a missing RAW wait reads a
+# half-copied slot); when kernels are slow, refills catch up with compute (a missing WAR wait overwrites a
+# slot still being read).
+REGIMES = {
+    "copy-bound": dict(copy_sleep=(0.001, 0.003), kernel_sleep=(0.0, 0.0005)),
+    "compute-bound": dict(copy_sleep=(0.0, 0.0005), kernel_sleep=(0.0005, 0.002)),
+}
+
+
+class TearingBackend(CpuBackend):
+    """Compute runs on its own worker (the host runs ahead, as with a GPU), and every copy lands in two
+    halves with a random sleep between: an unordered reader sees a torn or stale block."""
+
+    def __init__(self, seed, copy_sleep, async_compute=True):
+        super().__init__(async_compute=async_compute)
+        self._rng = random.Random(seed)
+        self._copy_sleep = copy_sleep
+
+    def copy_bytes(self, dst, src):
+        half = dst.numel() // 2
+        dst[:half].copy_(src[:half])
+        time.sleep(self._rng.uniform(*self._copy_sleep))
+        dst[half:].copy_(src[half:])
+
+
+class SkipWaitEvent(CpuEvent):
+    """Drops every wait() on one kind of queue: the injected bug."""
+    skip_copy_queue = True   # True: refills stop waiting for free[k] (WAR); False: compute stops waiting for ready[k] (RAW)
+
+    def wait(self, queue):
+        if (queue is self._backend.copy_queue) == self.skip_copy_queue:
+            return
+        super().wait(queue)
+
+
+class NoWarBackend(TearingBackend):
+    def new_event(self, timing=False):
+        return SkipWaitEvent(self)
+
+
+class NoRawBackend(TearingBackend):
+    def new_event(self, timing=False):
+        event = SkipWaitEvent(self)
+        event.skip_copy_queue = False
+        return event
+
+
+class PerPassSlots(LayerStreamer):
+    def _slot_for(self, n):
+        return self._layer_for(n) % self.n_slots   # the bug: slot from the layer index, not the load counter
+
+
+class RefillBeforeFree(LayerStreamer):
+    def _release(self, n, comp_q):
+        k = self._slot_for(n)
+        self._released = n + 1
+        self._post_loads()                 # the bug: the refill is posted before free[k] is recorded ...
+        time.sleep(0.002)                  # (widening the window in which the loader binds to the old record)
+        self._free[k].record(comp_q)
+
+
+def run_protocol(store, backend, n_slots, n_passes, kernel_sleep, resident=(), streamer_cls=LayerStreamer,
+                 overlap=True, seed=1):
+    """Stream `n_passes` passes; each "kernel" reads its layer in two halves with a sleep between, on the
+    compute queue. -> [(pass, layer, values seen)] for every read that was not uniformly layer + 1."""
+    layout = store.layout
+    names = [name for name, _, _ in layout.entries]
+    rng = random.Random(seed)
+    bad, seen = [], []
+    resident_layers = {i: layout.views(torch.full((layout.nbytes,), i + 1, dtype=torch.uint8)) for i in resident}
+
+    def kernel(pass_no, layer, weights):
+        first = torch.cat([getattr(weights, n).flatten() for n in names[: len(names) // 2]]).clone()
+        time.sleep(rng.uniform(*kernel_sleep))
+        second = torch.cat([getattr(weights, n).flatten() for n in names[len(names) // 2:]])
+        values = torch.cat([first, second]).unique().tolist()
+        seen.append((pass_no, layer))
+        if values != [layer + 1]:
+            bad.append((pass_no, layer, values))
+
+    streamer = streamer_cls(store, backend, N_LAYERS, resident_layers, n_slots, overlap=overlap)
+    try:
+        for pass_no in range(n_passes):
+            for layer, weights in streamer.pass_layers():
+                backend.compute(lambda p=pass_no, i=layer, w=weights: kernel(p, i, w))
+        drained = backend.new_event()
+        drained.record(backend.compute_queue())
+        drained.synchronize()
+        assert streamer.stats().passes == n_passes
+    finally:
+        streamer.close()
+    assert seen == [(p, i) for p in range(n_passes) for i in range(N_LAYERS)]
+    return bad
+
+
+def arena_protocol(regime, n_slots, n_passes=4, seed=1, backend_cls=TearingBackend, resident=(), **kwargs):
+    layout = LayerLayout.of(TINY, torch.uint8)
+    backend = backend_cls(seed, REGIMES[regime]["copy_sleep"])
+    streamed = [i for i in range(N_LAYERS) if i not in resident]
+    store = HostArenaStore.build(filled_layers(TINY), layout, streamed, backend, progress=False)
+    return run_protocol(store, backend, n_slots, n_passes, REGIMES[regime]["kernel_sleep"], resident=resident,
+                        seed=seed, **kwargs)
+
+
+@pytest.mark.parametrize("regime", REGIMES)
+@pytest.mark.parametrize("n_slots,overlap", [(1, False), (2, True), (3, True), (2, False)])
+def test_ring_protocol_arena(regime, n_slots, overlap):
+    assert arena_protocol(regime, n_slots, overlap=overlap, seed=n_slots) == []
+
+
+@pytest.mark.parametrize("regime", REGIMES)
+def test_ring_protocol_with_resident_layers(regime):
+    assert arena_protocol(regime, 2, resident=(0, 3), seed=7) == []
+
+
+@pytest.mark.parametrize("regime", REGIMES)
+@pytest.mark.parametrize("n_slots", [2, 3])
+def test_ring_protocol_disk_staging(tmp_path, regime, n_slots):
+    """Disk mode adds the staging buffers and their gates (host-side WAR)."""
+    layout = LayerLayout.of(TINY, torch.uint8)
+    prepare_disk_store(filled_layers(TINY), N_LAYERS, layout, str(tmp_path), progress=False)
+    backend = TearingBackend(10 + n_slots, REGIMES[regime]["copy_sleep"])
+    store = DiskStore(str(tmp_path), layout, N_LAYERS, backend)
+    assert run_protocol(store, backend, n_slots, 3, REGIMES[regime]["kernel_sleep"]) == []
+
+
+def test_ring_protocol_synchronous_compute():
+    """What offspec runs on CPU: compute on the caller's thread (only the copies are torn)."""
+    layout = LayerLayout.of(TINY, torch.uint8)
+    backend = TearingBackend(3, REGIMES["copy-bound"]["copy_sleep"], async_compute=False)
+    store = HostArenaStore.build(filled_layers(TINY), layout, range(N_LAYERS), backend, progress=False)
+    assert run_protocol(store, backend, 2, 3, kernel_sleep=(0.0, 0.0005)) == []
+
+
+# The same harness must fail on each bug CUDA.md says it catches: proof that the tests above can fail.
+
+def test_protocol_test_catches_a_missing_war_wait():
+    assert arena_protocol("compute-bound", 2, backend_cls=NoWarBackend) != []
+
+
+def test_protocol_test_catches_a_missing_raw_wait():
+    assert arena_protocol("copy-bound", 2, backend_cls=NoRawBackend) != []
+
+
+def test_protocol_test_catches_a_refill_posted_before_free_is_recorded():
+    assert arena_protocol("compute-bound", 2, streamer_cls=RefillBeforeFree) != []
+
+
+def test_protocol_test_catches_per_pass_slot_mapping():
+    """slot = layer % n_slots breaks at the pass boundary when 7 % n_slots != 0 (CUDA.md common bug #3)."""
+    assert arena_protocol("compute-bound", 2, streamer_cls=PerPassSlots) != []
+
+
+# ---------------------------------------------------------------- streamed == resident, bitwise
+
+def budget_for(n_resident, n_slots, dtype=torch.float32):
+    return (n_resident + n_slots) * layer_nbytes(TINY, dtype)
+
+
+@pytest.mark.parametrize("mode", ["cpu", "disk"])
+@pytest.mark.parametrize("n_slots,n_resident", [(2, 0), (3, 0), (2, 2), (3, 1)])
+def test_streamed_layers_equal_checkpoint_bitwise(tmp_path, mode, n_slots, n_resident):
+    weights = random_layers(TINY)
+    budget = budget_for(n_resident, n_slots) if n_resident else None
+    offload = OffloadConfig(mode=mode, n_slots=n_slots, gpu_budget=budget)
+    with open_target_layers(weights.__getitem__, TINY, offload, CPU, torch.float32,
+                            store_dir=str(tmp_path / "store"), progress=False) as target:
+        assert target.placement.resident == tuple(range(n_resident))
+        assert target.placement.n_slots == n_slots
+        assert isinstance(target.source, LayerStreamer)
+        for _ in range(3):
+            order = []
+            for i, w in target.source.pass_layers():
+                order.append(i)
+                for name in layer_shapes(TINY):
+                    assert torch.equal(getattr(w, name), weights[i][name]), (i, name)
+            assert order == list(range(N_LAYERS))
+        stats = target.stats()
+    assert stats.passes == 3
+    assert stats.layers >= 3 * (N_LAYERS - n_resident)
+    assert stats.bytes == stats.layers * layer_nbytes(TINY, torch.float32)
+    assert stats.transfer_s > 0 and stats.wait_s >= 0
+    assert (stats.read_s > 0) == (mode == "disk")
+
+
+def test_bf16_cast_on_pack_and_qwen_biases(tmp_path):
+    cfg = ModelConfig(arch="qwen2", vocab_size=64, hidden_size=32, intermediate_size=64, n_layers=5,
+                      n_heads=4, n_kv_heads=2, head_dim=8, attention_bias=True)
+    weights = random_layers(cfg, seed=3)
+    for mode in ("cpu", "disk"):
+        offload = OffloadConfig(mode=mode, n_slots=2)
+        with open_target_layers(weights.__getitem__, cfg, offload, CPU, torch.bfloat16,
+                                store_dir=str(tmp_path / "store"), progress=False) as target:
+            for _ in range(2):
+                for i, w in target.source.pass_layers():
+                    assert w.q_bias is not None and w.q_bias.dtype == torch.bfloat16
+                    for name in layer_shapes(cfg):
+                        assert torch.equal(getattr(w, name), weights[i][name].to(torch.bfloat16)), (mode, i, name)
+
+
+def test_streamed_model_logits_equal_resident_bitwise(tmp_path):
+    """The whole forward: a streamed target gives exactly the resident target's logits, pass after pass."""
+    weights = random_layers(TINY, seed=1)
+    g = torch.Generator().manual_seed(2)
+    embed = torch.randn(TINY.vocab_size, TINY.hidden_size, generator=g)
+    globals_ = GlobalWeights(embed=embed, final_norm=torch.ones(TINY.hidden_size),
+                             lm_head=torch.randn(TINY.vocab_size, TINY.hidden_size, generator=g))
+    resident = open_target_layers(weights.__getitem__, TINY, OffloadConfig(mode="none"), CPU, torch.float32,
+                                  progress=False)
+    assert isinstance(resident.source, ResidentLayers)
+    streamed = open_target_layers(weights.__getitem__, TINY, OffloadConfig(mode="disk", n_slots=3), CPU,
+                                  torch.float32, store_dir=str(tmp_path), progress=False)
+    models = [Model(TINY, globals_, resident), Model(TINY, globals_, streamed)]   # TargetLayers is a LayerSource
+    caches = [KVCache.for_model(TINY, 16, torch.float32, CPU) for _ in models]
+    tokens = torch.randint(0, TINY.vocab_size, (1, 8), generator=g)
+    with streamed:
+        for start, end in [(0, 5), (5, 8)]:                 # prefill, then a continuation over the cache
+            T = end - start
+            positions = torch.arange(start, end)[None]      # (1, T)
+            slots = torch.arange(start, end)                # (T,)
+            mask = torch.arange(end)[None, :] <= positions[0, :, None]   # (T, end) causal
+            logits = [m.forward(tokens[:, start:end], positions, slots, mask[None], c) for m, c in zip(models, caches)]
+            assert torch.equal(logits[0], logits[1])
+
+
+def test_abandoned_pass_is_finished_before_the_next(tmp_path):
+    weights = random_layers(TINY)
+    with open_target_layers(weights.__getitem__, TINY, OffloadConfig(mode="cpu", n_slots=3), CPU,
+                            torch.float32, progress=False) as target:
+        for i, _ in target.source.pass_layers():
+            if i == 3:
+                break                                       # a consumer that fails mid-pass
+        for _ in range(2):
+            for i, w in target.source.pass_layers():
+                assert torch.equal(w.up_proj, weights[i]["up_proj"]), i
+        assert target.stats().passes == 2
+
+
+def test_arena_pins_in_whole_layer_pieces(monkeypatch):
+    """No layer may straddle two pinned registrations, and every piece starts on a page."""
+    import offspec.offload as offload
+    layout = LayerLayout.of(TINY, torch.float32)
+    stride = -(-layout.nbytes // PAGE_BYTES) * PAGE_BYTES
+    monkeypatch.setattr(offload, "PIN_CHUNK_BYTES", 3 * stride + 1)
+    asked = {}
+
+    class Recording(CpuBackend):
+        def host_buffer(self, nbytes, host_budget=None, chunk_bytes=None):
+            asked.update(nbytes=nbytes, chunk_bytes=chunk_bytes)
+            return super().host_buffer(nbytes, host_budget, chunk_bytes)
+    backend = Recording()
+    weights = random_layers(TINY)
+    store = HostArenaStore.build(weights.__getitem__, layout, range(N_LAYERS), backend, progress=False)
+    assert asked == {"nbytes": N_LAYERS * stride, "chunk_bytes": 3 * stride}
+    base = store.block(0).data_ptr()
+    for i in range(N_LAYERS):
+        start = store.block(i).data_ptr() - base
+        assert start % PAGE_BYTES == 0
+        assert start // asked["chunk_bytes"] == (start + layout.nbytes - 1) // asked["chunk_bytes"]
+        assert torch.equal(layout.views(store.block(i)).k_proj, weights[i]["k_proj"])
+    store.close()
+    backend.close()
+
+
+def test_loader_errors_surface_and_close_is_clean():
+    layout = LayerLayout.of(TINY, torch.float32)
+    backend = CpuBackend()
+    store = HostArenaStore.build(lambda i: random_layers(TINY)[i], layout, range(N_LAYERS), backend, progress=False)
+    real_acquire = store.acquire
+
+    def acquire(layer):
+        if layer == 4:
+            raise OSError("read error on layer 4")
+        return real_acquire(layer)
+    store.acquire = acquire
+    streamer = LayerStreamer(store, backend, N_LAYERS, {}, n_slots=2)
+    with pytest.raises(RuntimeError, match="loader thread failed.*layer 4"):
+        for _ in streamer.pass_layers():
+            pass
+    loader = streamer._loader
+    streamer.close()
+    assert not loader.is_alive() and not backend.copy_queue._thread.is_alive()
+    with pytest.raises(RuntimeError, match="closed"):
+        next(streamer.pass_layers())
+
+
+def test_one_pass_at_a_time():
+    weights = random_layers(TINY)
+    with open_target_layers(weights.__getitem__, TINY, OffloadConfig(mode="cpu"), CPU, torch.float32,
+                            progress=False) as target:
+        outer = target.source.pass_layers()
+        next(outer)
+        with pytest.raises(RuntimeError, match="already running"):
+            next(target.source.pass_layers())
+        outer.close()
+
+
+def test_stats_reset():
+    weights = random_layers(TINY)
+    with open_target_layers(weights.__getitem__, TINY, OffloadConfig(mode="cpu"), CPU, torch.float32,
+                            progress=False) as target:
+        for _ in target.source.pass_layers():
+            pass
+        target.source.reset_stats()
+        assert target.stats().passes == 0
+        for _ in target.source.pass_layers():
+            pass
+        assert target.stats().passes == 1
+
+
+# ---------------------------------------------------------------- disk store validation and crash safety
+
+@pytest.fixture
+def store_dir(tmp_path):
+    layout = LayerLayout.of(TINY, torch.float32)
+    prepare_disk_store(random_layers(TINY).__getitem__, N_LAYERS, layout, str(tmp_path), progress=False,
+                       source_id="tiny-v1")
+    return tmp_path
+
+
+def open_store(directory, dtype=torch.float32, source_id="tiny-v1"):
+    backend = CpuBackend()
+    try:
+        return DiskStore(str(directory), LayerLayout.of(TINY, dtype), N_LAYERS, backend, source_id=source_id)
+    finally:
+        backend.close()
+
+
+def test_store_files_are_aligned(store_dir):
+    manifest = json.loads((store_dir / MANIFEST).read_text())
+    block = manifest["block_nbytes"]
+    assert block % BLOCK_ALIGN == 0 and block >= layer_nbytes(TINY, torch.float32)
+    assert [e["offset"] for e in manifest["layers"]] == [i * block for i in range(N_LAYERS)]
+    assert (store_dir / LAYERS_BIN).stat().st_size == manifest["file_size"] == N_LAYERS * block
+    open_store(store_dir).close()
+
+
+def test_corrupt_manifest(store_dir):
+    (store_dir / MANIFEST).write_text("{not json")
+    with pytest.raises(StoreError, match="manifest.json is corrupt.*delete"):
+        open_store(store_dir)
+
+
+def test_incomplete_manifest(store_dir):
+    manifest = json.loads((store_dir / MANIFEST).read_text())
+    del manifest["layers"]
+    (store_dir / MANIFEST).write_text(json.dumps(manifest))
+    with pytest.raises(StoreError, match="incomplete"):
+        open_store(store_dir)
+
+
+def test_missing_store(tmp_path):
+    with pytest.raises(StoreError, match="no offspec store"):
+        open_store(tmp_path)
+
+
+def test_truncated_layers_bin(store_dir):
+    path = store_dir / LAYERS_BIN
+    os.truncate(path, path.stat().st_size - BLOCK_ALIGN)
+    with pytest.raises(StoreError, match="truncated"):
+        open_store(store_dir)
+
+
+def test_store_of_other_weights_shape_or_dtype(store_dir):
+    with pytest.raises(StoreError, match="built from other weights .'tiny-v1', expected 'tiny-v2'"):
+        open_store(store_dir, source_id="tiny-v2")
+    with pytest.raises(StoreError, match="holds float32 weights, bfloat16 was asked"):
+        open_store(store_dir, dtype=torch.bfloat16)
+    wider = ModelConfig(**{**TINY.__dict__, "intermediate_size": 96})
+    backend = CpuBackend()
+    with pytest.raises(StoreError, match="different layer layout"):
+        DiskStore(str(store_dir), LayerLayout.of(wider, torch.float32), N_LAYERS, backend, source_id="tiny-v1")
+    backend.close()
+    manifest = json.loads((store_dir / MANIFEST).read_text())
+    manifest["fingerprint"] = "0" * 16
+    (store_dir / MANIFEST).write_text(json.dumps(manifest))
+    with pytest.raises(StoreError, match="does not match its own fingerprint"):
+        open_store(store_dir)
+
+
+def test_manifest_fingerprint_is_computable_without_a_config(store_dir):
+    manifest = json.loads((store_dir / MANIFEST).read_text())
+    assert manifest["fingerprint"] == store_fingerprint(LayerLayout.of(TINY, torch.float32), N_LAYERS, "tiny-v1")
+    assert manifest["source_id"] == "tiny-v1"
+
+
+def flip_byte(store_dir, layer, at=100):
+    manifest = json.loads((store_dir / MANIFEST).read_text())
+    offset = manifest["layers"][layer]["offset"] + at
+    with open(store_dir / LAYERS_BIN, "r+b") as f:
+        f.seek(offset)
+        byte = f.read(1)
+        f.seek(offset)
+        f.write(bytes([byte[0] ^ 0x10]))
+
+
+def test_flipped_byte_fails_the_checksum_when_streamed(store_dir):
+    flip_byte(store_dir, layer=3)
+    weights = random_layers(TINY)
+    with open_target_layers(weights.__getitem__, TINY, OffloadConfig(mode="disk"), CPU, torch.float32,
+                            store_dir=str(store_dir), progress=False, source_id="tiny-v1") as target:
+        seen = []
+        with pytest.raises(StoreError, match="layer 3 of the store .* fails its checksum"):
+            for i, _ in target.source.pass_layers():
+                seen.append(i)
+        assert seen == [0, 1, 2]
+
+
+def test_flipped_byte_in_a_resident_layer(store_dir):
+    flip_byte(store_dir, layer=0, at=5000)
+    offload = OffloadConfig(mode="disk", gpu_budget=budget_for(2, 2))
+    with pytest.raises(StoreError, match="layer 0 of the store"):
+        open_target_layers(random_layers(TINY).__getitem__, TINY, offload, CPU, torch.float32,
+                           store_dir=str(store_dir), progress=False, source_id="tiny-v1")
+
+
+def test_interrupted_prepare_leaves_no_store(tmp_path):
+    weights = random_layers(TINY)
+
+    def dies_at_layer_4(i):
+        if i == 4:
+            raise KeyboardInterrupt
+        return weights[i]
+    layout = LayerLayout.of(TINY, torch.float32)
+    with pytest.raises(KeyboardInterrupt):
+        prepare_disk_store(dies_at_layer_4, N_LAYERS, layout, str(tmp_path), progress=False)
+    assert os.listdir(tmp_path) == []
+    assert not disk_store_exists(str(tmp_path))
+    with pytest.raises(StoreError, match="no offspec store"):
+        open_store(tmp_path)
+
+
+def test_rebuilding_over_a_store_uncommits_it_first(store_dir):
+    """An interrupted rebuild must not leave the old manifest describing a half-new layers.bin."""
+    weights = random_layers(TINY, seed=9)
+
+    def dies(i):
+        if i == 2:
+            raise RuntimeError("checkpoint read failed")
+        return weights[i]
+    with pytest.raises(RuntimeError):
+        prepare_disk_store(dies, N_LAYERS, LayerLayout.of(TINY, torch.float32), str(store_dir), progress=False)
+    assert not disk_store_exists(str(store_dir))
+    assert sorted(os.listdir(store_dir)) == [LAYERS_BIN]   # the old data, uncommitted; no temp files
+
+
+def test_disk_mode_builds_the_store_once(tmp_path):
+    weights = random_layers(TINY)
+    calls = []
+
+    def layer_tensors(i):
+        calls.append(i)
+        return weights[i]
+    for _ in range(2):
+        with open_target_layers(layer_tensors, TINY, OffloadConfig(mode="disk"), CPU, torch.float32,
+                                store_dir=str(tmp_path), progress=False) as target:
+            assert target.host.kind == "disk store" and target.host.path == str(tmp_path)
+            assert not target.host.pinned and target.host.reason == "cpu device"
+    assert calls == list(range(N_LAYERS))
+
+
+def test_disk_mode_needs_a_directory():
+    with pytest.raises(InputError, match="store directory"):
+        open_target_layers(random_layers(TINY).__getitem__, TINY, OffloadConfig(mode="disk"), CPU,
+                           torch.float32, progress=False)
+
+
+# ---------------------------------------------------------------- host memory in disk mode
+
+RSS_SCRIPT = r"""
+import json, sys
+import psutil, torch
+from offspec.config import ModelConfig, OffloadConfig
+from offspec.offload import open_target_layers
+cfg = ModelConfig(**json.loads(sys.argv[2]))
+def no_checkpoint(i):
+    raise AssertionError("the store should exist already")
+process = psutil.Process()
+base = peak = process.memory_info().rss
+offload = OffloadConfig(mode="disk", n_slots=2, drop_page_cache=True)
+with open_target_layers(no_checkpoint, cfg, offload, torch.device("cpu"), torch.float32, store_dir=sys.argv[1],
+                        progress=False) as target:
+    for _ in range(2):
+        for i, w in target.source.pass_layers():
+            total = float(w.down_proj.sum())   # touch the slot
+            peak = max(peak, process.memory_info().rss)
+print(json.dumps({"growth": peak - base}))
+"""
+
+
+def test_disk_mode_host_memory_follows_the_ring_not_the_model(tmp_path):
+    """Peak RSS growth while streaming 12 vs 48 layers of ~8.9 MB: the model grows by 320 MB, the ring
+    (2 slots + 2 staging buffers) does not grow at all."""
+    growth = {}
+    for n_layers in (12, 48):
+        cfg = ModelConfig(arch="llama", vocab_size=64, hidden_size=512, intermediate_size=768,
+                          n_layers=n_layers, n_heads=8, n_kv_heads=8, head_dim=64)
+        layout = LayerLayout.of(cfg, torch.float32)
+        directory = str(tmp_path / f"store{n_layers}")
+        prepare_disk_store(filled_layers(cfg, torch.float32), n_layers, layout, directory, progress=False)
+        fields = {k: v for k, v in cfg.__dict__.items()}
+        out = subprocess.run([sys.executable, "-c", RSS_SCRIPT, directory, json.dumps(fields)],
+                             check=True, capture_output=True, text=True, timeout=120)
+        growth[n_layers] = json.loads(out.stdout.strip().splitlines()[-1])["growth"]
+    layer = layer_nbytes(cfg, torch.float32)
+    model_difference = 36 * layer
+    assert growth[48] - growth[12] < model_difference / 8, (growth, model_difference)
+    assert growth[48] < 8 * layer, (growth, layer)   # ring + staging is 4 layers; the rest is slack
+
+
+# ---------------------------------------------------------------- budget and placement
+
+def test_budget_below_two_slots_is_refused():
+    one_layer = layer_nbytes(TINY, torch.float32)
+    offload = OffloadConfig(mode="cpu", gpu_budget=one_layer + 100)
+    with pytest.raises(BudgetError, match=r"too small to stream: it needs at least 81\.0 KiB \(2 slots"):
+        open_target_layers(random_layers(TINY).__getitem__, TINY, offload, CPU, torch.float32, progress=False)
+
+
+def test_placement_spends_the_ring_first_then_resident_layers():
+    L = 1000
+    plan = plan_placement(10, L, OffloadConfig(mode="cpu", n_slots=3, gpu_budget=5 * L + 999), CPU)
+    assert plan.n_slots == 3 and plan.resident == (0, 1) and plan.streamed == tuple(range(2, 10))
+    assert plan.device_bytes == 5 * L
+    # A budget for 2 slots but not 3: the ring shrinks to what fits.
+    plan = plan_placement(10, L, OffloadConfig(mode="disk", n_slots=3, gpu_budget=2 * L), CPU)
+    assert plan.n_slots == 2 and plan.resident == ()
+    # Everything fits: nothing streams.
+    plan = plan_placement(10, L, OffloadConfig(mode="cpu", gpu_budget=10 * L), CPU)
+    assert plan.streamed == () and plan.n_slots == 0
+    # No budget on a CPU device: stream everything.
+    plan = plan_placement(10, L, OffloadConfig(mode="cpu"), CPU)
+    assert plan.resident == () and plan.n_slots == 2
+    # overlap off allows a single slot.
+    plan = plan_placement(10, L, OffloadConfig(mode="cpu", n_slots=1, overlap=False, gpu_budget=L), CPU)
+    assert plan.n_slots == 1 and plan.resident == ()
+
+
+def test_placement_errors():
+    with pytest.raises(InputError, match="unknown offload mode"):
+        plan_placement(10, 1000, OffloadConfig(mode="ram"), CPU)
+    with pytest.raises(InputError, match="at least 2 slots"):
+        plan_placement(10, 1000, OffloadConfig(mode="cpu", n_slots=1), CPU)
+    with pytest.raises(BudgetError, match="cannot hold all 10 layers"):
+        plan_placement(10, 1000, OffloadConfig(mode="none", gpu_budget=5000), CPU)
+
+
+def test_budget_that_holds_everything_gives_resident_layers():
+    weights = random_layers(TINY)
+    offload = OffloadConfig(mode="cpu", gpu_budget=budget_for(N_LAYERS, 0))
+    target = open_target_layers(weights.__getitem__, TINY, offload, CPU, torch.float32, progress=False)
+    assert isinstance(target.source, ResidentLayers) and target.host is None and target.stats() is None
+    for i, w in target.source.pass_layers():
+        assert torch.equal(w.o_proj, weights[i]["o_proj"])
+
+
+def test_overlap_off_single_slot_streams_correctly():
+    weights = random_layers(TINY)
+    offload = OffloadConfig(mode="cpu", n_slots=1, overlap=False)
+    with open_target_layers(weights.__getitem__, TINY, offload, CPU, torch.float32, progress=False) as target:
+        for _ in range(2):
+            for i, w in target.source.pass_layers():
+                assert torch.equal(w.gate_proj, weights[i]["gate_proj"])
+
+
+# ---------------------------------------------------------------- on a real GPU
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("mode", ["cpu", "disk"])
+def test_cuda_streamed_equals_checkpoint(tmp_path, mode):
+    """The CUDA path, under sync-debug mode "error": no hidden synchronization inside a pass."""
+    device = torch.device("cuda")
+    weights = random_layers(TINY)
+    offload = OffloadConfig(mode=mode, n_slots=3, gpu_budget=budget_for(1, 3))
+    with open_target_layers(weights.__getitem__, TINY, offload, device, torch.float32,
+                            store_dir=str(tmp_path), progress=False) as target:
+        assert target.host.pinned, target.host.reason
+        expected = {i: {n: t.to(device) for n, t in w.items()} for i, w in weights.items()}
+        mismatches = torch.zeros((), dtype=torch.int64, device=device)
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            for _ in range(3):
+                for i, w in target.source.pass_layers():
+                    for name in layer_shapes(TINY):
+                        mismatches += (getattr(w, name) != expected[i][name]).sum()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        assert int(mismatches) == 0
+        assert target.stats().passes == 3

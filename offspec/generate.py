@@ -20,7 +20,7 @@ import torch
 
 from .config import SamplingConfig, TreeConfig
 from .costmodel import BudgetPlanner
-from .grow import grow, max_working_nodes
+from .grow import grow
 from .errors import InputError
 from .kv_cache import KVCache
 from .metrics import Step, Timer
@@ -107,8 +107,7 @@ class Engine:
         capacity = min(self.max_context, len(prompt) + request.max_new_tokens + budget + 2)
         dt = self.target.dtype
         t_cache = KVCache.for_model(self.target.cfg, capacity, dt, self.device)
-        # The draft also holds the WORKING tree of a round (every node it ran on), which can exceed the budget.
-        d_capacity = len(prompt) + request.max_new_tokens + max_working_nodes(budget) + 2
+        d_capacity = len(prompt) + request.max_new_tokens + budget + 2
         d_cache = KVCache.for_model(self.draft.cfg, d_capacity, self.draft.dtype, self.device) if speculative else None
         sampling = request.sampling
         stops = StopChecker(self.tokenizer, () if request.ignore_eos else self.eos_ids, request.stop_strings,
@@ -177,13 +176,16 @@ class Engine:
         root_pos = len(seq) - 1
 
         def draft_step(tree: TokenTree, frontier: torch.Tensor) -> torch.Tensor:
-            """frontier (F,) working-tree node ids -> the draft's distributions at those nodes (F, V)."""
+            """frontier (F,) working-tree node ids -> the draft's distributions at those nodes (F, V).
+            Working node j's K/V lives at slot committed + j - 1; its mask row spans every working node
+            (grow reuses the index of a dropped node, so an ancestor may sit after its descendant)."""
             frontier = frontier.to(dev)
-            n_cols = committed + int(frontier.max()) if frontier.numel() else committed
-            tree_cols = tree.mask[frontier][:, 1: n_cols - committed + 1].to(dev)          # (F, n_cols-committed)
-            mask = torch.cat([torch.ones(frontier.numel(), committed, dtype=torch.bool, device=dev), tree_cols], 1)
-            logits = draft.forward(tree.tokens[frontier].to(dev)[None], (root_pos + tree.depths[frontier].to(dev))[None],
-                                   committed + frontier - 1, mask[None], cache)           # (1, F, V)
+            N = tree.n_nodes
+            mask = torch.ones(frontier.numel(), committed + N - 1, dtype=torch.bool, device=dev)   # (F, S)
+            mask[:, committed:] = tree.mask[frontier.cpu()][:, 1:].to(dev)
+            logits = draft.forward(tree.tokens[frontier.cpu()].to(dev)[None],
+                                   (root_pos + tree.depths[frontier.cpu()].to(dev))[None],
+                                   committed + frontier - 1, mask[None], cache)                   # (1, F, V)
             return process_logits(logits[0], sampling)
 
         return grow(tree_cfg, sampling, seq[-1], root_dist, draft_step, budget, generator)

@@ -10,7 +10,8 @@ Regimes:
   disk  target layers on disk (accelerate: device_map -> "disk" + offload_folder; offspec: --offload disk).
         With --cold (default) the page cache is dropped for the weights before every target pass
         (posix_fadvise DONTNEED), as for a target bigger than RAM.
-  cpu   target layers in host RAM (accelerate: cpu_offload hooks; offspec: --offload cpu).
+  cpu   target layers in host RAM (transformers: device_map {"": "cpu"}, i.e. resident, the peer's best case
+        here; offspec: --offload cpu, i.e. streamed through its slot ring).
 Every system is greedy and lossless, so all four must produce the same tokens: in float32 the script fails
 if they do not; in bfloat16 (where a many-token pass and a one-token pass can round a near-tie differently)
 it reports the agreement instead.
@@ -72,9 +73,10 @@ class HfSystems:
             if cold:
                 self.target.register_forward_pre_hook(lambda module, args: drop_page_cache(self.weight_files))
         else:
-            from accelerate import cpu_offload
-            self.target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=dtype)
-            cpu_offload(self.target, execution_device=torch.device("cpu"))
+            # Weights in host RAM, executed where they are. (accelerate's cpu_offload hooks with the CPU as the
+            # execution device break assisted generation in transformers 5.23 — "Cannot copy out of meta
+            # tensor" — and would only add copies, so the peer gets its best case: no hooks at all.)
+            self.target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=dtype, device_map={"": "cpu"})
             self.weight_files = []
         self.target.eval()
         self.draft = AutoModelForCausalLM.from_pretrained(draft_dir, dtype=dtype).eval()

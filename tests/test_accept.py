@@ -1,0 +1,217 @@
+"""Verification: greedy speculation equals plain greedy; stochastic speculation has the target's distribution.
+
+The "models" are tables: the next-token logits depend on the last one or two tokens, so a tree node's
+distribution is read straight off its path, and exact target distributions are matrix powers.
+"""
+import numpy as np
+import pytest
+import torch
+from scipy.stats import chisquare
+
+import offspec.accept as accept
+from offspec.accept import Verdict, verify_greedy, verify_stochastic
+from offspec.config import SamplingConfig, TreeConfig
+from offspec.grow import grow
+from offspec.sampling import make_generator, process_logits
+from offspec.tree import TokenTree
+
+GREEDY = SamplingConfig(temperature=0.0)
+
+
+def small_tree() -> TokenTree:
+    """root 17 -> (42 -> 7), 13"""
+    tree = TokenTree(17)
+    tree.add(0, 42, 0.6)
+    tree.add(0, 13, 0.2)
+    tree.add(1, 7, 0.3)
+    return tree
+
+
+def logits_with_argmax(best: list[int], V: int = 50) -> torch.Tensor:
+    logits = torch.zeros(len(best), V)                                                   # (N, V)
+    logits[torch.arange(len(best)), torch.tensor(best)] = 5.0
+    return logits
+
+
+# ------------------------------------------------------------------------------------------------ greedy
+def test_verify_greedy_on_a_hand_built_tree():
+    tree = small_tree()
+    # Target argmax per node [root, 42, 13, 7]: follows 42 then 7, and adds its own 5.
+    assert verify_greedy(tree, logits_with_argmax([42, 7, 0, 5])) == Verdict((1, 3), (42, 7), 5)
+    # Accepts the leaf 13: the bonus is the target's argmax there.
+    assert verify_greedy(tree, logits_with_argmax([13, 7, 8, 5])) == Verdict((2,), (13,), 8)
+    # Nothing accepted: the bonus is the target's argmax at the root.
+    verdict = verify_greedy(tree, logits_with_argmax([9, 7, 8, 5]))
+    assert verdict == Verdict((), (), 9) and verdict.emitted == [9] and verdict.path == [0]
+    assert verify_greedy(TokenTree.root_only(17), logits_with_argmax([4])) == Verdict((), (), 4)
+
+
+class PairModel:
+    """Logits of the next token given the last two tokens: (V, V, V) table."""
+
+    def __init__(self, table: torch.Tensor):
+        self.table = table
+
+    def at_nodes(self, tree: TokenTree, nodes: torch.Tensor, before_root: int) -> torch.Tensor:
+        """Logits after each node's path (F, V); the token before the root comes from the committed sequence."""
+        parents = tree.parents[nodes]
+        prev = torch.where(parents >= 0, tree.tokens[parents.clamp(min=0)], before_root)
+        return self.table[prev, tree.tokens[nodes]]
+
+
+def pair_models(V: int = 16, noise: float = 0.7, seed: int = 0) -> tuple[PairModel, PairModel]:
+    g = torch.Generator().manual_seed(seed)
+    target = torch.randn(V, V, V, generator=g) * 2
+    draft = target + noise * torch.randn(V, V, V, generator=g)    # agrees often, not always
+    return PairModel(target), PairModel(draft)
+
+
+def speculative_greedy(cfg: TreeConfig, budget: int, prompt: list[int], n: int, target: PairModel,
+                       draft: PairModel) -> tuple[list[int], float]:
+    """The generation loop, driven by tables: returns the emitted tokens and the mean accepted per round."""
+    seq, accepted, rounds = list(prompt), 0, 0
+    while len(seq) - len(prompt) < n:
+        before_root = seq[-2]
+        root_dist = process_logits(draft.table[seq[-2], seq[-1]], GREEDY)
+
+        def draft_step(tree: TokenTree, frontier: torch.Tensor) -> torch.Tensor:
+            return process_logits(draft.at_nodes(tree, frontier, before_root), GREEDY)
+
+        tree = grow(cfg, GREEDY, seq[-1], root_dist, draft_step, budget, make_generator(0))
+        verdict = verify_greedy(tree, target.at_nodes(tree, torch.arange(tree.n_nodes), before_root))
+        seq += verdict.emitted
+        accepted += len(verdict.nodes)
+        rounds += 1
+    return seq[len(prompt):len(prompt) + n], accepted / rounds
+
+
+def plain_greedy(prompt: list[int], n: int, target: PairModel) -> list[int]:
+    seq = list(prompt)
+    for _ in range(n):
+        seq.append(int(target.table[seq[-2], seq[-1]].argmax()))
+    return seq[len(prompt):]
+
+
+GREEDY_POLICIES = [
+    TreeConfig(policy="dyspec"),
+    TreeConfig(policy="dyspec", threshold=0.2),
+    TreeConfig(policy="dyspec", threshold=0.01),
+    TreeConfig(policy="heap"),
+    TreeConfig(policy="chain"),
+    TreeConfig(policy="static"),
+]
+
+
+@pytest.mark.parametrize("cfg", GREEDY_POLICIES, ids=["dyspec", "dyspec-C0.2", "dyspec-C0.01", "heap", "chain",
+                                                      "static"])
+def test_greedy_speculation_equals_plain_greedy(cfg):
+    target, draft = pair_models()
+    prompt, n = [1, 2], 48
+    reference = plain_greedy(prompt, n, target)
+    for budget in (1, 8, 64, 256):
+        tokens, mean_accepted = speculative_greedy(cfg, budget, prompt, n, target, draft)
+        assert tokens == reference, (cfg.policy, budget)
+        if budget >= 8 and cfg.threshold != 0.2:
+            assert mean_accepted > 1.0        # the trees really were used, not just the bonus tokens
+
+
+# ------------------------------------------------------------------------------------------------ stochastic
+def test_verify_stochastic_edge_cases():
+    V = 6
+    p = torch.tensor([0.5, 0.3, 0.2, 0.0, 0.0, 0.0])
+    tree = TokenTree(0)
+    tree.add(0, 1, 0.3)
+    tree.add(0, 2, 0.2)
+    tree.set_dist(0, p)
+    g = make_generator(0)
+    # q = p: the first child is always accepted (min(1, q/p) = 1); the bonus comes from q at that leaf.
+    q = torch.stack([p, torch.eye(V)[4], torch.eye(V)[5]])                              # (N, V)
+    for _ in range(20):
+        assert verify_stochastic(tree, q, g) == Verdict((1,), (1,), 4)
+    # q has no mass on either child: both rejected, the bonus comes from the residual, never 1 or 2.
+    q = torch.stack([torch.tensor([0.2, 0.0, 0.0, 0.4, 0.4, 0.0]), torch.eye(V)[4], torch.eye(V)[5]])
+    for _ in range(20):
+        verdict = verify_stochastic(tree, q, g)
+        assert verdict.nodes == () and verdict.bonus in (0, 3, 4)
+    # The residual after rejecting 1 and 2 is norm(max(q - p, 0)) = (0, 0, 0, .5, .5, 0): token 0 never comes.
+    assert all(verify_stochastic(tree, q, g).bonus in (3, 4) for _ in range(50))
+
+
+V_SMALL = 8
+TRIALS = 5000
+# Power: each test compares the counts of one emitted position over TRIALS = 5000 independent generations with
+# the exact target distribution pi (support of at most 8 tokens, so df <= 7) at alpha = 0.001. A wrong
+# sampler whose distribution is at total-variation distance >= 0.05 from pi gives a noncentrality
+# lambda = TRIALS * sum(delta^2 / pi) >= TRIALS * (2 * 0.05)^2 = 50 (Cauchy-Schwarz), and
+# P(noncentral chi2(df=7, lambda=50) > chi2.ppf(0.999, 7) = 24.3) = 0.996: such a bug is caught with power
+# >= 0.99. test_chi_square_catches_a_verifier_without_the_residual shows it does catch a realistic one.
+
+
+def markov_pair(T: float, top_p: float, seed: int = 1):
+    """Target and draft Markov tables, processed with the same temperature and top-p: (Q, P), each (V, V)."""
+    g = torch.Generator().manual_seed(seed)
+    target = torch.randn(V_SMALL, V_SMALL, generator=g) * 1.5
+    draft = target + torch.randn(V_SMALL, V_SMALL, generator=g) * 1.5    # rejections are common
+    sampling = SamplingConfig(temperature=T, top_p=top_p)
+    return process_logits(target, sampling), process_logits(draft, sampling), sampling
+
+
+def sample_speculatively(cfg: TreeConfig, T: float, budget: int, trials: int = TRIALS, seed: int = 0):
+    """Run `trials` independent generations from root token 0, each until 3 tokens are out.
+    Returns (first tokens, third tokens, per-round tree statistics)."""
+    Q, P, sampling = markov_pair(T, top_p=0.9)
+    g = make_generator(seed)
+
+    def draft_step(tree: TokenTree, frontier: torch.Tensor) -> torch.Tensor:
+        return P[tree.tokens[frontier]]                                                  # (F, V)
+
+    first, third, widest, deepest = [], [], 0, 0
+    for _ in range(trials):
+        out = []
+        while len(out) < 3:
+            root = out[-1] if out else 0
+            tree = grow(cfg, sampling, root, P[root], draft_step, budget, g)
+            verdict = verify_stochastic(tree, Q[tree.tokens], g)
+            out += verdict.emitted
+            widest = max(widest, max(len(tree.children(u)) for u in range(tree.n_nodes)))
+            deepest = max(deepest, len(verdict.nodes))
+        first.append(out[0])
+        third.append(out[2])
+    exact_first = Q[0].double()
+    exact_third = torch.linalg.matrix_power(Q.double(), 3)[0]
+    return (np.array(first), exact_first.numpy()), (np.array(third), exact_third.numpy()), widest, deepest
+
+
+def chi_square_pvalue(samples: np.ndarray, pi: np.ndarray) -> float:
+    counts = np.bincount(samples, minlength=len(pi))
+    support = pi > 0
+    assert counts[~support].sum() == 0, "emitted a token the target (after top-p) can never produce"
+    expected = pi[support] / pi[support].sum() * len(samples)
+    return chisquare(counts[support], expected).pvalue
+
+
+LOSSLESS = [
+    (0.6, TreeConfig(policy="dyspec", threshold=0.02, branching=3, max_depth=6), 12),
+    (1.0, TreeConfig(policy="dyspec", threshold=0.02, branching=3, max_depth=6), 12),
+    (0.6, TreeConfig(policy="static", static_widths=(3, 2, 1)), 12),
+    (1.0, TreeConfig(policy="static", static_widths=(3, 2, 1)), 12),
+    (1.0, TreeConfig(policy="dyspec", threshold=None, branching=3, max_depth=4), 12),   # adaptive C, evictions
+    (0.6, TreeConfig(policy="heap", branching=3, max_depth=4), 8),
+]
+
+
+@pytest.mark.parametrize("T,cfg,budget", LOSSLESS,
+                         ids=["dyspec-T0.6", "dyspec-T1", "static-T0.6", "static-T1", "adaptive-T1", "heap-T0.6"])
+def test_sampling_is_lossless(T, cfg, budget):
+    (first, pi1), (third, pi3), widest, deepest = sample_speculatively(cfg, T, budget)
+    assert widest >= 3 and deepest >= 2         # several children per node, and multi-token acceptances
+    assert chi_square_pvalue(first, pi1) > 1e-3
+    assert chi_square_pvalue(third, pi3) > 1e-3
+
+
+def test_chi_square_catches_a_verifier_without_the_residual(monkeypatch):
+    """Negative control: accept with min(1, q/p) but keep q after a rejection (no residual update)."""
+    monkeypatch.setattr(accept, "residual", lambda q, p: q)
+    (first, pi1), (third, pi3), _, _ = sample_speculatively(LOSSLESS[1][1], 1.0, 12)
+    assert chi_square_pvalue(first, pi1) < 1e-3
+    assert chi_square_pvalue(third, pi3) < 1e-3

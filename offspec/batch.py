@@ -40,7 +40,7 @@ def read_prompt_file(path: str | Path) -> tuple[list[PromptItem], list[BadLine]]
     except (OSError, UnicodeDecodeError) as e:
         raise InputError(f"cannot read prompt file {path}: {e}") from None
     suffix = path.suffix.lower()
-    if suffix not in (".txt", ".jsonl", ".json"):
+    if suffix not in (".txt", ".jsonl"):
         raise InputError(f"{path}: unknown prompt file type {suffix!r}; use .txt (one prompt per line) or .jsonl")
     items, bad, seen = [], [], set()
     for number, line in enumerate(lines, 1):

@@ -1,15 +1,18 @@
 """`offspec` command line: generate | batch | bench | models (demo, info, prepare).
 
-Thin by design: options map one to one onto the config dataclasses; known failures (OffspecError) become
-one line on stderr and exit code 1.
+Thin by design: options map one to one onto the config dataclasses; known failures (OffspecError, and OS
+errors such as a full disk) become one line on stderr, `offspec: error: ...`, and exit code 1; Ctrl-C exits
+with 130. Every command that loads models closes the engine (the streamer's threads) on the way out.
 """
 from __future__ import annotations
 
+import errno
 import json
+import os
 import re
 import sys
 from pathlib import Path
-from typing import Optional
+from typing import NoReturn, Optional
 
 import click
 
@@ -64,12 +67,15 @@ def model_options(f):
                      help="Where the target's decoder layers live: none = all on the device; cpu = host RAM, streamed; "
                           "disk = packed store on disk, streamed."),
         click.option("--gpu-budget", default=None, help="Device bytes for target weights (e.g. 20GB); decides how many "
-                     "layers stay resident. Default: keep none resident beyond the streaming ring."),
+                     "layers stay resident. Default: on a GPU its free memory, on the CPU none beyond the "
+                     "streaming ring."),
         click.option("--slots", "n_slots", type=int, default=2, show_default=True,
-                     help="Device slots in the streaming ring (>= 2)."),
+                     help="Device slots in the streaming ring (>= 2; 1 only with --no-overlap)."),
         click.option("--store-dir", default=None, help="Disk-mode packed store folder. Default: under $OFFSPEC_HOME/stores."),
-        click.option("--host-budget", default=None, help="Max host RAM for the pinned arena (cpu mode); above it, pageable memory."),
-        click.option("--no-overlap", is_flag=True, help="Debug: copy each layer, then compute (no prefetch)."),
+        click.option("--host-budget", default=None, help="Max host RAM for the pinned arena (cpu mode, e.g. 64GB); "
+                     "above it, pageable memory. Default: no cap."),
+        click.option("--no-overlap", is_flag=True,
+                     help="Debug: copy each layer, then compute (no prefetch). Default: overlap."),
         click.option("--tree", "policy", type=click.Choice(POLICIES), default="dyspec", show_default=True,
                      help="Tree growth policy; none = plain autoregressive with the target alone."),
         click.option("--tree-budget", default="auto", show_default=True,
@@ -93,8 +99,8 @@ def build_configs(o: dict):
     from .load import parse_device, parse_dtype
 
     runtime = RuntimeConfig(device=parse_device(o["device"]), dtype=parse_dtype(o["dtype"]))
-    if o["n_slots"] < 2:
-        raise InputError("--slots must be at least 2")
+    if o["n_slots"] < (1 if o["no_overlap"] else 2):
+        raise InputError("--slots must be at least 2 (1 only with --no-overlap)")
     offload = OffloadConfig(mode=o["offload"], gpu_budget=parse_bytes(o["gpu_budget"]), n_slots=o["n_slots"],
                             store_dir=o["store_dir"], host_budget=parse_bytes(o["host_budget"]),
                             overlap=not o["no_overlap"])
@@ -102,6 +108,12 @@ def build_configs(o: dict):
         raise InputError("--temperature must be >= 0")
     if not 0 < o["top_p"] <= 1:
         raise InputError("--top-p must be in (0, 1]")
+    if o["top_k"] < 0:
+        raise InputError("--top-k must be >= 0 (0 = off)")
+    if o["threshold"] is not None and not 0 <= o["threshold"] <= 1:
+        raise InputError("--threshold must be in [0, 1]")
+    if o["max_depth"] < 1 or o["branching"] < 1:
+        raise InputError("--max-depth and --branching must be at least 1")
     tree = TreeConfig(policy=o["policy"], budget=parse_budget(o["tree_budget"]), threshold=o["threshold"],
                       max_depth=o["max_depth"], branching=o["branching"])
     sampling = SamplingConfig(temperature=o["temperature"], top_p=o["top_p"], top_k=o["top_k"], seed=o["seed"])
@@ -127,18 +139,47 @@ def load_from_options(o: dict):
     return loaded, offload, tree, sampling
 
 
+def fail(message: str) -> NoReturn:
+    """One line on stderr, exit 1."""
+    click.echo(f"offspec: error: {' '.join(str(message).split())}", err=True)
+    sys.exit(1)
+
+
+def known_cause(err: BaseException) -> Optional[BaseException]:
+    """The OffspecError or OSError behind `err` (itself, or what a worker-thread wrapper was raised from)."""
+    seen = set()
+    while err is not None and id(err) not in seen:
+        if isinstance(err, (OffspecError, OSError)):
+            return err
+        seen.add(id(err))
+        err = err.__cause__
+    return None
+
+
 class OffspecGroup(click.Group):
     """Turns known failures into one line and exit 1; Ctrl-C into exit 130 without a traceback."""
 
     def invoke(self, ctx):
         try:
             return super().invoke(ctx)
-        except OffspecError as e:
-            click.echo(f"offspec: error: {e}", err=True)
-            ctx.exit(1)
         except KeyboardInterrupt:
-            click.echo("offspec: interrupted", err=True)
-            ctx.exit(130)
+            click.echo("\noffspec: interrupted", err=True)
+            sys.exit(130)
+        except click.exceptions.Exit:
+            raise
+        except Exception as e:
+            cause = known_cause(e)
+            if isinstance(cause, OSError) and cause.errno == errno.EPIPE:
+                raise                       # click quiets a closed pipe (`offspec generate ... | head`) itself
+            if isinstance(cause, OffspecError):
+                fail(str(cause))
+            if isinstance(cause, OSError):
+                fail(f"{cause.strerror or cause}" + (f": {cause.filename}" if cause.filename else ""))
+            torch = sys.modules.get("torch")
+            if torch is not None and isinstance(e, torch.OutOfMemoryError):
+                fail(f"out of device memory ({str(e).splitlines()[0]}); lower --gpu-budget or --tree-budget, "
+                     "or offload the target (--offload cpu|disk)")
+            raise
 
 
 @click.group(cls=OffspecGroup)
@@ -152,12 +193,12 @@ def main():
 @main.command()
 @click.argument("prompt", required=False)
 @click.option("--prompt-file", type=click.Path(dir_okay=False), default=None,
-              help="Read the prompt from this file ('-' = stdin).")
+              help="Read the prompt from this file ('-' = stdin). Default: the PROMPT argument, else stdin.")
 @click.option("--raw", is_flag=True, help="Send the text as is, without the chat template.")
 @click.option("--max-new-tokens", type=int, default=256, show_default=True, help="Stop after this many tokens.")
-@click.option("--stop", multiple=True, help="Stop string (repeatable); generation ends before it.")
+@click.option("--stop", multiple=True, help="Stop string (repeatable); generation ends before it. Default: none.")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None,
-              help="Write the full report (tokens, text, timings) to this JSON file.")
+              help="Write the full report (tokens, text, timings) to this JSON file. Default: none.")
 @click.option("--quiet", is_flag=True, help="Print only the generated text (no report on stderr).")
 @model_options
 def generate(prompt, prompt_file, raw, max_new_tokens, stop, json_path, quiet, **o):
@@ -171,16 +212,21 @@ def generate(prompt, prompt_file, raw, max_new_tokens, stop, json_path, quiet, *
     if json_path:
         check_writable(json_path)
     loaded, offload, tree, sampling = load_from_options(o)
-    ids = encode_prompt(loaded.tokenizer, text, raw=raw)
-    request = GenerationRequest(prompt_ids=tuple(ids), max_new_tokens=max_new_tokens, stop_strings=tuple(stop),
-                                tree=tree, sampling=sampling)
 
     def on_text(delta):
         sys.stdout.write(delta)
         sys.stdout.flush()
 
-    report, _ = run(loaded.engine, request, load_seconds=loaded.load_seconds, offload=offload.mode, on_text=on_text)
+    try:
+        ids = encode_prompt(loaded.tokenizer, text, raw=raw)
+        request = GenerationRequest(prompt_ids=tuple(ids), max_new_tokens=max_new_tokens, stop_strings=tuple(stop),
+                                    tree=tree, sampling=sampling)
+        report, _ = run(loaded.engine, request, load_seconds=loaded.load_seconds, offload=offload.mode,
+                        on_text=on_text)
+    finally:
+        loaded.engine.close()
     sys.stdout.write("\n")
+    sys.stdout.flush()
     if not quiet:
         click.echo(report.summary(), err=True)
     if json_path:
@@ -202,21 +248,23 @@ def read_prompt(prompt: Optional[str], prompt_file: Optional[str]) -> str:
     else:
         raise InputError("no prompt: give one as an argument, with --prompt-file, or on stdin")
     if not text.strip():
-        raise InputError("the prompt is empty")
+        raise InputError(f"the prompt is empty{f' ({prompt_file})' if prompt_file not in (None, '-') else ''}")
     return text
 
 
 def check_writable(path: str) -> None:
-    parent = Path(path).expanduser().resolve().parent
+    """Fail before any model is loaded when the output cannot be written."""
+    file = Path(path).expanduser()
+    parent = file.resolve().parent
+    if file.is_dir():
+        raise InputError(f"cannot write {path}: it is a folder")
     if not parent.is_dir():
         raise InputError(f"cannot write {path}: folder {parent} does not exist")
-    import os
-    if not os.access(parent, os.W_OK) or (Path(path).exists() and not os.access(path, os.W_OK)):
+    if not os.access(parent, os.W_OK) or (file.exists() and not os.access(file, os.W_OK)):
         raise InputError(f"cannot write {path}: permission denied")
 
 
 def write_json(path: str, data: dict) -> None:
-    import os
     tmp = f"{path}.tmp"
     try:
         with open(tmp, "w") as f:
@@ -232,59 +280,68 @@ def write_json(path: str, data: dict) -> None:
 @click.option("-o", "--output", "output", required=True, type=click.Path(dir_okay=False),
               help="Results, one JSON line per prompt; rerunning skips ids already there.")
 @click.option("--max-new-tokens", type=int, default=256, show_default=True, help="Default per prompt.")
-@click.option("--stop", multiple=True, help="Stop string (repeatable).")
+@click.option("--stop", multiple=True, help="Stop string (repeatable); generation ends before it. Default: none.")
 @click.option("--raw", is_flag=True, help="Send prompts as is, without the chat template.")
 @click.option("--strict", is_flag=True, help="Stop at the first malformed line instead of skipping it.")
 @model_options
 def batch(prompt_file, output, max_new_tokens, stop, raw, strict, **o):
-    """Run every prompt of PROMPT_FILE (.txt: one per line; .jsonl: {id, prompt | messages, max_new_tokens?})."""
+    """Run every prompt of PROMPT_FILE (.txt: one per line; .jsonl: {id, prompt | messages, max_new_tokens?}).
+
+    Each finished prompt is one complete line in OUTPUT; Ctrl-C (exit 130) or a kill loses no finished
+    line, and rerunning the same command continues where it stopped."""
     from tqdm import tqdm
 
     from .batch import ResultFile, read_prompt_file, result_record
     from .generate import GenerationRequest, run
     from .prompt import encode_prompt
 
+    if max_new_tokens < 1:
+        raise InputError("--max-new-tokens must be at least 1")
     items, bad = read_prompt_file(prompt_file)
     for b in bad:
         if strict:
             raise InputError(f"{prompt_file}: {b}")
         click.echo(f"offspec: skipping {prompt_file} {b}", err=True)
     results = ResultFile(output)
-    todo = [it for it in items if it.id not in results.done]
-    if len(todo) < len(items):
-        click.echo(f"resuming: {len(items) - len(todo)} of {len(items)} prompts already in {output}", err=True)
-    if not todo:
-        click.echo("nothing to do", err=True)
-        return
-    loaded, offload, tree, sampling = load_from_options(o)
-    tokens = seconds = passes = 0
-    failed = 0
-    bar = tqdm(todo, desc="prompts", unit="prompt", file=sys.stderr, dynamic_ncols=True)
     try:
-        for item in bar:
-            try:
-                ids = encode_prompt(loaded.tokenizer, item.prompt, raw=raw)
-                request = GenerationRequest(prompt_ids=tuple(ids), max_new_tokens=item.max_new_tokens or max_new_tokens,
-                                            stop_strings=tuple(stop), tree=tree, sampling=sampling)
-                report, _ = run(loaded.engine, request, offload=offload.mode)
-            except InputError as e:      # e.g. a prompt longer than the context: skip this one, keep going
-                if strict:
-                    raise InputError(f"{prompt_file} line {item.line}: {e}") from None
-                failed += 1
-                bar.write(f"offspec: skipping {prompt_file} line {item.line} (id {item.id}): {e}")
-                continue
-            results.append(result_record(item, report))
-            tokens += report.new_tokens
-            seconds += report.decode_seconds + report.prefill_seconds
-            passes += report.passes
-            bar.set_postfix_str(f"{seconds / max(tokens, 1):.3f} s/token, {tokens / max(passes, 1):.2f} tok/pass")
-    except KeyboardInterrupt:
-        bar.close()
+        todo = [it for it in items if it.id not in results.done]
+        if len(todo) < len(items):
+            click.echo(f"resuming: {len(items) - len(todo)} of {len(items)} prompts already in {output}", err=True)
+        if not todo:
+            click.echo("nothing to do", err=True)
+            return
+        loaded, offload, tree, sampling = load_from_options(o)
+        tokens = seconds = passes = 0
+        failed = 0
+        bar = tqdm(todo, desc="prompts", unit="prompt", file=sys.stderr, dynamic_ncols=True)
+        try:
+            for item in bar:
+                try:
+                    ids = encode_prompt(loaded.tokenizer, item.prompt, raw=raw)
+                    request = GenerationRequest(prompt_ids=tuple(ids),
+                                                max_new_tokens=item.max_new_tokens or max_new_tokens,
+                                                stop_strings=tuple(stop), tree=tree, sampling=sampling)
+                    report, _ = run(loaded.engine, request, offload=offload.mode)
+                except InputError as e:      # e.g. a prompt longer than the context: skip this one, keep going
+                    if strict:
+                        raise InputError(f"{prompt_file} line {item.line}: {e}") from None
+                    failed += 1
+                    bar.write(f"offspec: skipping {prompt_file} line {item.line} (id {item.id}): {e}", file=sys.stderr)
+                    continue
+                results.append(result_record(item, report))
+                tokens += report.new_tokens
+                seconds += report.decode_seconds + report.prefill_seconds
+                passes += report.passes
+                bar.set_postfix_str(f"{seconds / max(tokens, 1):.3f} s/token, {tokens / max(passes, 1):.2f} tok/pass")
+        except KeyboardInterrupt:
+            bar.close()
+            click.echo(f"\noffspec: interrupted; finished prompts are saved in {output}; rerun to resume", err=True)
+            sys.exit(130)
+        finally:
+            bar.close()
+            loaded.engine.close()
+    finally:
         results.close()
-        click.echo(f"offspec: interrupted; finished prompts are saved in {output}; rerun to resume", err=True)
-        sys.exit(130)
-    bar.close()
-    results.close()
     done = len(todo) - failed
     click.echo(f"done: {done} prompts, {tokens} tokens, {seconds / max(tokens, 1):.4f} s/token, "
                f"{tokens / max(passes, 1):.2f} tokens/pass; skipped {len(bad) + failed} bad; results in {output}",
@@ -299,8 +356,9 @@ def batch(prompt_file, output, max_new_tokens, stop, raw, strict, **o):
 @click.option("--prompt-tokens", type=int, default=128, show_default=True, help="Cut each prompt to this many tokens.")
 @click.option("--new-tokens", type=int, default=128, show_default=True, help="Tokens generated per prompt (EOS ignored).")
 @click.option("--temperatures", default="0,0.6", show_default=True, help="Comma-separated temperatures to run.")
-@click.option("--limit", type=int, default=None, help="Use only the first N prompts.")
-@click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None, help="Write rows and summary here.")
+@click.option("--limit", type=int, default=None, help="Use only the first N prompts. Default: all.")
+@click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None,
+              help="Write the summary and every row to this JSON file. Default: none.")
 @model_options
 def bench(prompt_file, prompt_tokens, new_tokens, temperatures, limit, json_path, **o):
     """Plain autoregressive vs speculative on the same engine and token counts (Sequoia/DySpec protocol)."""
@@ -311,22 +369,35 @@ def bench(prompt_file, prompt_tokens, new_tokens, temperatures, limit, json_path
         temps = [float(t) for t in temperatures.split(",") if t.strip()]
     except ValueError:
         raise InputError(f"--temperatures must be comma-separated numbers, not {temperatures!r}") from None
+    if not temps or any(t < 0 for t in temps):
+        raise InputError(f"--temperatures must be one or more numbers >= 0, not {temperatures!r}")
+    if prompt_tokens < 1 or new_tokens < 1:
+        raise InputError("--prompt-tokens and --new-tokens must be at least 1")
+    if limit is not None and limit < 1:
+        raise InputError("--limit must be at least 1")
     items, bad = read_prompt_file(prompt_file)
     for b in bad:
         click.echo(f"offspec: skipping {prompt_file} {b}", err=True)
+    if not items:
+        raise InputError(f"{prompt_file}: no usable prompts")
     items = items[:limit] if limit else items
     if json_path:
         check_writable(json_path)
     if o["policy"] == "none":
         raise InputError("bench compares against a tree policy; choose one with --tree")
+    if o["target"] is not None and o["draft"] is None:
+        raise InputError("bench compares plain and speculative decoding: give a --draft for the --target")
     loaded, offload, tree, sampling = load_from_options(o)
-    prompts = bench_prompts(loaded.tokenizer, items, prompt_tokens)
 
     def on_result(row):
         click.echo(f"T={row['temperature']:.1f} {row['system']:<18} {row['id']}: {row['seconds_per_token']:.4f} s/token, "
                    f"{row['tokens_per_pass']:.2f} tokens/pass", err=True)
 
-    rows = run_bench(loaded.engine, prompts, tree, sampling, temps, new_tokens, offload.mode, on_result)
+    try:
+        prompts = bench_prompts(loaded.tokenizer, items, prompt_tokens)
+        rows = run_bench(loaded.engine, prompts, tree, sampling, temps, new_tokens, offload.mode, on_result)
+    finally:
+        loaded.engine.close()
     table = summarize(rows)
     click.echo(format_table(table))
     if json_path:
@@ -384,7 +455,8 @@ def models_info(model_dir, dtype, link_gbps):
 @models.command("prepare")
 @click.argument("model_dir", type=click.Path(file_okay=False))
 @click.option("--dtype", default="bfloat16", show_default=True, help="Dtype of the packed layers.")
-@click.option("--store-dir", default=None, help="Where to write the store. Default: under $OFFSPEC_HOME/stores.")
+@click.option("--store-dir", default=None, help="Where to write the store (pass the same --store-dir to "
+              "generate --offload disk). Default: under $OFFSPEC_HOME/stores.")
 def models_prepare(model_dir, dtype, store_dir):
     """Build the packed disk store (one aligned block per layer) used by --offload disk."""
     from .checkpoint import Checkpoint

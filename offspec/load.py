@@ -65,12 +65,11 @@ def check_same_tokenizer(target_tok, draft_tok, target_cfg, draft_cfg) -> None:
                               f"{draft_cfg.vocab_size} (draft) vs {target_cfg.vocab_size} (target)")
     tv, dv = target_tok.get_vocab(), draft_tok.get_vocab()
     if tv != dv:
-        only_t = sorted(set(tv.items()) - set(dv.items()), key=lambda kv: kv[1])
-        only_d = sorted(set(dv.items()) - set(tv.items()), key=lambda kv: kv[1])
-        first = (f"e.g. target has {only_t[0][0]!r}={only_t[0][1]}" if only_t
-                 else f"e.g. draft has {only_d[0][0]!r}={only_d[0][1]}")
-        raise CheckpointError(f"draft and target tokenizers differ ({len(tv)} vs {len(dv)} tokens, "
-                              f"{len(only_t) + len(only_d)} mismatched entries; {first})")
+        differing = sorted({k for k in tv.keys() | dv.keys() if tv.get(k) != dv.get(k)},
+                           key=lambda k: tv.get(k, dv.get(k, 0)))
+        k = differing[0]
+        raise CheckpointError(f"draft and target tokenizers differ ({len(tv)} vs {len(dv)} tokens, {len(differing)} "
+                              f"with different ids; e.g. {k!r} is {tv.get(k)} in the target, {dv.get(k)} in the draft)")
 
 
 def generation_eos(path: Path):

@@ -1,0 +1,423 @@
+#!/usr/bin/env python
+"""How well does layer streaming hide the weight transfer behind compute?
+
+For each offload mode (cpu: host arena; disk: packed store), with every decoder layer streamed through
+a ring of --slots device slots, three things are timed in the same run, each over the same layers:
+
+  pass     one full target forward (Model.forward) over --tokens new tokens after a --context-token
+           prefix already in the KV cache: the shape of a decode step (1 token) or a tree verification
+           (many tokens). Warm-up pass excluded; the median of --passes.
+  compute  the same forward with every layer resident (offload none, the same packed layer blocks).
+  move     the streamed bytes merely moved from the same source, with nothing computed:
+             cpu   every layer block copied from the host arena into a slot buffer (the streamer's own
+                   transfer backend: the copy worker thread on CPU, a side stream on CUDA);
+             disk  every layer read from layers.bin by a DiskStore (the same preadv into staging buffers,
+                   page-cache dropping after each read) and copied from staging into a slot buffer.
+
+  overlap efficiency = max(move, compute) / pass    (1.0 = transfer completely hidden; goal >= 0.9)
+
+In disk mode the file is also dropped from the page cache (posix_fadvise DONTNEED) before every pass, so
+every read is cold. Copy, read and wait seconds come from the streamer's own counters
+(TargetLayers.stats(), StreamStats): wait is the time compute stood still waiting for a layer.
+
+On this CPU-only machine the "device" is host memory and the copies share the cores (and the memory
+bus) with compute, so the ideal of 1.0 is not reachable: the numbers say how far off it is.
+
+Examples:
+  python scripts/bench_stream.py --modes cpu --passes 1 --tokens 1 --layers 4 --context 32   # smoke
+  python scripts/bench_stream.py --modes cpu,disk --passes 5 --tokens 1,64 --write-docs      # full
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+import _common
+from offspec.checkpoint import Checkpoint
+from offspec.config import OffloadConfig
+from offspec.demo import DEFAULT_TARGET, ensure_demo_model, offspec_home
+from offspec.errors import OffspecError
+from offspec.kv_cache import KVCache
+from offspec.load import parse_device, parse_dtype, store_dir_for
+from offspec.metrics import Timer
+from offspec.model import LayerLayout, Model
+from offspec.offload import LAYERS_BIN, DiskStore, HostArenaStore, TargetLayers, open_target_layers
+from offspec.transfer import make_backend
+
+SECTION = "bench_stream"
+SETTLE_TIMEOUT_S = 120.0   # the streamer's prefetch of the next pass must finish within this
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=_common.HelpFormatter)
+    p.add_argument("--target", default=None, help="HF checkpoint folder of the target (default: the demo target, "
+                                                   f"{DEFAULT_TARGET}, converted on first use)")
+    p.add_argument("--dtype", default="bfloat16", help="weight and compute dtype")
+    p.add_argument("--device", default="cpu", help="compute device (cpu or cuda[:N])")
+    p.add_argument("--modes", default="cpu,disk", help="offload modes to measure, comma separated (cpu, disk)")
+    p.add_argument("--passes", type=int, default=None, help="timed passes per (mode, tokens), after one warm-up "
+                                                            "[default 5; 1 with --quick]")
+    p.add_argument("--tokens", default=None, help="new tokens per pass, comma separated (1 = a decode step, "
+                                                  "64 = a 63-node tree verification) [default 1,64; 1 with --quick]")
+    p.add_argument("--context", type=int, default=None, help="tokens already in the KV cache before each pass "
+                                                             "[default 128; 32 with --quick]")
+    p.add_argument("--slots", type=int, default=2, help="ring slots the streamed layers rotate through")
+    p.add_argument("--layers", type=int, default=None, help="use only the first N decoder layers (smoke tests; "
+                                                            "the disk store then goes to a temporary folder) "
+                                                            "[default all; 4 with --quick]")
+    p.add_argument("--store-dir", default=None, help="disk mode: packed store folder (default: offspec's own, "
+                                                     "shared with `offspec generate --offload disk`; built once "
+                                                     "when missing)")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    p.add_argument("--quick", action="store_true", help="smoke-test sizes: 1 pass, 1 token, 4 layers, context 32 "
+                                                        "(explicit flags win)")
+    p.add_argument("--write-docs", action="store_true", help=f"write the table into docs/benchmarks.md "
+                                                             f"(section {SECTION})")
+    args = p.parse_args(argv)
+    quick = args.quick
+    args.passes = args.passes if args.passes is not None else (1 if quick else 5)
+    args.tokens = [int(t) for t in (args.tokens or ("1" if quick else "1,64")).split(",")]
+    args.context = args.context if args.context is not None else (32 if quick else 128)
+    args.layers = args.layers if args.layers is not None else (4 if quick else None)
+    args.modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    for m in args.modes:
+        if m not in ("cpu", "disk"):
+            p.error(f"--modes: unknown mode {m!r} (cpu, disk)")
+    if args.passes < 1 or min(args.tokens) < 1 or args.context < 1 or args.slots < 2:
+        p.error("--passes, --tokens and --context must be >= 1, --slots >= 2")
+    return args
+
+
+# ---------------------------------------------------------------- passes
+
+@dataclass
+class Inputs:
+    """Fixed random token ids: the values do not change the work a pass does."""
+    context: torch.Tensor              # (1, C) prefix ids, prefilled once per model
+    new: dict[int, torch.Tensor]       # T -> (1, T) ids of the timed pass
+
+
+def make_inputs(vocab: int, context: int, tokens: list[int], device: torch.device) -> Inputs:
+    gen = torch.Generator().manual_seed(0)
+    ctx = torch.randint(0, vocab, (1, context), generator=gen)
+    new = {t: torch.randint(0, vocab, (1, t), generator=gen).to(device) for t in tokens}
+    return Inputs(ctx.to(device), new)
+
+
+def forward_at(model: Model, cache: KVCache, start: int, ids: torch.Tensor) -> None:
+    """One forward over ids (1, T) at positions/slots start .. start+T-1, attending causally to the cache.
+
+    Every timed pass writes the same slots (start = the context length), so passes are identical and the
+    cache never grows. Logits for all T rows, as a tree verification needs them."""
+    T = ids.shape[1]
+    positions = torch.arange(start, start + T, device=model.device)                # (T,) also the slots
+    cols = torch.arange(start + T, device=model.device)
+    mask = cols[None, :] <= positions[:, None]                                     # (T, start+T)
+    model.forward(ids, positions[None], positions, mask[None], cache)
+
+
+def timed_passes(model: Model, cache: KVCache, inputs: Inputs, T: int, n: int, before_each=None) -> list[float]:
+    """Wall seconds of n passes over T new tokens (device work included)."""
+    seconds = []
+    for _ in range(n):
+        if before_each is not None:
+            before_each()
+        with Timer(model.device) as timer:
+            forward_at(model, cache, inputs.context.shape[1], inputs.new[T])
+        seconds.append(timer.seconds)
+    return seconds
+
+
+def prefill(model: Model, inputs: Inputs, capacity: int) -> KVCache:
+    cache = KVCache.for_model(model.cfg, capacity, model.dtype, model.device)
+    forward_at(model, cache, 0, inputs.context)
+    cache.set_length(inputs.context.shape[1])
+    return cache
+
+
+# ---------------------------------------------------------------- streaming counters
+
+def settle(layers: TargetLayers, n_slots: int) -> None:
+    """Wait until the streamer has finished the loads it posts ahead (the first n_slots layers of the next
+    pass), so the counters are complete and nothing streams while we measure something else.
+    After P complete passes (prefill and warm-ups included) it has posted P * n_streamed + n_slots loads."""
+    n_streamed = len(layers.placement.streamed)
+    deadline = time.monotonic() + SETTLE_TIMEOUT_S
+    while True:
+        stats = layers.stats()
+        if stats.layers >= stats.passes * n_streamed + n_slots:
+            return
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"the streamer did not finish its prefetch within {SETTLE_TIMEOUT_S:.0f} s")
+        time.sleep(0.005)
+
+
+def drop_page_cache(path: str) -> None:
+    """Evict the whole file from the page cache, so the next reads come from the disk."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+# ---------------------------------------------------------------- move only
+
+def move_passes_cpu(store: HostArenaStore, streamed: tuple[int, ...], layout: LayerLayout, device: torch.device,
+                    n_slots: int, n: int) -> list[float]:
+    """n+1 times (the first is the warm-up, dropped): copy every streamed layer's arena block into a ring of
+    slot buffers through a fresh transfer backend of the streamer's kind; wall seconds of each."""
+    backend = make_backend(device)
+    try:
+        slots = [backend.device_buffer(layout.nbytes) for _ in range(n_slots)]
+        pinned = store.info().pinned
+        seconds = []
+        for _ in range(n + 1):
+            done = backend.new_event()
+            start = time.perf_counter()
+            for k, layer in enumerate(streamed):
+                backend.copy_async(slots[k % n_slots], store.block(layer), src_pinned=pinned)
+            done.record(backend.copy_queue)
+            done.synchronize()
+            seconds.append(time.perf_counter() - start)
+        return seconds[1:]
+    finally:
+        backend.close()
+
+
+def move_passes_disk(directory: str, layout: LayerLayout, n_layers: int, streamed: tuple[int, ...],
+                     device: torch.device, n_slots: int, n: int, source_id: str) -> tuple[list[float], list[float]]:
+    """n+1 times (the first, which also checks every layer's crc32, is dropped): drop layers.bin from the page
+    cache, then read every streamed layer into a staging buffer of a second DiskStore on the same files (the
+    streamer's reader: preadv, fadvise DONTNEED after each read) and copy it into a ring of slot buffers, as
+    the streamer's loader does. -> (wall seconds, read seconds) of each."""
+    backend = make_backend(device)
+    store = None
+    try:
+        store = DiskStore(directory, layout, n_layers, backend, source_id=source_id, drop_page_cache=True)
+        slots = [backend.device_buffer(layout.nbytes) for _ in range(n_slots)]
+        path = os.path.join(directory, LAYERS_BIN)
+        seconds, reads = [], []
+        for _ in range(n + 1):
+            drop_page_cache(path)
+            done = backend.new_event()
+            read_s = 0.0
+            start = time.perf_counter()
+            for k, layer in enumerate(streamed):
+                staged = store.acquire(layer)                # waits until its staging buffer is free, reads
+                backend.copy_async(slots[k % n_slots], staged.block, src_pinned=staged.pinned)
+                staged.gate.record(backend.copy_queue)       # the staging buffer may be refilled after this
+                read_s += staged.read_s
+            done.record(backend.copy_queue)
+            done.synchronize()
+            seconds.append(time.perf_counter() - start)
+            reads.append(read_s)
+        return seconds[1:], reads[1:]
+    finally:
+        backend.close()        # the copy queue first: no copy may still read a staging buffer
+        if store is not None:
+            store.close()
+
+
+# ---------------------------------------------------------------- the run
+
+@dataclass
+class Row:
+    mode: str
+    tokens: int
+    pass_s: float          # median streamed pass
+    compute_s: float       # median resident pass (same tokens)
+    move_s: float          # median move-only pass
+    wait_s: float          # per pass: compute stood still waiting for a layer (StreamStats)
+    copy_s: float          # per pass: the copies' own time on the copy queue (StreamStats)
+    read_s: float          # per pass: disk reads (StreamStats; 0 in cpu mode)
+    move_read_s: float     # disk: per move-only pass, seconds of reading
+    bytes_per_pass: int
+
+    @property
+    def efficiency(self) -> float:
+        return max(self.move_s, self.compute_s) / self.pass_s
+
+    def gbps(self, seconds: float) -> float:
+        return self.bytes_per_pass / seconds / 1e9 if seconds > 0 else float("nan")
+
+
+def measure_resident(ckpt: Checkpoint, cfg, globals_, inputs: Inputs, args, device, dtype, capacity) -> dict[int, float]:
+    print(f"[none] loading {cfg.n_layers} layers resident", file=sys.stderr)
+    layers = open_target_layers(ckpt.layer_tensors, cfg, OffloadConfig(mode="none"), device, dtype,
+                                progress=True, source_id=ckpt.fingerprint())
+    with layers:
+        model = Model(cfg, globals_, layers)
+        cache = prefill(model, inputs, capacity)
+        out = {}
+        for T in args.tokens:
+            timed_passes(model, cache, inputs, T, 1)                               # warm-up
+            seconds = timed_passes(model, cache, inputs, T, args.passes)
+            out[T] = statistics.median(seconds)
+            print(f"[none] T={T}: compute {out[T]:.3f} s/pass (passes: {', '.join(f'{s:.3f}' for s in seconds)})",
+                  file=sys.stderr)
+    return out
+
+
+def measure_streamed(mode: str, ckpt: Checkpoint, cfg, globals_, inputs: Inputs, args, device, dtype, capacity,
+                     store_dir: Optional[str], compute: dict[int, float]) -> tuple[list[Row], str]:
+    layout = LayerLayout.of(cfg, dtype)
+    offload = OffloadConfig(mode=mode, n_slots=args.slots, gpu_budget=args.slots * layout.nbytes,
+                            store_dir=store_dir, drop_page_cache=True)
+    print(f"[{mode}] opening {cfg.n_layers} streamed layers", file=sys.stderr)
+    layers = open_target_layers(ckpt.layer_tensors, cfg, offload, device, dtype, store_dir=store_dir,
+                                progress=True, source_id=ckpt.fingerprint())
+    with layers:
+        streamed = layers.placement.streamed
+        assert len(streamed) == cfg.n_layers and layers.placement.n_slots == args.slots, layers.placement
+        host = layers.host
+        where = f"{host.kind}, {'pinned' if host.pinned else 'pageable (' + host.reason + ')'}"
+        model = Model(cfg, globals_, layers)
+        bin_path = os.path.join(store_dir, LAYERS_BIN) if mode == "disk" else None
+        cold = (lambda: drop_page_cache(bin_path)) if bin_path else None
+        if cold:
+            cold()
+        cache = prefill(model, inputs, capacity)
+        per_T = {}
+        for T in args.tokens:
+            timed_passes(model, cache, inputs, T, 1, cold)                         # warm-up
+            s0 = layers.stats()
+            seconds = timed_passes(model, cache, inputs, T, args.passes, cold)
+            settle(layers, args.slots)
+            s1 = layers.stats()
+            d_layers = s1.layers - s0.layers                 # ~ passes * n_streamed (+ the prefetch in flight at s0)
+            per_layer = lambda x: x / d_layers * len(streamed) if d_layers else float("nan")
+            per_T[T] = dict(pass_s=statistics.median(seconds), wait_s=(s1.wait_s - s0.wait_s) / args.passes,
+                            copy_s=per_layer(s1.transfer_s - s0.transfer_s), read_s=per_layer(s1.read_s - s0.read_s))
+            print(f"[{mode}] T={T}: pass {per_T[T]['pass_s']:.3f} s (passes: {', '.join(f'{s:.3f}' for s in seconds)}), "
+                  f"wait {per_T[T]['wait_s']:.3f} s, copy {per_T[T]['copy_s']:.3f} s, read {per_T[T]['read_s']:.3f} s",
+                  file=sys.stderr)
+        # Move only: the streamer is settled (idle) now; its store stays open, so the same arena is read.
+        move_read = [0.0]
+        if mode == "cpu":
+            move = move_passes_cpu(layers.source.store, streamed, layout, device, args.slots, args.passes)
+        else:
+            move, move_read = move_passes_disk(store_dir, layout, cfg.n_layers, streamed, device, args.slots,
+                                               args.passes, ckpt.fingerprint())
+        print(f"[{mode}] move only: {statistics.median(move):.3f} s/pass (passes: {', '.join(f'{s:.3f}' for s in move)})",
+              file=sys.stderr)
+    rows = [Row(mode, T, compute_s=compute[T], move_s=statistics.median(move), move_read_s=statistics.median(move_read),
+                bytes_per_pass=len(streamed) * layout.nbytes, **v) for T, v in per_T.items()]
+    return rows, where
+
+
+HEADERS = ["mode", "tokens", "pass s", "compute s", "move s", "efficiency", "wait s", "copy s", "read s",
+           "stream GB/s", "move GB/s", "copy GB/s", "read GB/s"]
+
+
+def table_rows(rows: list[Row]) -> list[list[str]]:
+    f = _common.fmt
+    out = []
+    for r in rows:
+        disk = r.mode == "disk"
+        out.append([r.mode, r.tokens, f(r.pass_s), f(r.compute_s), f(r.move_s), f(r.efficiency, 2), f(r.wait_s),
+                    f(r.copy_s), f(r.read_s) if disk else "–", f(r.gbps(r.pass_s), 2), f(r.gbps(r.move_s), 2),
+                    f(r.gbps(r.copy_s), 2), f(r.gbps(r.read_s), 2) if disk else "–"])
+    return out
+
+
+COLUMN_NOTES = """Columns (seconds are per pass; medians over the timed passes, warm-up excluded):
+- **pass s**: one streamed target forward; **compute s**: the same forward with all layers resident;
+  **move s**: moving the same bytes from the same source with no compute (cpu: arena → slot copies;
+  disk: cold `preadv` of `layers.bin` into staging + staging → slot copies).
+- **efficiency** = max(move, compute) / pass: 1.0 means the transfer is fully hidden (goal ≥ 0.9).
+- **wait s**: compute stood still waiting for a layer; **copy s** / **read s**: the streamer's own copy and
+  (disk) read time (`StreamStats`), overlapped with compute.
+- **stream GB/s** = streamed bytes / pass s (the rate a pass consumes weights); **move GB/s** = bytes / move s;
+  **copy GB/s**, **read GB/s** = bytes / copy s, bytes / read s."""
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    started, load_at_start = time.time(), _common.load_average()
+    device, dtype = parse_device(args.device), parse_dtype(args.dtype)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    target = Path(args.target) if args.target else ensure_demo_model(DEFAULT_TARGET)
+    ckpt = Checkpoint(target)
+    full_layers = ckpt.config.n_layers
+    cfg = ckpt.config
+    if args.layers is not None:
+        if not 1 <= args.layers <= full_layers:
+            raise SystemExit(f"--layers must be in 1..{full_layers}")
+        cfg = dataclasses.replace(cfg, n_layers=args.layers)
+    if cfg.n_layers <= args.slots:
+        raise SystemExit(f"{cfg.n_layers} layers with {args.slots} slots: nothing would stream; use fewer slots")
+    layout = LayerLayout.of(cfg, dtype)
+    print(f"target {target} ({cfg.n_layers} of {full_layers} layers, {layout.nbytes / 2**20:.1f} MiB each in "
+          f"{args.dtype}); load average {load_at_start}", file=sys.stderr)
+
+    globals_ = ckpt.global_weights(device, dtype)     # embedding, final norm, lm_head: resident in every mode
+    inputs = make_inputs(cfg.vocab_size, args.context, args.tokens, device)
+    capacity = args.context + max(args.tokens)
+    torch.manual_seed(0)
+
+    with contextlib.ExitStack() as cleanup:
+        store_dir = args.store_dir
+        if "disk" in args.modes and store_dir is None:
+            if cfg.n_layers == full_layers:
+                store_dir = str(store_dir_for(ckpt, dtype, offspec_home()))
+            else:   # a store of the first N layers only: temporary (the shared store holds the whole model)
+                parent = offspec_home() / "stores"
+                parent.mkdir(parents=True, exist_ok=True)
+                store_dir = tempfile.mkdtemp(prefix=f".bench-{target.name}-first{cfg.n_layers}-", dir=parent)
+                os.rmdir(store_dir)                        # open_target_layers builds it there
+                cleanup.callback(shutil.rmtree, store_dir, ignore_errors=True)
+
+        compute = measure_resident(ckpt, cfg, globals_, inputs, args, device, dtype, capacity)
+        rows, sources = [], {}
+        for mode in args.modes:
+            mode_rows, sources[mode] = measure_streamed(mode, ckpt, cfg, globals_, inputs, args, device, dtype,
+                                                        capacity, store_dir if mode == "disk" else None, compute)
+            rows += mode_rows
+
+    print()
+    print(_common.text_table(HEADERS, table_rows(rows)))
+    worst = min(r.efficiency for r in rows)
+    verdict = "met" if worst >= 0.9 else "NOT met"
+    print(f"\noverlap efficiency goal (>= 0.9 in every row): {verdict} (lowest {worst:.2f})")
+
+    if args.write_docs:
+        partial = (f" **Partial run: only the first {cfg.n_layers} of {full_layers} layers.**"
+                   if cfg.n_layers != full_layers else "")
+        setup = (f"Target `{target.name}`, {cfg.n_layers} decoder layers of {layout.nbytes / 1e6:.1f} MB "
+                 f"({args.dtype}) = {cfg.n_layers * layout.nbytes / 1e9:.2f} GB streamed per pass, all layers "
+                 f"streamed through {args.slots} slots; embeddings, final norm and lm_head resident. Each pass "
+                 f"follows a {args.context}-token prefix in the KV cache; {args.passes} timed pass(es) after one "
+                 f"warm-up. Sources: " + "; ".join(f"{m}: {s}" for m, s in sources.items()) + "." + partial)
+        body = "\n\n".join([
+            "## Layer streaming: pass time vs transfer and compute (`scripts/bench_stream.py`)",
+            _common.run_header(device, started, load_at_start),
+            setup,
+            _common.markdown_table(HEADERS, table_rows(rows)),
+            f"Overlap efficiency goal (≥ 0.9 in every row): **{verdict}** (lowest {worst:.2f}).",
+            COLUMN_NOTES,
+        ])
+        _common.write_doc_section(SECTION, body)
+        print(f"wrote section {SECTION} of {_common.BENCHMARKS_MD}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    try:
+        sys.exit(main())
+    except OffspecError as err:
+        print(f"error: {err}", file=sys.stderr)
+        sys.exit(1)

@@ -1,0 +1,91 @@
+"""Checkpoint folders: config parsing, sharded files, and clear errors for bad input."""
+import json
+import shutil
+
+import pytest
+import torch
+
+from offspec.checkpoint import Checkpoint
+from offspec.errors import CheckpointError
+from tiny import hf_config, make_model, save_checkpoint
+
+
+@pytest.fixture(scope="module")
+def good(tmp_path_factory):
+    path = tmp_path_factory.mktemp("ckpt") / "llama"
+    return save_checkpoint(make_model(hf_config("llama")), path)
+
+
+def copy(good, tmp_path):
+    dst = tmp_path / "m"
+    shutil.copytree(good, dst)
+    return dst
+
+
+def test_config_fields(good):
+    ckpt = Checkpoint(good)
+    cfg = ckpt.config
+    assert (cfg.arch, cfg.n_layers, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim) == ("llama", 4, 4, 2, 16)
+    assert set(ckpt.layer_tensors(0)) >= {"q_proj", "down_proj", "input_norm"}
+    assert ckpt.dtype == torch.float32
+
+
+def test_sharded_checkpoint(tmp_path):
+    model = make_model(hf_config("qwen2"))
+    model.save_pretrained(tmp_path / "s", max_shard_size="100KB")
+    assert (tmp_path / "s" / "model.safetensors.index.json").exists()
+    ckpt = Checkpoint(tmp_path / "s")
+    assert ckpt.config.attention_bias
+    torch.testing.assert_close(ckpt.layer_tensors(3)["k_bias"], model.model.layers[3].self_attn.k_proj.bias.detach())
+
+
+def test_missing_folder_and_config(tmp_path):
+    with pytest.raises(CheckpointError, match="no such model folder"):
+        Checkpoint(tmp_path / "nope")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(CheckpointError, match="no config.json"):
+        Checkpoint(tmp_path / "empty")
+
+
+def test_unsupported_architecture(good, tmp_path):
+    path = copy(good, tmp_path)
+    raw = json.loads((path / "config.json").read_text())
+    raw["architectures"] = ["GPT2LMHeadModel"]
+    raw["model_type"] = "gpt2"
+    (path / "config.json").write_text(json.dumps(raw))
+    with pytest.raises(CheckpointError, match="unsupported architecture GPT2LMHeadModel"):
+        Checkpoint(path)
+
+
+def test_truncated_safetensors(good, tmp_path):
+    path = copy(good, tmp_path)
+    f = path / "model.safetensors"
+    data = f.read_bytes()
+    f.write_bytes(data[: len(data) // 2])
+    with pytest.raises(CheckpointError, match="corrupt|cannot read"):
+        ckpt = Checkpoint(path)
+        for i in range(ckpt.config.n_layers):
+            ckpt.layer_tensors(i)
+
+
+def test_garbage_header(good, tmp_path):
+    path = copy(good, tmp_path)
+    (path / "model.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{garbage-header}" + b"\0" * 64)
+    with pytest.raises(CheckpointError, match="corrupt"):
+        Checkpoint(path)
+
+
+def test_shape_mismatch(good, tmp_path):
+    path = copy(good, tmp_path)
+    raw = json.loads((path / "config.json").read_text())
+    raw["intermediate_size"] = 100
+    (path / "config.json").write_text(json.dumps(raw))
+    with pytest.raises(CheckpointError, match="has shape"):
+        Checkpoint(path)
+
+
+def test_bad_json_config(good, tmp_path):
+    path = copy(good, tmp_path)
+    (path / "config.json").write_text("{")
+    with pytest.raises(CheckpointError, match="not valid JSON"):
+        Checkpoint(path)

@@ -1,0 +1,499 @@
+"""The `offspec` command line through click's CliRunner, on tiny random checkpoints (no downloads).
+
+What a user meets: generate (argument, file, stdin; chat template or --raw; streamed text, report, --json),
+batch (txt / jsonl, bad lines, --strict, resume after an interruption or a torn line), bench, models info /
+prepare, and one clean `offspec: error:` line with a non-zero exit for every bad input."""
+import json
+import re
+import shutil
+from pathlib import Path
+from types import SimpleNamespace
+
+import click
+import pytest
+import torch
+from click.testing import CliRunner
+
+import offspec.generate
+from offspec.cli import main
+from offspec.config import OffloadConfig, RuntimeConfig, TreeConfig
+from offspec.generate import GenerationRequest, run
+from offspec.load import load_engine
+from offspec.prompt import encode_prompt
+from tiny import SPECIALS, CHARS, hf_config, make_model, perturbed_copy, save_checkpoint
+
+RUNTIME = RuntimeConfig(device=torch.device("cpu"), dtype=torch.float32)
+FAST = ["--device", "cpu", "--dtype", "float32", "--offload", "none"]
+PROMPT = "Write a haiku about layers."
+N = 10                                   # --max-new-tokens of most runs
+
+
+def printable_only(model):
+    """Only character tokens can win: lm_head rows of the specials (EOS included) and the unused ids are zero,
+    so the tiny models never stop early and every generated token is one visible character."""
+    with torch.no_grad():
+        head = model.lm_head.weight                        # (V, D)
+        head[: len(SPECIALS)] = 0
+        head[len(SPECIALS) + len(CHARS):] = 0
+    return model
+
+
+@pytest.fixture(scope="module")
+def m(tmp_path_factory):
+    root = tmp_path_factory.mktemp("cli")
+    target = printable_only(make_model(hf_config("qwen2", n_layers=2), seed=7, scale=3.0))
+    draft = printable_only(perturbed_copy(target, noise=0.02))
+    t, d = save_checkpoint(target, root / "target"), save_checkpoint(draft, root / "draft")
+
+    other_vocab = save_checkpoint(make_model(hf_config("qwen2", n_layers=1, vocab=160), seed=3), root / "other_vocab")
+    other_tok = root / "other_tok"            # same embedding rows, two tokens swapped in the tokenizer
+    shutil.copytree(d, other_tok)
+    tok_file = other_tok / "tokenizer.json"
+    tok = json.loads(tok_file.read_text())
+    vocab = tok["model"]["vocab"]
+    vocab["a"], vocab["b"] = vocab["b"], vocab["a"]
+    tok_file.write_text(json.dumps(tok))
+
+    short_cfg = hf_config("qwen2", n_layers=1)
+    short_cfg.max_position_embeddings = 64
+    short = save_checkpoint(make_model(short_cfg, seed=5), root / "short")
+
+    plain = load_engine(t, None, OffloadConfig(), RUNTIME, progress=False)
+    return SimpleNamespace(root=root, target=t, draft=d, other_vocab=other_vocab, other_tok=other_tok, short=short,
+                           plain=plain, models=["--target", str(t), "--draft", str(d)])
+
+
+def cli(*args, input=None):
+    return CliRunner().invoke(main, [str(a) for a in args], input=input, prog_name="offspec")
+
+
+def ok(result):
+    assert result.exit_code == 0, (result.output, result.exception)
+    return result
+
+
+def greedy(m, text, raw=False, n=N):
+    """The library's plain greedy tokens: the target alone, no tree."""
+    ids = encode_prompt(m.plain.tokenizer, text, raw=raw)
+    report, _ = run(m.plain.engine, GenerationRequest(prompt_ids=tuple(ids), max_new_tokens=n,
+                                                      tree=TreeConfig(policy="none")))
+    return report
+
+
+def generate_json(m, tmp_path, *args, name="r.json", input=None):
+    out = tmp_path / name
+    result = ok(cli("generate", *m.models, *FAST, "--max-new-tokens", N, "--json", out, *args, input=input))
+    return result, json.loads(out.read_text())
+
+
+def readme_report_fields() -> list[str]:
+    """Every field name the README's report table documents."""
+    readme = (Path(__file__).parent.parent / "README.md").read_text()
+    table = readme.split("### The report", 1)[1].split("`offspec batch` writes", 1)[0]
+    return sorted({name for row in table.splitlines() if row.startswith("| `")
+                   for name in re.findall(r"`([a-z_0-9]+)`", row.split("|")[1])})
+
+
+# ------------------------------------------------------------------ generate
+def test_generate_streams_text_report_and_json(m, tmp_path):
+    result, report = generate_json(m, tmp_path, PROMPT)
+    ref = greedy(m, PROMPT)
+    assert report["tokens"] == ref.tokens and len(ref.tokens) == N          # speculative CLI == plain library greedy
+    assert result.stdout == ref.text + "\n" and report["text"] == ref.text  # the text goes to stdout, nothing else
+    assert "tokens/pass" in result.stderr and "s/token" in result.stderr    # the report goes to stderr
+    fields = readme_report_fields()
+    assert len(fields) > 20 and not set(fields) - set(report), set(fields) - set(report)
+    assert report["new_tokens"] == N and report["finish_reason"] == "length"
+    assert report["passes"] >= 1 and report["tokens_per_pass"] == pytest.approx(N / report["passes"])
+    assert report["seconds_per_token"] > 0 and report["tree_policy"] == "dyspec" and report["tree_budget"] is None
+    # the chat template was applied: more prompt tokens than the raw text, and exactly the templated ids
+    raw_ids = encode_prompt(m.plain.tokenizer, PROMPT, raw=True)
+    assert report["prompt_tokens"] == len(encode_prompt(m.plain.tokenizer, PROMPT)) > len(raw_ids)
+
+
+def test_raw_skips_the_chat_template(m, tmp_path):
+    result, report = generate_json(m, tmp_path, "--raw", "--quiet", PROMPT)
+    ref = greedy(m, PROMPT, raw=True)
+    assert report["prompt_tokens"] == len(encode_prompt(m.plain.tokenizer, PROMPT, raw=True))
+    assert report["tokens"] == ref.tokens and result.stdout == ref.text + "\n"
+    assert "tokens/pass" not in result.stderr                               # --quiet: no report
+
+
+def test_prompt_from_file_and_stdin(m, tmp_path):
+    expected = greedy(m, PROMPT).text + "\n"
+    f = tmp_path / "prompt.md"
+    f.write_text(PROMPT)
+    runs = [cli("generate", *m.models, *FAST, "--max-new-tokens", N, "--prompt-file", f),
+            cli("generate", *m.models, *FAST, "--max-new-tokens", N, input=PROMPT),
+            cli("generate", *m.models, *FAST, "--max-new-tokens", N, "--prompt-file", "-", input=PROMPT)]
+    for r in runs:
+        assert ok(r).stdout == expected
+
+
+def test_stop_string_cuts_the_text(m, tmp_path):
+    text = greedy(m, PROMPT, n=24).text
+    stop = text[10:12]
+    cut = text[: text.find(stop)]
+    result, report = generate_json(m, tmp_path, "--max-new-tokens", 24, "--stop", stop, "--stop", "never-seen", PROMPT)
+    assert result.stdout == cut + "\n" and report["text"] == cut
+    assert report["finish_reason"] == "stop"
+
+
+def test_tree_none_is_plain_autoregressive(m, tmp_path):
+    _, report = generate_json(m, tmp_path, "--tree", "none", PROMPT)
+    assert report["tokens"] == greedy(m, PROMPT).tokens
+    assert report["tree_policy"] == "none" and report["passes"] == N and report["tree_sizes"] == [0] * N
+
+
+def test_fixed_budget_and_threshold(m, tmp_path):
+    _, report = generate_json(m, tmp_path, "--tree", "heap", "--tree-budget", 6, "--max-depth", 4, "--branching", 3,
+                              "--threshold", 0.05, PROMPT)
+    assert report["tokens"] == greedy(m, PROMPT).tokens
+    assert report["tree_budget"] == 6 and max(report["tree_sizes"]) <= 6
+
+
+@pytest.mark.parametrize("tree", [["--tree-budget", 8], ["--tree", "none"]])
+def test_sampling_options_are_seeded(m, tmp_path, tree):
+    # A fixed budget: with "auto" the tree sizes follow measured timings, and with them the random draws.
+    opts = [*tree, "--temperature", 0.8, "--top-p", 0.9, "--top-k", 20, PROMPT]
+    _, a = generate_json(m, tmp_path, "--seed", 3, *opts, name="a.json")
+    _, b = generate_json(m, tmp_path, "--seed", 3, *opts, name="b.json")
+    assert a["tokens"] == b["tokens"] and len(a["tokens"]) == N
+
+
+@pytest.mark.parametrize("mode", ["cpu", "disk"])
+def test_offload_modes_stream_the_target(m, tmp_path, mode):
+    extra = ["--store-dir", tmp_path / "store"] if mode == "disk" else []
+    _, report = generate_json(m, tmp_path, "--offload", mode, *extra, PROMPT)
+    assert report["tokens"] == greedy(m, PROMPT).tokens
+    assert report["offload"] == mode and report["gb_streamed"] > 0 and report["weights_source"] != "resident"
+    if mode == "disk":
+        assert (tmp_path / "store" / "manifest.json").is_file()
+
+
+def test_engine_is_closed_and_ctrl_c_exits_130(m, monkeypatch):
+    closed = []
+    real_close = offspec.generate.Engine.close
+    monkeypatch.setattr(offspec.generate.Engine, "close", lambda self: (closed.append(1), real_close(self)))
+    ok(cli("generate", *m.models, *FAST, "--max-new-tokens", 2, PROMPT))
+    assert closed == [1]
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(offspec.generate, "run", interrupted)
+    result = cli("generate", *m.models, *FAST, "--offload", "cpu", PROMPT)
+    assert result.exit_code == 130 and "Traceback" not in result.output
+    assert result.stderr.strip().splitlines()[-1] == "offspec: interrupted"
+    assert closed == [1, 1]
+
+
+# ------------------------------------------------------------------ batch
+def write_jsonl(path, rows):
+    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows))
+    return path
+
+
+def read_results(path):
+    text = path.read_text()
+    assert text == "" or text.endswith("\n")
+    return [json.loads(line) for line in text.splitlines()]
+
+
+BATCH_FIELDS = {"id", "text", "tokens", "seconds_per_token", "tokens_per_pass", "passes", "prompt_tokens",
+                "finish_reason"}
+
+
+def test_batch_txt(m, tmp_path):
+    prompts = write_jsonl(tmp_path / "p.txt", ["first prompt", "", "second prompt"])
+    out = tmp_path / "out.jsonl"
+    result = ok(cli("batch", prompts, "-o", out, *m.models, *FAST, "--max-new-tokens", 4))
+    rows = read_results(out)
+    assert [r["id"] for r in rows] == ["line-1", "line-3"]
+    assert all(set(r) == BATCH_FIELDS and len(r["tokens"]) == 4 for r in rows)
+    assert rows[0]["tokens"] == greedy(m, "first prompt", n=4).tokens
+    assert "done: 2 prompts" in result.stderr
+
+
+def test_batch_jsonl_bad_lines_and_strict(m, tmp_path):
+    prompts = write_jsonl(tmp_path / "p.jsonl", [
+        {"id": "a", "prompt": "hello", "max_new_tokens": 3},
+        {"id": "b", "messages": [{"role": "user", "content": "hi there"}]},
+        "{not json",
+        {"id": "c", "prompt": "x" * 600},              # longer than the tiny model's 512-token context
+        {"id": 7, "prompt": "the last one"},
+    ])
+    out = tmp_path / "out.jsonl"
+    result = ok(cli("batch", prompts, "-o", out, *m.models, *FAST, "--max-new-tokens", 5))
+    rows = {r["id"]: r for r in read_results(out)}
+    assert sorted(rows) == ["7", "a", "b"]
+    assert len(rows["a"]["tokens"]) == 3 and len(rows["b"]["tokens"]) == 5 and len(rows["7"]["tokens"]) == 5
+    assert rows["b"]["tokens"] == greedy(m, [{"role": "user", "content": "hi there"}], n=5).tokens
+    assert "line 3: not valid JSON" in result.stderr
+    assert "line 4 (id c)" in result.stderr and "context" in result.stderr
+    assert "skipped 2 bad" in result.stderr
+
+    strict = cli("batch", prompts, "-o", tmp_path / "strict.jsonl", *m.models, *FAST, "--strict")
+    assert_clean_error(strict, "line 3", "not valid JSON")
+    assert not (tmp_path / "strict.jsonl").exists()                # stopped before any work
+
+
+def test_batch_interrupted_then_resumed_loses_and_duplicates_nothing(m, tmp_path, monkeypatch):
+    ids = [f"p{i}" for i in range(6)]
+    prompts = write_jsonl(tmp_path / "p.jsonl", [{"id": i, "prompt": f"prompt number {i}"} for i in ids])
+    out = tmp_path / "out.jsonl"
+    args = ["batch", prompts, "-o", out, *m.models, *FAST, "--max-new-tokens", 3]
+
+    calls, real_run = [], offspec.generate.run
+
+    def run_then_ctrl_c(*a, **kw):
+        calls.append(1)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return real_run(*a, **kw)
+    monkeypatch.setattr(offspec.generate, "run", run_then_ctrl_c)
+    result = cli(*args)
+    assert result.exit_code == 130 and "Traceback" not in result.output
+    assert "rerun to resume" in result.stderr
+    assert [r["id"] for r in read_results(out)] == ids[:2]          # finished lines kept, each complete
+
+    monkeypatch.setattr(offspec.generate, "run", real_run)
+    result = ok(cli(*args))
+    assert "resuming: 2 of 6" in result.stderr
+    rows = read_results(out)
+    assert sorted(r["id"] for r in rows) == ids and len(rows) == len(ids)
+    assert all(set(r) == BATCH_FIELDS and len(r["tokens"]) == 3 for r in rows)
+
+    assert "nothing to do" in ok(cli(*args)).stderr                 # a third run changes nothing
+    assert len(read_results(out)) == len(ids)
+
+
+def test_batch_repairs_a_torn_last_line(m, tmp_path):
+    prompts = write_jsonl(tmp_path / "p.txt", ["one", "two", "three"])
+    out = tmp_path / "out.jsonl"
+    args = ["batch", prompts, "-o", out, *m.models, *FAST, "--max-new-tokens", 2]
+    ok(cli(*args))
+    lines = out.read_text().splitlines(keepends=True)
+    out.write_text("".join(lines[:2]) + lines[2][:15])             # killed in the middle of the last write
+    ok(cli(*args))
+    rows = read_results(out)
+    assert [r["id"] for r in rows] == ["line-1", "line-2", "line-3"]
+
+
+# ------------------------------------------------------------------ bench
+def test_bench_table_and_json(m, tmp_path):
+    prompts = write_jsonl(tmp_path / "p.jsonl", [{"id": "x", "prompt": "a prompt that is long enough"},
+                                                 {"id": "y", "messages": [{"role": "user", "content": "hello"}]}])
+    out = tmp_path / "bench.json"
+    result = ok(cli("bench", prompts, *m.models, *FAST, "--prompt-tokens", 8, "--new-tokens", 6,
+                    "--temperatures", "0,0.6", "--tree-budget", 4, "--json", out))
+    assert "speedup" in result.stdout and "autoregressive" in result.stdout and "offspec-dyspec" in result.stdout
+    data = json.loads(out.read_text())
+    assert {(r["temperature"], r["system"]) for r in data["summary"]} == {
+        (t, s) for t in (0.0, 0.6) for s in ("autoregressive", "offspec-dyspec")}
+    assert len(data["rows"]) == 2 * 2 * 2 and all(r["new_tokens"] == 6 for r in data["rows"])
+    greedy_rows = [r for r in data["rows"] if r["temperature"] == 0.0]
+    for prompt_id in ("x", "y"):                    # at T=0 both systems write the same tokens
+        a, b = (r["tokens"] for r in greedy_rows if r["id"] == prompt_id)
+        assert a == b
+
+
+# ------------------------------------------------------------------ models
+def test_models_info(m):
+    out = ok(cli("models", "info", m.target, "--dtype", "float32", "--link-gbps", 10)).stdout
+    for needle in ("architecture:    qwen2 (Qwen2ForCausalLM)", "parameters:", "layers:          2",
+                   "bytes per layer:", "PREDICTED pass:", "at 10 GB/s"):
+        assert needle in out
+
+
+def test_models_prepare_then_disk_generate_and_corrupt_stores(m, tmp_path):
+    store = tmp_path / "store"
+    result = ok(cli("models", "prepare", m.target, "--dtype", "float32", "--store-dir", store))
+    assert result.stdout.strip() == str(store) and (store / "layers.bin").is_file()
+    mtime = (store / "layers.bin").stat().st_mtime_ns
+    disk = [*m.models, "--device", "cpu", "--dtype", "float32", "--offload", "disk", "--max-new-tokens", 4]
+    _, report = generate_json(m, tmp_path, *disk[4:], "--store-dir", store, PROMPT)
+    assert report["tokens"] == greedy(m, PROMPT, n=4).tokens and "disk" in report["weights_source"]
+    assert (store / "layers.bin").stat().st_mtime_ns == mtime          # the prepared store was used, not rebuilt
+
+    flipped, truncated = tmp_path / "flipped", tmp_path / "truncated"
+    shutil.copytree(store, flipped)
+    shutil.copytree(store, truncated)
+    with open(flipped / "layers.bin", "r+b") as f:
+        f.seek(100)
+        byte = f.read(1)
+        f.seek(100)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    with open(truncated / "layers.bin", "r+b") as f:
+        f.truncate((truncated / "layers.bin").stat().st_size - 4096)
+    assert_clean_error(cli("generate", *disk, "--store-dir", flipped, PROMPT), "checksum")
+    assert_clean_error(cli("generate", *disk, "--store-dir", truncated, PROMPT), "truncated")
+
+
+def test_os_error_on_the_loader_thread_is_one_line(m, tmp_path, monkeypatch):
+    """An I/O error while streaming arrives wrapped from the loader thread; the CLI still prints one line."""
+    import errno
+    import offspec.offload
+
+    def failing_read(self, layer, out):
+        raise OSError(errno.EIO, "Input/output error", "layers.bin")
+    disk = ["--device", "cpu", "--dtype", "float32", "--offload", "disk", "--store-dir", tmp_path / "store"]
+    ok(cli("models", "prepare", m.target, "--dtype", "float32", "--store-dir", tmp_path / "store"))
+    monkeypatch.setattr(offspec.offload.DiskStore, "_read", failing_read)
+    assert_clean_error(cli("generate", *m.models, *disk, PROMPT), "Input/output error: layers.bin")
+
+
+# ------------------------------------------------------------------ bad input
+def assert_clean_error(result, *needles, usage=False):
+    """A non-zero exit, no traceback, and the last stderr line is the one error line."""
+    assert result.exit_code != 0, result.output
+    assert isinstance(result.exception, SystemExit), repr(result.exception)
+    assert "Traceback" not in result.output
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith("Error:" if usage else "offspec: error:"), result.stderr
+    for needle in needles:
+        assert needle in last, last
+
+
+def bad_folder(m, name, edit):
+    folder = m.root / name
+    if not folder.exists():
+        shutil.copytree(m.target, folder)
+        edit(folder)
+    return folder
+
+
+def _unsupported(folder):
+    cfg = json.loads((folder / "config.json").read_text())
+    cfg.update(architectures=["GPT2LMHeadModel"], model_type="gpt2")
+    (folder / "config.json").write_text(json.dumps(cfg))
+
+
+def _truncate_weights(folder):
+    f = folder / "model.safetensors"
+    f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
+
+
+def _garble_header(folder):
+    f = folder / "model.safetensors"
+    data = bytearray(f.read_bytes())
+    data[8:40] = b"\xff" * 32
+    f.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("case", ["missing", "no_config", "unsupported", "truncated", "garbled"])
+def test_bad_target_folders(m, tmp_path, case):
+    folder = {
+        "missing": lambda: tmp_path / "nope",
+        "no_config": lambda: tmp_path,
+        "unsupported": lambda: bad_folder(m, "unsupported", _unsupported),
+        "truncated": lambda: bad_folder(m, "truncated", _truncate_weights),
+        "garbled": lambda: bad_folder(m, "garbled", _garble_header),
+    }[case]()
+    needle = {"missing": "no such model folder", "no_config": "no config.json",
+              "unsupported": "unsupported architecture GPT2LMHeadModel", "truncated": "model.safetensors",
+              "garbled": "model.safetensors"}[case]
+    assert_clean_error(cli("generate", "--target", folder, "--draft", m.draft, *FAST, PROMPT), needle)
+    assert_clean_error(cli("models", "info", folder), needle)
+
+
+@pytest.mark.parametrize("draft,needles", [
+    ("other_vocab", ("different vocabularies", "160 (draft)", "128 (target)")),
+    ("other_tok", ("tokenizers differ", "2 with different ids", "'a' is 4 in the target, 5 in the draft")),
+])
+def test_draft_with_another_tokenizer(m, draft, needles):
+    result = cli("generate", "--target", m.target, "--draft", getattr(m, draft), *FAST, PROMPT)
+    assert_clean_error(result, *needles)
+
+
+def test_prompt_longer_than_the_context(m):
+    result = cli("generate", "--target", m.short, "--tree", "none", *FAST, "--raw", "y" * 100)
+    assert_clean_error(result, "100 tokens", "context holds only 64")
+
+
+def test_bad_prompts_and_prompt_files(m, tmp_path):
+    empty = tmp_path / "empty.txt"
+    empty.write_text("  \n")
+    binary = tmp_path / "binary.txt"
+    binary.write_bytes(b"\xff\xfe\x00bad")
+    csv = tmp_path / "p.csv"
+    csv.write_text("a,b\n")
+    gen = ["generate", *m.models, *FAST]
+    assert_clean_error(cli(*gen, "   "), "the prompt is empty")
+    assert_clean_error(cli(*gen, input=""), "the prompt is empty")
+    assert_clean_error(cli(*gen, "--prompt-file", empty), "the prompt is empty")
+    assert_clean_error(cli(*gen, "--prompt-file", tmp_path / "missing.txt"), "cannot read prompt file")
+    assert_clean_error(cli(*gen, "--prompt-file", binary), "cannot read prompt file")
+    assert_clean_error(cli(*gen, "--prompt-file", empty, PROMPT), "not both")
+    assert_clean_error(cli(*gen, "--prompt-file", tmp_path), "is a directory", usage=True)
+    out = ["-o", tmp_path / "o.jsonl"]
+    assert_clean_error(cli("batch", csv, *out, *m.models, *FAST), "unknown prompt file type '.csv'")
+    assert_clean_error(cli("batch", empty, *out, *m.models, *FAST), "no prompts")
+    assert_clean_error(cli("batch", tmp_path / "missing.jsonl", *out, *m.models, *FAST), "cannot read prompt file")
+    assert_clean_error(cli("bench", csv, *m.models, *FAST), "unknown prompt file type")
+
+
+def test_unwritable_outputs(m, tmp_path):
+    prompts = write_jsonl(tmp_path / "p.txt", ["hi"])
+    missing = tmp_path / "no" / "such" / "folder"
+    gen = ["generate", *m.models, *FAST, PROMPT]
+    assert_clean_error(cli(*gen, "--json", missing / "r.json"), "does not exist")
+    assert_clean_error(cli(*gen, "--json", tmp_path), "is a directory", usage=True)
+    assert_clean_error(cli("batch", prompts, "-o", missing / "o.jsonl", *m.models, *FAST), "does not exist")
+    assert_clean_error(cli("batch", prompts, "-o", tmp_path, *m.models, *FAST), "is a directory", usage=True)
+    assert_clean_error(cli("bench", prompts, *m.models, *FAST, "--json", missing / "b.json"), "does not exist")
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["--dtype", "float64"], "unknown dtype 'float64'"),
+    (["--device", "cuda"], "CUDA is not available"),
+    (["--device", "tpu"], "unknown device 'tpu'"),
+    (["--offload", "cpu", "--gpu-budget", "100KB"], "too small to stream"),
+    (["--gpu-budget", "lots"], "cannot read 'lots' as a size"),
+    (["--tree-budget", "abc"], "--tree-budget must be 'auto' or a whole number"),
+    (["--slots", "1"], "--slots must be at least 2"),
+    (["--temperature", "-1"], "--temperature"),
+    (["--top-p", "0"], "--top-p"),
+    (["--top-k", "-3"], "--top-k"),
+    (["--max-new-tokens", "0"], "--max-new-tokens"),
+    (["--threshold", "2"], "--threshold"),
+])
+def test_bad_options(m, args, needle):
+    assert_clean_error(cli("generate", *m.models, *FAST, *args, PROMPT), needle)
+
+
+def test_malformed_options_are_usage_errors(m):
+    assert_clean_error(cli("generate", *m.models, *FAST, "--offload", "gpu", PROMPT), "--offload", usage=True)
+    assert_clean_error(cli("generate", *m.models, *FAST, "--slots", "two", PROMPT), "--slots", usage=True)
+    assert_clean_error(cli("generate", *m.models, *FAST, "--tree", "forest", PROMPT), "--tree", usage=True)
+
+
+def test_bad_bench_and_models_options(m, tmp_path):
+    prompts = write_jsonl(tmp_path / "p.txt", ["hi"])
+    assert_clean_error(cli("bench", prompts, *m.models, *FAST, "--temperatures", "0,hot"), "--temperatures")
+    assert_clean_error(cli("bench", prompts, *m.models, *FAST, "--new-tokens", 0), "--new-tokens")
+    assert_clean_error(cli("bench", prompts, "--target", m.target, *FAST), "--draft")
+    assert_clean_error(cli("models", "info", m.target, "--dtype", "int8"), "unknown dtype")
+    assert_clean_error(cli("models", "prepare", tmp_path / "nope", "--store-dir", tmp_path / "s"),
+                       "no such model folder")
+
+
+# ------------------------------------------------------------------ help
+def all_commands(group=main, path=()):
+    yield path, group
+    for name, command in getattr(group, "commands", {}).items():
+        yield from all_commands(command, (*path, name))
+
+
+@pytest.mark.parametrize("path,command", list(all_commands()),
+                         ids=[" ".join(("offspec", *p)) for p, _ in all_commands()])
+def test_help_explains_every_option_with_its_default(path, command):
+    if not path:
+        assert re.fullmatch(r"offspec, version \S+\n", ok(cli("--version")).stdout)
+    result = ok(cli(*path, "--help"))
+    assert command.get_short_help_str() and f"Usage: {' '.join(('offspec', *path))}" in result.output
+    for param in command.params:
+        if not isinstance(param, click.Option) or param.is_flag or param.required or param.name == "help":
+            continue
+        assert param.help, f"{' '.join(path)} {param.opts[0]} has no help"
+        assert param.show_default or "default" in param.help.lower(), f"{' '.join(path)} {param.opts[0]}: no default"
+        assert param.opts[0] in result.output

@@ -227,7 +227,9 @@ class Engine:
         now = self._stream_stats()
         if now is None or before is None:
             return StreamDelta(0.0, 0.0, 0)
-        return StreamDelta(wait_seconds=now.wait_s - before.wait_s, transfer_seconds=now.transfer_s - before.transfer_s,
+        # Disk mode moves a layer in two legs (read into staging, then copy into the slot); both count.
+        moved = (now.transfer_s + now.read_s) - (before.transfer_s + before.read_s)
+        return StreamDelta(wait_seconds=now.wait_s - before.wait_s, transfer_seconds=moved,
                            bytes_streamed=now.bytes - before.bytes)
 
 
@@ -235,7 +237,7 @@ class Engine:
 class StreamDelta:
     """What the streamer did during one target pass."""
     wait_seconds: float       # compute stood still waiting for a layer
-    transfer_seconds: float   # the copies' own time (overlapped with compute)
+    transfer_seconds: float   # time spent moving weights: disk reads plus copies (overlapped with compute)
     bytes_streamed: int
 
 

@@ -63,9 +63,10 @@ def model_options(f):
                      help="Compute device for both models."),
         click.option("--dtype", default="bfloat16", show_default=True,
                      help="Weight and compute dtype: bfloat16, float16 or float32 (float32 for bit-exact greedy)."),
-        click.option("--offload", type=click.Choice(["none", "cpu", "disk"]), default="cpu", show_default=True,
+        click.option("--offload", type=click.Choice(["auto", "none", "cpu", "disk"]), default="auto", show_default=True,
                      help="Where the target's decoder layers live: none = all on the device; cpu = host RAM, streamed; "
-                          "disk = packed store on disk, streamed."),
+                          "disk = packed store on disk, streamed; auto = cpu on a GPU, none on a CPU-only run (there the "
+                          "'device' is host RAM already and streaming would only add copies)."),
         click.option("--gpu-budget", default=None, help="Device bytes for target weights (e.g. 20GB); decides how many "
                      "layers stay resident. Default: on a GPU its free memory, on the CPU none beyond the "
                      "streaming ring."),
@@ -101,7 +102,10 @@ def build_configs(o: dict):
     runtime = RuntimeConfig(device=parse_device(o["device"]), dtype=parse_dtype(o["dtype"]))
     if o["n_slots"] < (1 if o["no_overlap"] else 2):
         raise InputError("--slots must be at least 2 (1 only with --no-overlap)")
-    offload = OffloadConfig(mode=o["offload"], gpu_budget=parse_bytes(o["gpu_budget"]), n_slots=o["n_slots"],
+    mode = o["offload"]
+    if mode == "auto":
+        mode = "cpu" if runtime.device.type == "cuda" else "none"
+    offload = OffloadConfig(mode=mode, gpu_budget=parse_bytes(o["gpu_budget"]), n_slots=o["n_slots"],
                             store_dir=o["store_dir"], host_budget=parse_bytes(o["host_budget"]),
                             overlap=not o["no_overlap"])
     if o["temperature"] < 0:

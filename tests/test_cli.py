@@ -171,6 +171,13 @@ def test_offload_modes_stream_the_target(m, tmp_path, mode):
         assert (tmp_path / "store" / "manifest.json").is_file()
 
 
+def test_offload_auto_keeps_the_target_resident_on_cpu(m, tmp_path):
+    out = tmp_path / "auto.json"
+    ok(cli("generate", *m.models, "--device", "cpu", "--dtype", "float32", "--max-new-tokens", N, "--json", out, PROMPT))
+    report = json.loads(out.read_text())
+    assert report["offload"] == "none" and report["weights_source"] == "resident"
+
+
 def test_engine_is_closed_and_ctrl_c_exits_130(m, monkeypatch):
     closed = []
     real_close = offspec.generate.Engine.close

@@ -140,6 +140,21 @@ class Checkpoint:
             for name in handle.keys():
                 self._where[name] = file
         self._check_tensors()
+        self.close()
+
+    def _handle(self, file: str):
+        """The safetensors handle (a memory map) of one file, opened on demand."""
+        from safetensors import safe_open
+
+        if file not in self._handles:
+            self._handles[file] = safe_open(str(self.path / file), framework="pt", device="cpu")
+        return self._handles[file]
+
+    def close(self) -> None:
+        """Unmap the files. Pages a memory map has touched stay mapped while it lives, and mapped pages
+        cannot be dropped from the page cache (posix_fadvise DONTNEED skips them): after loading, the
+        checkpoint must not keep the whole model resident. Reading a tensor again reopens the file."""
+        self._handles = {}
 
     def _weight_files(self) -> dict[str, str]:
         index = self.path / "model.safetensors.index.json"
@@ -172,7 +187,7 @@ class Checkpoint:
         for name, shape in self._expected_shapes().items():
             if name not in self._where:
                 raise CheckpointError(f"{self.path}: tensor {name} is missing")
-            sl = self._handles[self._where[name]].get_slice(name)
+            sl = self._handle(self._where[name]).get_slice(name)
             if tuple(sl.get_shape()) != shape:
                 raise CheckpointError(
                     f"{self.path}: tensor {name} has shape {tuple(sl.get_shape())}, config implies {shape}")
@@ -183,11 +198,11 @@ class Checkpoint:
     def dtype(self) -> torch.dtype:
         """The dtype the layer weights are stored in."""
         name = f"model.layers.0.{LAYER_NAMES['q_proj']}"
-        return _FLOAT_DTYPES[self._handles[self._where[name]].get_slice(name).get_dtype()]
+        return _FLOAT_DTYPES[self._handle(self._where[name]).get_slice(name).get_dtype()]
 
     def tensor(self, name: str) -> torch.Tensor:
         try:
-            return self._handles[self._where[name]].get_tensor(name)
+            return self._handle(self._where[name]).get_tensor(name)
         except Exception as e:  # safetensors raises its own error types for truncated data
             raise CheckpointError(f"{self.path}: cannot read tensor {name} ({type(e).__name__}: {e})") from None
 

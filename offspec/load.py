@@ -102,6 +102,9 @@ def load_engine(target_dir: str | Path, draft_dir: Optional[str | Path], offload
         check_same_tokenizer(tokenizer, load_tokenizer(draft_dir), target_ckpt.config, draft_ckpt.config)
         draft = load_resident(draft_ckpt, runtime.device, runtime.dtype)
     target = load_target(target_ckpt, offload, runtime, progress)
+    for ckpt in (target_ckpt, draft_ckpt):
+        if ckpt is not None:
+            ckpt.close()     # the weights now live in the models, the arena or the store
     eos = stop_token_ids(tokenizer, generation_eos(target_dir))
     engine = Engine(target, draft, tokenizer, eos)
     return Loaded(engine, target_ckpt, draft_ckpt, tokenizer, time.perf_counter() - start)

@@ -25,7 +25,6 @@ import argparse
 import gc
 import json
 import os
-import platform
 import statistics
 import sys
 import tempfile
@@ -36,6 +35,9 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "scripts"))
+
+import _common  # noqa: E402
 
 from offspec.config import OffloadConfig, RuntimeConfig, TreeConfig  # noqa: E402
 from offspec.costmodel import GpuSetup, predict_seconds_per_token  # noqa: E402
@@ -69,7 +71,10 @@ class HfSystems:
             device_map.update({f"model.layers.{i}": "disk" for i in range(n_layers)})
             self.target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=dtype, device_map=device_map,
                                                                offload_folder=offload_folder)
-            self.weight_files = sorted(str(p) for p in Path(offload_folder).rglob("*.dat"))
+            # transformers 5 reads disk-offloaded weights straight from the checkpoint's safetensors (the
+            # offload folder stays empty unless it must convert), so those files are what must go cold.
+            self.weight_files = sorted({str(p) for p in Path(target_dir).glob("*.safetensors")}
+                                       | {str(p) for p in Path(offload_folder).rglob("*") if p.is_file()})
             if cold:
                 self.target.register_forward_pre_hook(lambda module, args: drop_page_cache(self.weight_files))
         else:
@@ -117,7 +122,7 @@ def bench_regime(args, regime: str, prompts, target_dir, draft_dir, dtype) -> di
     hf = HfSystems(target_dir, draft_dir, dtype, regime, os.path.join(tmp, "hf-offload"), args.cold, args.assist_tokens)
     print(f"== regime {regime}: loading offspec ...", file=sys.stderr)
     offload = OffloadConfig(mode=regime, store_dir=os.path.join(tmp, "offspec-store") if regime == "disk" else None,
-                            drop_page_cache=args.cold)
+                            drop_page_cache=args.cold, n_slots=args.slots)
     loaded = load_engine(target_dir, draft_dir, offload, RuntimeConfig(device=torch.device("cpu"), dtype=dtype))
     tree = TreeConfig(policy=args.policy, budget=None if args.budget == "auto" else int(args.budget))
     rows = []
@@ -188,12 +193,13 @@ def summarize_regime(regime: str, rows: list[dict]) -> dict:
             "costmodel_gpu_24gbps": predicted_gpu["seconds_per_token"], "rows": rows}
 
 
-def markdown(results: list[dict], args, dtype) -> str:
-    lines = [f"Command: `python scripts/bench_peers.py {' '.join(sys.argv[1:])}`", "",
-             f"Machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, "
+def markdown(results: list[dict], args, dtype, started: float, load_at_start: str) -> str:
+    lines = ["## offspec vs transformers + accelerate (`scripts/bench_peers.py`)", "",
+             _common.run_header(torch.device("cpu"), started, load_at_start), "",
              f"dtype {str(dtype).replace('torch.', '')}, greedy, {args.new_tokens} new tokens, "
              f"HumanEval prompts (chat template), page cache {'dropped before every pass' if args.cold else 'warm'} "
-             f"in the disk regime. hf-assisted: {args.assist_tokens} draft tokens, confidence threshold 0, constant schedule.",
+             f"in the disk regime. hf-assisted: {args.assist_tokens} draft tokens, confidence threshold 0, constant schedule. "
+             f"offspec: {args.slots} ring slots, tree {args.policy}, budget {args.budget}.",
              "", "| regime | system | median s/token | vs hf-plain | identical outputs |", "|---|---|---|---|---|"]
     for r in results:
         for s in SYSTEMS:
@@ -226,19 +232,8 @@ def plot(results: list[dict], path: str) -> None:
     fig.savefig(path, dpi=120)
 
 
-def write_docs_section(name: str, body: str, path: Path) -> None:
-    start, end = f"<!-- {name}:start -->", f"<!-- {name}:end -->"
-    text = path.read_text() if path.exists() else "# Benchmarks\n"
-    block = f"{start}\n{body}\n{end}"
-    if start in text and end in text:
-        text = text[: text.index(start)] + block + text[text.index(end) + len(end):]
-    else:
-        text = text.rstrip() + "\n\n" + block + "\n"
-    path.write_text(text)
-
-
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=_common.HelpFormatter)
     p.add_argument("--prompts", type=int, default=16, help="HumanEval prompts to run")
     p.add_argument("--new-tokens", type=int, default=128)
     p.add_argument("--regimes", default="disk,cpu", help="comma-separated: disk, cpu")
@@ -246,12 +241,17 @@ def main() -> int:
     p.add_argument("--policy", default="dyspec", help="offspec tree policy")
     p.add_argument("--budget", default="auto", help="offspec tree budget (a number or auto)")
     p.add_argument("--assist-tokens", type=int, default=5, help="hf-assisted: draft tokens per step")
+    p.add_argument("--slots", type=int, default=8,
+                   help="offspec ring slots: while the draft grows a tree, the loader prefetches this many layers of "
+                        "the next pass (each slot holds one layer: 93 MB for the 1.5B target in bf16)")
     p.add_argument("--no-cold", dest="cold", action="store_false", help="disk regime: keep the page cache warm")
     p.add_argument("--rows", default=None, help="append raw per-prompt rows to this JSONL file")
     p.add_argument("--json", default=str(ROOT / "docs" / "bench_peers.json"))
     p.add_argument("--plot", default=str(ROOT / "docs" / "peers.png"))
     p.add_argument("--write-docs", action="store_true", help="replace the bench_peers section of docs/benchmarks.md")
+    p.add_argument("--report-only", action="store_true", help="run nothing: summarize the rows already in --rows")
     args = p.parse_args()
+    started, load_at_start = time.time(), _common.load_average()
 
     dtype = parse_dtype(args.dtype)
     target_dir, draft_dir = ensure_demo_models()
@@ -259,16 +259,22 @@ def main() -> int:
     tokenizer = AutoTokenizer.from_pretrained(str(target_dir))
     prompts = [(p["id"], encode_prompt(tokenizer, "Complete this Python function:\n\n" + p["prompt"]))
                for p in humaneval_prompts(args.prompts)]
-    results = [bench_regime(args, regime.strip(), prompts, target_dir, draft_dir, dtype)
-               for regime in args.regimes.split(",") if regime.strip()]
-    table = markdown(results, args, dtype)
+    regimes = [r.strip() for r in args.regimes.split(",") if r.strip()]
+    if args.report_only:
+        if not args.rows or not Path(args.rows).is_file():
+            p.error("--report-only needs --rows FILE from an earlier run")
+        rows = [json.loads(line) for line in Path(args.rows).read_text().splitlines() if line.strip()]
+        results = [summarize_regime(r, [row for row in rows if row["regime"] == r]) for r in regimes
+                   if any(row["regime"] == r for row in rows)]
+    else:
+        results = [bench_regime(args, regime, prompts, target_dir, draft_dir, dtype) for regime in regimes]
+    table = markdown(results, args, dtype, started, load_at_start)
     print(table)
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps(results, indent=1))
     plot(results, args.plot)
     if args.write_docs:
-        write_docs_section("bench_peers", table + f"\n\n![s/token per system]({Path(args.plot).name})\n",
-                           ROOT / "docs" / "benchmarks.md")
+        _common.write_doc_section("bench_peers", table + f"\n\n![s/token per system]({Path(args.plot).name})\n")
     mismatched = sum(r["prompts"] - min(r["identical_outputs"].values()) for r in results)
     if mismatched:
         print(f"{mismatched} prompt(s) where a system's tokens differ from hf-plain", file=sys.stderr)

@@ -210,16 +210,18 @@ class Checkpoint:
         """Layer i's tensors keyed by LayerWeights field names, in the stored dtype, on the CPU."""
         return {field: self.tensor(f"model.layers.{i}.{LAYER_NAMES[field]}") for field in layer_shapes(self.config)}
 
+    # Weights kept for good are copied out of the memory map (copy=True): a tensor that aliases the map
+    # keeps the whole file mapped, and with it every page ever read through it (see close()).
     def layer_weights(self, i: int, device: torch.device, dtype: torch.dtype) -> LayerWeights:
-        return LayerWeights(**{k: v.to(device=device, dtype=dtype) for k, v in self.layer_tensors(i).items()})
+        return LayerWeights(**{k: v.to(device=device, dtype=dtype, copy=True) for k, v in self.layer_tensors(i).items()})
 
     def global_weights(self, device: torch.device, dtype: torch.dtype) -> GlobalWeights:
-        embed = self.tensor(GLOBAL_NAMES["embed"]).to(device=device, dtype=dtype)
+        embed = self.tensor(GLOBAL_NAMES["embed"]).to(device=device, dtype=dtype, copy=True)
         if GLOBAL_NAMES["lm_head"] in self._where:
-            lm_head = self.tensor(GLOBAL_NAMES["lm_head"]).to(device=device, dtype=dtype)
+            lm_head = self.tensor(GLOBAL_NAMES["lm_head"]).to(device=device, dtype=dtype, copy=True)
         else:
             lm_head = embed
-        final_norm = self.tensor(GLOBAL_NAMES["final_norm"]).to(device=device, dtype=dtype)
+        final_norm = self.tensor(GLOBAL_NAMES["final_norm"]).to(device=device, dtype=dtype, copy=True)
         return GlobalWeights(embed=embed, final_norm=final_norm, lm_head=lm_head)
 
     def parameter_count(self) -> int:

@@ -47,6 +47,8 @@ from offspec.load import load_engine, parse_dtype  # noqa: E402
 from offspec.prompt import encode_prompt  # noqa: E402
 
 SYSTEMS = ("hf-plain", "hf-assisted", "offspec-none", "offspec-tree")
+GPU_LINK_GB_PER_S = 24.0     # PREDICTION inputs: PCIe 4.0 x16 from pinned memory
+GPU_DRAFT_CALL_S = 0.008     # one batched forward of the 0.5B draft on a GPU (latency-bound), assumed
 
 
 def drop_page_cache(paths) -> None:
@@ -102,11 +104,12 @@ class HfSystems:
         return out[0, len(ids):].tolist(), seconds
 
 
-def run_offspec(engine, ids, new_tokens, tree: TreeConfig, offload: str) -> tuple[list[int], float, object]:
+def run_offspec(engine, ids, new_tokens, tree: TreeConfig, offload: str):
+    """-> (tokens, seconds, RunReport, steps)"""
     request = GenerationRequest(prompt_ids=tuple(ids), max_new_tokens=new_tokens, tree=tree, ignore_eos=True)
     start = time.perf_counter()
-    report, _ = run(engine, request, offload=offload)
-    return report.tokens, time.perf_counter() - start, report
+    report, steps = run(engine, request, offload=offload)
+    return report.tokens, time.perf_counter() - start, report, steps
 
 
 def agreement(a: list[int], b: list[int]) -> float:
@@ -136,9 +139,9 @@ def bench_regime(args, regime: str, prompts, target_dir, draft_dir, dtype) -> di
             out = {}
             out["hf-plain"] = hf.generate(ids, args.new_tokens, False)
             out["hf-assisted"] = hf.generate(ids, args.new_tokens, True)
-            toks, secs, rep_none = run_offspec(loaded.engine, ids, args.new_tokens, TreeConfig(policy="none"), regime)
+            toks, secs, rep_none, _ = run_offspec(loaded.engine, ids, args.new_tokens, TreeConfig(policy="none"), regime)
             out["offspec-none"] = (toks, secs)
-            toks, secs, rep_tree = run_offspec(loaded.engine, ids, args.new_tokens, tree, regime)
+            toks, secs, rep_tree, steps_tree = run_offspec(loaded.engine, ids, args.new_tokens, tree, regime)
             out["offspec-tree"] = (toks, secs)
             ref = out["hf-plain"][0]
             row = {"regime": regime, "id": pid, "prompt_tokens": len(ids)}
@@ -149,7 +152,8 @@ def bench_regime(args, regime: str, prompts, target_dir, draft_dir, dtype) -> di
                                        draft_seconds=rep_tree.draft_seconds, target_seconds=rep_tree.target_seconds,
                                        gb_streamed=rep_tree.gb_streamed, wait_seconds=rep_tree.wait_seconds,
                                        transfer_seconds=rep_tree.transfer_seconds,
-                                       mean_tree_size=statistics.fmean(rep_tree.tree_sizes))
+                                       mean_tree_size=statistics.fmean(rep_tree.tree_sizes),
+                                       mean_depth=statistics.fmean(st.tree_depth for st in steps_tree))
             row["offspec-none"].update(target_seconds=rep_none.target_seconds, passes=rep_none.passes,
                                        gb_streamed=rep_none.gb_streamed, transfer_seconds=rep_none.transfer_seconds)
             rows.append(row)
@@ -179,8 +183,11 @@ def summarize_regime(regime: str, rows: list[dict]) -> dict:
     pass_tree = statistics.median(t["target_seconds"] / t["passes"] for t in tree_rows)
     predicted_here = predict_seconds_per_token(int(bytes_per_pass), GpuSetup(link_gb_per_s=gbps), tokens_per_pass,
                                                draft_per_round, compute_seconds_per_pass=pass_tree)
-    predicted_gpu = predict_seconds_per_token(int(bytes_per_pass), GpuSetup(link_gb_per_s=24.0), tokens_per_pass,
-                                              draft_per_round * 0.05)
+    # On a GPU the draft is latency-bound: GPU_DRAFT_CALL_S per batched call, one call per tree depth plus the
+    # catch-up call. Rows without depths (older runs) take the deepest tree allowed (32): an upper bound.
+    calls = statistics.median(t.get("mean_depth", 32) + 1 for t in tree_rows)
+    predicted_gpu = predict_seconds_per_token(int(bytes_per_pass), GpuSetup(link_gb_per_s=GPU_LINK_GB_PER_S),
+                                              tokens_per_pass, calls * GPU_DRAFT_CALL_S)
     return {"regime": regime, "prompts": len(rows), "median_seconds_per_token": med, "identical_outputs": identical,
             "speedup_tree_vs_hf_assisted": med["hf-assisted"] / med["offspec-tree"],
             "speedup_tree_vs_hf_plain": med["hf-plain"] / med["offspec-tree"],
@@ -196,6 +203,8 @@ def summarize_regime(regime: str, rows: list[dict]) -> dict:
 def markdown(results: list[dict], args, dtype, started: float, load_at_start: str) -> str:
     lines = ["## offspec vs transformers + accelerate (`scripts/bench_peers.py`)", "",
              _common.run_header(torch.device("cpu"), started, load_at_start), "",
+             *([f"Rendered from the rows in `{args.rows}`, measured by the same command without --report-only "
+                "(interleaved prompt by prompt, one process per regime).", ""] if args.report_only else []),
              f"dtype {str(dtype).replace('torch.', '')}, greedy, {args.new_tokens} new tokens, "
              f"HumanEval prompts (chat template), page cache {'dropped before every pass' if args.cold else 'warm'} "
              f"in the disk regime. hf-assisted: {args.assist_tokens} draft tokens, confidence threshold 0, constant schedule. "
@@ -206,12 +215,17 @@ def markdown(results: list[dict], args, dtype, started: float, load_at_start: st
             m = r["median_seconds_per_token"][s]
             lines.append(f"| {r['regime']} | {s} | {m:.3f} | {r['median_seconds_per_token']['hf-plain'] / m:.2f}x | "
                          f"{r['identical_outputs'][s]}/{r['prompts']} |")
-    lines += ["", "| regime | offspec-tree vs hf-assisted | vs offspec-none | tokens/pass | cost model: predicted / measured s/token here | predicted on a GPU, 24 GB/s |",
+    lines += ["", "| regime | offspec-tree vs hf-assisted | vs offspec-none | tokens/pass | cost model: predicted / measured s/token here | PREDICTED on a GPU, 24 GB/s |",
               "|---|---|---|---|---|---|"]
     for r in results:
         lines.append(f"| {r['regime']} | {r['speedup_tree_vs_hf_assisted']:.2f}x | {r['speedup_tree_vs_offspec_none']:.2f}x | "
                      f"{r['tokens_per_pass']:.2f} | {r['costmodel_predicted_here']:.3f} / {r['costmodel_measured_here']:.3f} | "
                      f"{r['costmodel_gpu_24gbps']:.3f} |")
+    lines += ["", "Cost model (`offspec/costmodel.py`, a prediction): s/token = (max(streamed bytes / link, compute) + "
+              "draft per round) / tokens per pass. 'Here' uses this run's measured streaming rate, target pass time "
+              "and draft time, and is checked against the measured s/token. 'On a GPU' assumes "
+              f"{GPU_LINK_GB_PER_S:g} GB/s pinned PCIe, {GPU_DRAFT_CALL_S * 1000:g} ms per batched draft call, one call "
+              "per tree depth plus one, and this run's tokens per pass; it is not a measurement."]
     return "\n".join(lines)
 
 

@@ -104,11 +104,11 @@ class Engine:
         budget = (planner.max_budget if planner else request.tree.budget) if speculative else 0
         if len(prompt) + 1 >= self.max_context:
             raise InputError(f"the prompt has {len(prompt)} tokens but the context holds only {self.max_context}")
-        capacity = min(self.max_context, len(prompt) + request.max_new_tokens + budget + 2)
-        dt = self.target.dtype
-        t_cache = KVCache.for_model(self.target.cfg, capacity, dt, self.device)
-        d_capacity = len(prompt) + request.max_new_tokens + budget + 2
-        d_cache = KVCache.for_model(self.draft.cfg, d_capacity, self.draft.dtype, self.device) if speculative else None
+        # Prompt + generated tokens + one round's tree + the root; positions never pass the context, but the
+        # draft's cache slots (working-tree nodes) may, so only the target's cache is capped by it.
+        needed = len(prompt) + request.max_new_tokens + budget + 2
+        t_cache = KVCache.for_model(self.target.cfg, min(self.max_context, needed), self.target.dtype, self.device)
+        d_cache = KVCache.for_model(self.draft.cfg, needed, self.draft.dtype, self.device) if speculative else None
         sampling = request.sampling
         stops = StopChecker(self.tokenizer, () if request.ignore_eos else self.eos_ids, request.stop_strings,
                             request.max_new_tokens)

@@ -53,6 +53,7 @@ class TreeConfig:
     max_depth: int = 32                         # deepest level the draft may grow in one round
     branching: int = 8                          # candidate children examined per frontier node each depth
     static_widths: tuple = (4, 2, 2, 1, 1, 1)   # "static": children per node at each depth
+    prune: bool = True                          # dyspec: run the draft only on nodes at least as likely as last round's C
 
 
 @dataclass(frozen=True)
@@ -71,3 +72,4 @@ class SamplingConfig:
 class RuntimeConfig:
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))  # compute device for both models
     dtype: torch.dtype = torch.float32         # compute and weight dtype
+    draft_quant: str = "none"                  # "none" | "int8": the draft's matrices as per-row int8 (changes p only)

@@ -20,9 +20,10 @@ import torch
 class BudgetPlanner:
     """Picks each round's tree budget ("auto") from measured draft and target costs."""
 
-    def __init__(self, start: int = 32, max_budget: int = 1024):
+    def __init__(self, start: int = 32, max_budget: int = 1024, max_depth: int = 32):
         self.budget = start
         self.max_budget = max_budget
+        self.max_depth = max_depth       # TreeConfig.max_depth: trees that reach it can only grow wider
         self.passes: deque[tuple[int, float]] = deque(maxlen=32)   # (tokens in pass, seconds)
         self.draft_per_call: Optional[float] = None
         self.explored_low = False
@@ -62,7 +63,9 @@ class BudgetPlanner:
             # Too few distinct pass sizes to know b: try a small tree once to measure the slope.
             self.explored_low = True
             return max(1, tree.size // 4)
-        if best >= tree.size:              # the optimum is at the edge of what we explored: look further
+        if best >= tree.size and tree.depth < self.max_depth:
+            # The optimum is at the edge of what we explored: look further. (A tree already as deep as allowed
+            # would only get wider, at values below everything it holds: the edge is where it stops.)
             return min(self.max_budget, max(2 * tree.size, 2))
         return max(1, best)
 

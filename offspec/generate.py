@@ -100,7 +100,7 @@ class Engine:
         speculative = self.speculative(request)
         planner = None
         if speculative and request.tree.budget is None:
-            planner = BudgetPlanner(start=128 if self.device.type == "cuda" else 32)
+            planner = BudgetPlanner(start=128 if self.device.type == "cuda" else 32, max_depth=request.tree.max_depth)
         budget = (planner.max_budget if planner else request.tree.budget) if speculative else 0
         if len(prompt) + 1 >= self.max_context:
             raise InputError(f"the prompt has {len(prompt)} tokens but the context holds only {self.max_context}")
@@ -115,6 +115,9 @@ class Engine:
         seed_gen = torch.Generator().manual_seed(sampling.seed)   # seeds a fresh generator every round
 
         seq, generated = prompt, []
+        # TreeConfig.prune: last round's C (its tree's lowest value) when that tree filled its budget; a round
+        # with a larger budget (the auto planner probing) must reach below it, so it gets no floor.
+        floor, floor_budget = 0.0, 0
         while True:
             generator = make_generator(int(torch.randint(0, 2**62, (1,), generator=seed_gen)), self.device)
             # Near the end of the context the tree shrinks so it still fits.
@@ -122,7 +125,8 @@ class Engine:
             round_budget = max(0, min(planner.next_budget() if planner else budget, room))
             with Timer(self.device) as draft_timer:
                 if speculative and round_budget > 0:
-                    tree = self._grow(seq, d_cache, request.tree, sampling, round_budget, generator)
+                    tree = self._grow(seq, d_cache, request.tree, sampling, round_budget, generator,
+                                      floor if round_budget <= floor_budget else 0.0)
                 else:
                     tree = TokenTree.root_only(seq[-1])
             stream_before = self._stream_stats()
@@ -145,6 +149,9 @@ class Engine:
                                              device=self.device), start)
             if planner is not None:
                 planner.observe(tree, draft_timer.seconds, target_timer.seconds, pass_tokens)
+            full = tree.size > 0 and tree.size >= round_budget
+            floor = float(tree.values[1:].min()) if request.tree.prune and full else 0.0
+            floor_budget = round_budget
             seq = seq + block
             generated = generated + emitted
             if reason is None and len(seq) + 1 >= self.max_context:
@@ -160,7 +167,7 @@ class Engine:
 
     # ------------------------------------------------------------ draft
     def _grow(self, seq: list[int], cache: KVCache, tree_cfg: TreeConfig, sampling: SamplingConfig,
-              budget: int, generator: torch.Generator) -> TokenTree:
+              budget: int, generator: torch.Generator, floor: float) -> TokenTree:
         draft, dev = self.draft, self.device
         # Catch up: feed what the draft has not seen (ends with the root) and read the root's distribution.
         start = cache.length
@@ -188,7 +195,7 @@ class Engine:
                                    committed + frontier - 1, mask[None], cache)                   # (1, F, V)
             return process_logits(logits[0], sampling)
 
-        return grow(tree_cfg, sampling, seq[-1], root_dist, draft_step, budget, generator)
+        return grow(tree_cfg, sampling, seq[-1], root_dist, draft_step, budget, generator, expand_floor=floor)
 
     # ------------------------------------------------------------ target
     def _verify_pass(self, seq: list[int], cache: KVCache, tree: TokenTree) -> tuple[torch.Tensor, int]:

@@ -71,11 +71,13 @@ POLICIES = ("dyspec", "heap", "chain", "static", "none")
 
 
 def grow(tree_cfg: TreeConfig, sampling: SamplingConfig, root_token: int, root_dist: torch.Tensor,
-         draft_step: DraftStep, budget: int, generator: torch.Generator) -> TokenTree:
+         draft_step: DraftStep, budget: int, generator: torch.Generator, expand_floor: float = 0.0) -> TokenTree:
     """Grow one round's token tree with at most `budget` nodes besides the root.
 
     root_dist (V,): the draft's processed distribution at the root (process_logits of its logits there).
     generator: drives the without-replacement draws at T > 0 (unused at T = 0).
+    expand_floor: dyspec runs the draft only on nodes whose value reaches it (the caller passes the previous
+    round's C; see _grow_dyspec). 0 = every node that could still place a child.
     """
     if tree_cfg.policy not in POLICIES:
         raise ValueError(f"unknown tree policy {tree_cfg.policy!r}; expected one of {', '.join(POLICIES)}")
@@ -85,7 +87,7 @@ def grow(tree_cfg: TreeConfig, sampling: SamplingConfig, root_token: int, root_d
     if budget == 0 or tree_cfg.policy == "none" or tree_cfg.max_depth < 1:
         return g.finish([0])
     if tree_cfg.policy == "dyspec":
-        return _grow_dyspec(tree_cfg, g, budget)
+        return _grow_dyspec(tree_cfg, g, budget, expand_floor)
     if tree_cfg.policy == "heap":
         return _grow_heap(tree_cfg, g, budget)
     if tree_cfg.policy == "chain":
@@ -246,11 +248,16 @@ class _Ranking:
 
 
 # ---------------------------------------------------------------------------------------------------------
-def _grow_dyspec(cfg: TreeConfig, g: _Growth, budget: int) -> TokenTree:
+def _grow_dyspec(cfg: TreeConfig, g: _Growth, budget: int, expand_floor: float = 0.0) -> TokenTree:
     """DySpec Algorithm 2, level by level: at each depth every frontier candidate whose value reaches C joins
     (best first, so that the budget, when it binds, keeps the best); the next frontier is the new nodes that
     could still place a child. Adaptive C (threshold None): C is the B-th best value seen so far, so at T = 0
-    the result is exactly the B highest-value nodes among all candidates explored."""
+    the result is exactly the B highest-value nodes among all candidates explored.
+
+    Adaptive C starts at 0, so the first levels admit every candidate and the frontier runs wide (tens of
+    rows) before deeper, likelier nodes push those out again. A draft call on a CPU costs about its row
+    count, so the caller may pass last round's final C as `expand_floor`: only nodes at least that likely
+    are run. It only decides which nodes get children, from their own values, so it keeps losslessness."""
     ranking = _Ranking(budget, cfg.threshold)
     g.expand([0], cfg.branching)
     frontier = [0]
@@ -273,7 +280,7 @@ def _grow_dyspec(cfg: TreeConfig, g: _Growth, budget: int) -> TokenTree:
             break
         # A child's key is at most its parent's value (exactly equal for the first draw at T > 0), so only
         # nodes whose own value would be admitted can place a child: the rest are not worth a draft call.
-        frontier = [n for n in new if n in ranking.alive and ranking.admits(g.value[n])]
+        frontier = [n for n in new if n in ranking.alive and ranking.admits(g.value[n]) and g.value[n] >= expand_floor]
         if not frontier:
             break
         g.expand(frontier, cfg.branching)

@@ -100,7 +100,7 @@ def load_engine(target_dir: str | Path, draft_dir: Optional[str | Path], offload
     if draft_dir is not None:
         draft_ckpt = Checkpoint(draft_dir)
         check_same_tokenizer(tokenizer, load_tokenizer(draft_dir), target_ckpt.config, draft_ckpt.config)
-        draft = load_resident(draft_ckpt, runtime.device, runtime.dtype)
+        draft = load_resident(draft_ckpt, runtime.device, runtime.dtype, runtime.draft_quant)
     target = load_target(target_ckpt, offload, runtime, progress)
     for ckpt in (target_ckpt, draft_ckpt):
         if ckpt is not None:

@@ -12,7 +12,7 @@ Three index tensors stay separate everywhere (never merged):
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Iterator, Optional, Protocol
 
 import torch
@@ -20,6 +20,7 @@ import torch.nn.functional as F
 
 from .config import ModelConfig
 from .kv_cache import KVCache
+from .quant import linear
 
 
 @dataclass
@@ -187,19 +188,19 @@ def layer_forward(
     H, H_kv, hd = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
 
     h = rms_norm(x, w.input_norm, cfg.rms_norm_eps)
-    q = F.linear(h, w.q_proj, w.q_bias).view(B, T, H, hd).transpose(1, 2)        # (B, H, T, hd)
-    k = F.linear(h, w.k_proj, w.k_bias).view(B, T, H_kv, hd).transpose(1, 2)     # (B, H_kv, T, hd)
-    v = F.linear(h, w.v_proj, w.v_bias).view(B, T, H_kv, hd).transpose(1, 2)     # (B, H_kv, T, hd)
+    q = linear(h, w.q_proj, w.q_bias).view(B, T, H, hd).transpose(1, 2)          # (B, H, T, hd)
+    k = linear(h, w.k_proj, w.k_bias).view(B, T, H_kv, hd).transpose(1, 2)       # (B, H_kv, T, hd)
+    v = linear(h, w.v_proj, w.v_bias).view(B, T, H_kv, hd).transpose(1, 2)       # (B, H_kv, T, hd)
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
 
     cache.write(layer, slots, k, v)
     S = mask.shape[-1]
     keys, values = cache.k[layer, :B, :, :S], cache.v[layer, :B, :, :S]            # (B, H_kv, S, hd)
     attn = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask[:, None], enable_gqa=H != H_kv)
-    x = x + F.linear(attn.transpose(1, 2).reshape(B, T, H * hd), w.o_proj)        # (B, T, D)
+    x = x + linear(attn.transpose(1, 2).reshape(B, T, H * hd), w.o_proj)          # (B, T, D)
 
     h = rms_norm(x, w.post_norm, cfg.rms_norm_eps)
-    return x + F.linear(F.silu(F.linear(h, w.gate_proj)) * F.linear(h, w.up_proj), w.down_proj)
+    return x + linear(F.silu(linear(h, w.gate_proj)) * linear(h, w.up_proj), w.down_proj)
 
 
 class Model:
@@ -230,4 +231,4 @@ class Model:
         if logit_rows is not None:
             x = x[:, logit_rows]
         x = rms_norm(x, self.globals.final_norm, self.cfg.rms_norm_eps)
-        return F.linear(x, self.globals.lm_head).float()                            # (B, R, V)
+        return linear(x, self.globals.lm_head).float()                              # (B, R, V)

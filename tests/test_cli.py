@@ -152,6 +152,25 @@ def test_fixed_budget_and_threshold(m, tmp_path):
     assert report["tree_budget"] == 6 and max(report["tree_sizes"]) <= 6
 
 
+@pytest.mark.parametrize("opts", [["--draft-quant", "int8"], ["--draft-quant", "none", "--no-prune"]])
+def test_draft_quant_and_pruning_keep_the_output(m, tmp_path, opts):
+    _, report = generate_json(m, tmp_path, *opts, "--tree-budget", 8, PROMPT)
+    assert report["tokens"] == greedy(m, PROMPT).tokens and report["tokens_per_pass"] > 1
+
+
+@pytest.mark.parametrize("device,expected", [("cpu", "int8")])
+def test_draft_quant_auto(m, monkeypatch, device, expected):
+    seen = {}
+
+    def fake_load_engine(target, draft, offload, runtime, progress):
+        seen["runtime"], seen["tree"] = runtime, None
+        raise KeyboardInterrupt          # stop before generating: only the configs are checked
+
+    monkeypatch.setattr("offspec.load.load_engine", fake_load_engine)
+    cli("generate", *m.models, "--device", device, PROMPT)
+    assert seen["runtime"].draft_quant == expected
+
+
 @pytest.mark.parametrize("tree", [["--tree-budget", 8], ["--tree", "none"]])
 def test_sampling_options_are_seeded(m, tmp_path, tree):
     # A fixed budget: with "auto" the tree sizes follow measured timings, and with them the random draws.

@@ -3,9 +3,9 @@ bookkeeping, stops inside a block, and plain greedy == transformers' generate.""
 import pytest
 import torch
 
-from offspec.checkpoint import Checkpoint, load_tokenizer
+from offspec.checkpoint import Checkpoint
 from offspec.config import OffloadConfig, RuntimeConfig, SamplingConfig, TreeConfig
-from offspec.generate import Engine, GenerationRequest, run
+from offspec.generate import GenerationRequest, run
 from offspec.load import load_engine
 from tiny import hf_config, make_model, perturbed_copy, save_checkpoint
 

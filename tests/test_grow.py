@@ -261,3 +261,17 @@ def test_growth_is_seeded():
     b, _ = run(TreeConfig(policy="dyspec", branching=4), SAMPLED, 32, seed=5)
     assert torch.equal(a.tokens, b.tokens) and torch.equal(a.parents, b.parents)
     assert math.isclose(float(a.values.sum()), float(b.values.sum()))
+
+
+@pytest.mark.parametrize("sampling", [GREEDY, SAMPLED], ids=["greedy", "sampled"])
+def test_expand_floor_runs_only_likely_nodes(sampling):
+    """With last round's C as the floor, the draft runs only on nodes at least that likely: fewer rows for
+    the same budget, and the tree is still valid (closed, within budget, children a prefix of the draws)."""
+    cfg, budget = TreeConfig(policy="dyspec", budget=24, branching=4, max_depth=8), 24
+    wide, wide_draft = run(cfg, sampling, budget)
+    floor = float(wide.values[1:].min())            # this tree's C, as the Engine would pass it next round
+    draft = FakeDraft(markov_logits(0), sampling, budget)
+    tree = grow(cfg, sampling, ROOT, draft.root_dist(), draft, budget, make_generator(0), expand_floor=floor)
+    check_tree(tree, draft, cfg, sampling, budget)
+    assert all(value >= floor for _, value in draft.expanded[1:])
+    assert sum(map(len, draft.frontiers)) < sum(map(len, wide_draft.frontiers))

@@ -256,7 +256,6 @@ def test_streamed_model_logits_equal_resident_bitwise(tmp_path):
     tokens = torch.randint(0, TINY.vocab_size, (1, 8), generator=g)
     with streamed:
         for start, end in [(0, 5), (5, 8)]:                 # prefill, then a continuation over the cache
-            T = end - start
             positions = torch.arange(start, end)[None]      # (1, T)
             slots = torch.arange(start, end)                # (T,)
             mask = torch.arange(end)[None, :] <= positions[0, :, None]   # (T, end) causal

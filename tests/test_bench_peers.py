@@ -1,0 +1,141 @@
+"""The pure helpers of scripts/bench_peers.py: the rows file (resume), divergence indices, the identity verdict
+and the summary of rows that lack a system. No models are loaded."""
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "bench_peers.py"
+
+
+@pytest.fixture(scope="module")
+def bp():
+    spec = importlib.util.spec_from_file_location("bench_peers", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def cell(seconds, agreement=1.0, tokens=8, **extra):
+    return {"seconds_per_token": seconds, "tokens": tokens, "agreement_with_hf_plain": agreement, **extra}
+
+
+def row(bp, pid, regime="cpu", int8=True, divergence=None):
+    tree = dict(tokens_per_pass=4.0, passes=2, draft_seconds=0.2, target_seconds=0.4, gb_streamed=1.0,
+                wait_seconds=0.0, transfer_seconds=0.1, mean_tree_size=10.0, mean_depth=3.0)
+    r = {"regime": regime, "id": pid, "prompt_tokens": 5, "first_divergence": divergence or {},
+         "hf-plain": cell(0.4), "hf-assisted": cell(0.2),
+         "offspec-none": cell(0.5, target_seconds=3.0, passes=8, gb_streamed=4.0, transfer_seconds=1.0),
+         "offspec-tree": cell(0.1, **tree)}
+    if int8:
+        r[bp.INT8] = cell(0.08, **tree)
+    return r
+
+
+def test_first_divergence(bp):
+    assert bp.first_divergence([1, 2, 3], [1, 2, 3]) is None
+    assert bp.first_divergence([1, 2, 3], [1, 5, 3]) == 1
+    assert bp.first_divergence([7], [8]) == 0
+    assert bp.first_divergence([1, 2], [1, 2, 3]) == 2      # a length difference counts where it starts
+    assert bp.first_divergence([], []) is None
+
+
+def test_divergence_index_takes_the_latest_and_reads_old_rows(bp):
+    assert bp.divergence_index(row(bp, "a")) is None
+    assert bp.divergence_index(row(bp, "a", divergence={"offspec-tree": 3, "hf-assisted": 6})) == 6
+    old = row(bp, "a")
+    del old["first_divergence"]              # rows written before first_divergence existed
+    old["offspec-tree"]["agreement_with_hf_plain"] = 0.25   # 2 of 8 tokens agree
+    assert bp.row_divergences(old) == {"offspec-tree": 2}
+
+
+def test_read_rows_file_skips_a_torn_line_and_separates_checks(bp, tmp_path, capsys):
+    path = tmp_path / "rows.jsonl"
+    check = {"kind": bp.FP32_CHECK, "id": "p1", "checked_tokens": 4, "result": "identical"}
+    path.write_text(json.dumps(row(bp, "p0")) + "\n" + json.dumps(check) + "\n" + '{"regime": "cpu", "id": "p1", "hf-')
+    rows, checks = bp.read_rows_file(path)
+    assert [r["id"] for r in rows] == ["p0"]             # the fp32 check is not a timing row
+    assert checks == {"p1": check}
+    assert "not a complete JSON line" in capsys.readouterr().err
+    # Appending after the torn line starts a new line, so the new row is read back.
+    bp.append_line(path, row(bp, "p2"))
+    rows, _ = bp.read_rows_file(path)
+    assert [r["id"] for r in rows] == ["p0", "p2"]
+
+
+def test_read_rows_file_missing(bp, tmp_path):
+    assert bp.read_rows_file(None) == ([], {})
+    assert bp.read_rows_file(tmp_path / "absent.jsonl") == ([], {})
+
+
+def test_rows_by_id_selects_regime_and_prompts_last_wins(bp):
+    first, second = row(bp, "p0"), row(bp, "p0")
+    second["prompt_tokens"] = 99
+    rows = [first, row(bp, "p0", regime="disk"), second, row(bp, "p9")]
+    chosen = bp.rows_by_id(rows, "cpu", ["p0", "p1"])
+    assert list(chosen) == ["p0"] and chosen["p0"]["prompt_tokens"] == 99
+
+
+def test_move_aside(bp, tmp_path):
+    path = tmp_path / "rows.jsonl"
+    path.write_text("x\n")
+    bp.move_aside(path)
+    assert not path.exists() and (tmp_path / "rows.jsonl.bak").read_text() == "x\n"
+    bp.move_aside(path)                      # nothing to move: no error
+
+
+def test_settings_mismatches(bp):
+    settings = {"new_tokens": 4, "dtype": "bfloat16"}
+    rows = [{"settings": {"new_tokens": 4, "dtype": "bfloat16"}}, {}]   # {} = a row from before settings
+    assert bp.settings_mismatches(rows, settings) == []
+    rows.append({"settings": {"new_tokens": 128, "dtype": "bfloat16"}})
+    assert bp.settings_mismatches(rows, settings) == ["new_tokens: the file has 128, this run 4"]
+
+
+def test_identity_verdicts(bp):
+    rows = [row(bp, "same"), row(bp, "rounded", divergence={"offspec-tree": 5}),
+            row(bp, "bad", divergence={"hf-assisted": 2}), row(bp, "new", divergence={"offspec-tree": 1})]
+    checks = {"rounded": {"checked_tokens": 6, "result": "identical"},
+              "bad": {"checked_tokens": 3, "result": "differs"}}
+    summary = bp.identity_summary(rows, checks, fp32_run=False)
+    assert summary == {"identical": 1, "rounding": 1, "fail": 1, "unchecked": 1, "prompts": 4}
+    assert "FAIL" in bp.identity_text(summary) and "identical in fp32 (checked)" in bp.identity_text(summary)
+    # In a float32 run there is nothing to explain: every difference fails.
+    assert bp.identity_summary(rows, checks, fp32_run=True)["fail"] == 3
+    # A stored check that stops before the divergence does not cover it.
+    assert bp.prompt_verdict(row(bp, "rounded", divergence={"offspec-tree": 6}), checks, False) == "unchecked"
+
+
+def test_fp32_todo_covers_the_latest_divergence_across_regimes(bp):
+    results = [{"rows": [row(bp, "a", divergence={"offspec-tree": 3}), row(bp, "b")]},
+               {"rows": [row(bp, "a", regime="disk", divergence={"hf-assisted": 7}),
+                         row(bp, "c", divergence={"offspec-none": 0})]}]
+    assert bp.fp32_todo(results, {}) == {"a": 8, "c": 1}
+    checks = {"a": {"checked_tokens": 8, "result": "identical"}, "c": {"checked_tokens": 0, "result": "identical"}}
+    assert bp.fp32_todo(results, checks) == {"c": 1}
+
+
+def test_summary_and_markdown_with_a_missing_system(bp, tmp_path, monkeypatch):
+    old_rows = [row(bp, "p0", int8=False), row(bp, "p1", int8=False)]
+    summary = bp.summarize_regime("cpu", old_rows)
+    assert summary["median_seconds_per_token"][bp.INT8] is None
+    assert summary["rows_with_system"][bp.INT8] == 0
+    assert summary["speedup_int8_tree_vs_hf_assisted"] is None
+    assert summary["speedup_tree_vs_hf_assisted"] == pytest.approx(2.0)
+    mixed = bp.summarize_regime("disk", [row(bp, "p0", regime="disk"), row(bp, "p1", regime="disk", int8=False)])
+    assert mixed["rows_with_system"][bp.INT8] == 1
+    assert mixed["speedup_int8_tree_vs_hf_assisted"] == pytest.approx(0.2 / 0.08)
+
+    for s in (summary, mixed):
+        s["identity"] = bp.identity_summary(s["rows"], {}, fp32_run=False)
+    args = type("Args", (), dict(rows=None, report_only=False, new_tokens=8, cold=True, assist_tokens=5, slots=8,
+                                 policy="dyspec", budget="auto"))()
+    monkeypatch.setattr(bp._common, "run_header", lambda *a: "header")   # no machine probing in a unit test
+    text = bp.markdown([summary, mixed], args, bp.torch.bfloat16, 0.0, "n/a")
+    assert f"| cpu | {bp.INT8} | - | - | - |" in text
+    assert f"| disk | {bp.INT8} | 0.080 | 5.00x | 1/1 |" in text
+    assert "| cpu | 2.00x | - | 5.00x | 4.00 / - |" in text
+    assert "cpu: identical 2/2" in text
+    assert bp.fmt(None, ".2f") == "-"
+    bp.plot([summary, mixed], str(tmp_path / "plot.png"))

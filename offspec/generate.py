@@ -47,6 +47,10 @@ class StopChecker:
         self.eos_ids = set(eos_ids)
         self.stop_strings = [s for s in stop_strings if s]
         self.max_new_tokens = max_new_tokens
+        # A stop string that ends at the newest token lies within its last `window` tokens (a character
+        # takes at most 4 byte-level tokens), so only that tail is decoded: earlier occurrences would have
+        # stopped generation already, and decoding the whole text per token would be quadratic.
+        self.window = 4 * max((len(s) for s in self.stop_strings), default=0) + 8
 
     def cut(self, generated: list[int], block: list[int]) -> tuple[list[int], Optional[str]]:
         """Given tokens emitted so far and a new block, return the part of the block to emit and why we stop."""
@@ -54,7 +58,8 @@ class StopChecker:
             if token in self.eos_ids:
                 return block[:i], "eos"
             if self.stop_strings:
-                text = self.tokenizer.decode(generated + block[: i + 1], skip_special_tokens=True)
+                tail = (generated + block[: i + 1])[-self.window:]
+                text = self.tokenizer.decode(tail, skip_special_tokens=True)
                 if any(s in text for s in self.stop_strings):
                     return block[: i + 1], "stop"   # IncrementalText cuts the text at the stop string
             if len(generated) + i + 1 >= self.max_new_tokens:
@@ -174,7 +179,7 @@ class Engine:
         new = torch.tensor([seq[start:]], device=dev)                                  # (1, T)
         T = new.shape[1]
         positions = torch.arange(start, start + T, device=dev)
-        mask = positions[:, None] >= torch.arange(start + T, device=dev)[None, :]      # (T, start+T) causal
+        mask = causal_rows(start, T, start + T, dev)                                    # (T, start+T)
         logits = draft.forward(new, positions[None], positions, mask[None], cache,
                                logit_rows=torch.tensor([T - 1], device=dev))
         cache.set_length(start + T)
@@ -210,8 +215,7 @@ class Engine:
         slots = torch.arange(start, root_slot + N, device=dev)                           # (P+N,)
         S = root_slot + N
         mask = torch.zeros(P + N, S, dtype=torch.bool, device=dev)
-        cols = torch.arange(S, device=dev)
-        mask[:P] = cols[None, :] <= slots[:P, None]          # the pending prompt: causal
+        mask[:P] = causal_rows(start, P, S, dev)             # the pending prompt: causal
         mask[P:, :root_slot] = True                          # tree rows see the whole committed prefix
         mask[P:, root_slot:] = tree.mask.to(dev)             # ... and their ancestors in the tree
         logits = self.target.forward(tokens, positions[None], slots, mask[None], cache,
@@ -238,6 +242,12 @@ class Engine:
         moved = (now.transfer_s + now.read_s) - (before.transfer_s + before.read_s)
         return StreamDelta(wait_seconds=now.wait_s - before.wait_s, transfer_seconds=moved,
                            bytes_streamed=now.bytes - before.bytes)
+
+
+def causal_rows(first_slot: int, n_rows: int, n_cols: int, device) -> torch.Tensor:
+    """(n_rows, n_cols) bool: row i (the token at slot first_slot + i) sees every slot up to its own."""
+    slots = torch.arange(first_slot, first_slot + n_rows, device=device)
+    return torch.arange(n_cols, device=device)[None, :] <= slots[:, None]
 
 
 @dataclass(frozen=True)

@@ -204,3 +204,25 @@ def test_engine_sampling_is_lossless(tmp_path):
 def replace_seed(sampling, seed):
     from dataclasses import replace
     return replace(sampling, seed=seed)
+
+
+def test_stop_checker_decodes_only_a_tail():
+    """Stop strings are found when they end at the newest token, however long the output, and each check
+    decodes a bounded tail (not the whole text, which made long generations quadratic)."""
+    from offspec.generate import StopChecker
+
+    class CharTokenizer:                       # token id = a character's code point
+        longest = 0
+
+        def decode(self, ids, skip_special_tokens=True):
+            self.longest = max(self.longest, len(ids))
+            return "".join(map(chr, ids))
+
+    tok = CharTokenizer()
+    stops = StopChecker(tok, eos_ids=(), stop_strings=("STOP",), max_new_tokens=10_000)
+    generated = [ord("a")] * 5000
+    block = [ord(c) for c in "xxSTOPyy"]
+    emitted, reason = stops.cut(generated, block)
+    assert reason == "stop" and emitted == block[:6]
+    assert tok.longest <= stops.window < 100
+    assert stops.cut(generated, [ord("S"), ord("T")]) == ([ord("S"), ord("T")], None)

@@ -1,0 +1,121 @@
+#!/usr/bin/env python
+"""What one draft call costs, by the number of tree nodes it runs, with and without the draft's int8 copy.
+
+A round grows its tree with one draft call per depth, so the time of one call decides how deep a tree can pay
+for itself. On a CPU a call over a few rows is memory-bound (it reads every draft weight once), which is what
+the int8 copy of the draft's matrices (offspec/quant.py, `--draft-quant int8`) halves. For each setting this
+times Model.forward of the resident demo draft (0.5B) over R rows after a --context-token prefix in its KV
+cache, R in --rows, median of --calls calls:
+
+  bf16            the draft as loaded
+  int8            the same draft with the int8 copy (rows <= quant.FUSED_MAX_ROWS read it)
+  ... +streamer   the same while the target's layer streamer is alive (--offload cpu, 8 slots, idle after
+                  its prefetch), as during generation
+  ... +torch-copy the same with the streamer's copy worker using Tensor.copy_, as before this benchmark: its
+                  OpenMP thread team kept competing with the draft's (transfer.CpuBackend.copy_bytes)
+
+Example:
+  python scripts/bench_draft.py --write-docs
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import _common  # noqa: E402
+from offspec.checkpoint import Checkpoint  # noqa: E402
+from offspec.config import OffloadConfig, RuntimeConfig  # noqa: E402
+from offspec.demo import ensure_demo_models  # noqa: E402
+from offspec.draft import load_resident  # noqa: E402
+from offspec.kv_cache import KVCache  # noqa: E402
+from offspec.load import load_target, parse_dtype  # noqa: E402
+from offspec.transfer import CpuBackend  # noqa: E402
+
+SECTION = "bench_draft"
+CPU = torch.device("cpu")
+
+
+def time_calls(model, rows: int, context: int, calls: int) -> float:
+    """Median seconds of one draft forward over `rows` new tokens after `context` cached ones."""
+    cache = KVCache.for_model(model.cfg, context + rows, model.dtype, CPU)
+    cache.set_length(context)
+    tokens = torch.randint(0, model.cfg.vocab_size, (1, rows), generator=torch.Generator().manual_seed(rows))
+    positions = torch.arange(context, context + rows)                                     # (R,)
+    mask = torch.ones(1, rows, context + rows, dtype=torch.bool)                           # (1, R, S)
+    times = []
+    for _ in range(calls + 1):                 # the first call warms up
+        start = time.perf_counter()
+        model.forward(tokens, positions[None], positions, mask, cache)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times[1:])
+
+
+@contextlib.contextmanager
+def live_streamer(target_dir, dtype, torch_copy: bool):
+    """The target's layers streamed from host RAM through 8 slots, alive (and idle after its prefetch)."""
+    original = CpuBackend.copy_bytes
+    if torch_copy:
+        CpuBackend.copy_bytes = lambda self, dst, src: dst.copy_(src)
+    ckpt = Checkpoint(target_dir)
+    target = load_target(ckpt, OffloadConfig(mode="cpu", n_slots=8), RuntimeConfig(device=CPU, dtype=dtype), False)
+    ckpt.close()
+    try:
+        time.sleep(2.0)                        # let the first pass's prefetch finish
+        yield
+    finally:
+        target.layers.close()
+        CpuBackend.copy_bytes = original
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=_common.HelpFormatter)
+    p.add_argument("--rows", default="1,2,4,8,16,32,64", help="tree nodes per call (comma-separated)")
+    p.add_argument("--context", type=int, default=300, help="tokens already in the draft's KV cache")
+    p.add_argument("--calls", type=int, default=9, help="timed calls per cell (median)")
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--no-streamer", dest="streamer", action="store_false",
+                   help="skip the settings with a live target streamer (they load the 1.5B target)")
+    p.add_argument("--write-docs", action="store_true", help="replace the bench_draft section of docs/benchmarks.md")
+    args = p.parse_args()
+    started, load_at_start = time.time(), _common.load_average()
+    rows = [int(r) for r in args.rows.split(",")]
+    dtype = parse_dtype(args.dtype)
+    target_dir, draft_dir = ensure_demo_models()
+
+    ckpt = Checkpoint(draft_dir)
+    drafts = {quant: load_resident(ckpt, CPU, dtype, quant) for quant in ("none", "int8")}
+    ckpt.close()
+    settings = [("bf16", "none", None), ("int8", "int8", None)]
+    if args.streamer:
+        settings += [("int8 +streamer", "int8", False), ("int8 +streamer +torch-copy", "int8", True),
+                     ("bf16 +streamer +torch-copy", "none", True)]
+    results = {}
+    for label, quant, torch_copy in settings:
+        streamer = live_streamer(target_dir, dtype, torch_copy) if torch_copy is not None else contextlib.nullcontext()
+        with streamer:
+            results[label] = [time_calls(drafts[quant], r, args.context, args.calls) for r in rows]
+        print(f"{label:28s} " + "  ".join(f"{r}:{t:.3f}" for r, t in zip(rows, results[label])), file=sys.stderr)
+
+    headers = ["draft setting", *[f"{r} row{'s' if r > 1 else ''}" for r in rows]]
+    table_rows = [[label, *[_common.fmt(t) for t in times]] for label, times in results.items()]
+    print(_common.text_table(headers, table_rows))
+    if args.write_docs:
+        body = "\n".join([
+            "## One draft call, by rows (`scripts/bench_draft.py`)", "",
+            _common.run_header(CPU, started, load_at_start), "",
+            f"Seconds per call of the demo draft (Qwen2.5-Coder-0.5B, {args.dtype}), median of {args.calls}, "
+            f"after {args.context} cached tokens. A tree round makes one such call per depth.", "",
+            _common.markdown_table(headers, table_rows)])
+        _common.write_doc_section(SECTION, body)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -207,7 +207,12 @@ class Checkpoint:
             raise CheckpointError(f"{self.path}: cannot read tensor {name} ({type(e).__name__}: {e})") from None
 
     def layer_tensors(self, i: int) -> dict[str, torch.Tensor]:
-        """Layer i's tensors keyed by LayerWeights field names, in the stored dtype, on the CPU."""
+        """Layer i's tensors keyed by LayerWeights field names, in the stored dtype, on the CPU.
+
+        Loading reads layer after layer and copies each one out; the maps are reopened per layer so that
+        the pages of layers already copied are unmapped (tensors still held keep their own map alive),
+        and loading never holds the whole file mapped on top of the copies."""
+        self.close()
         return {field: self.tensor(f"model.layers.{i}.{LAYER_NAMES[field]}") for field in layer_shapes(self.config)}
 
     # Weights kept for good are copied out of the memory map (copy=True): a tensor that aliases the map

@@ -164,7 +164,12 @@ def row_divergences(row: dict) -> dict[str, int]:
     Rows written before first_divergence existed carry only the agreement fraction, which is that index over
     the shorter length, so the index is recovered from it."""
     if "first_divergence" in row:
-        return dict(row["first_divergence"])
+        # transformers stops at EOS even with eos_token_id=None (the model's generation_config fills it in);
+        # offspec runs with ignore_eos. A "difference" exactly where hf-plain's output ends, with the other
+        # system going on, is that stop, not a different token: its tokens equal hf-plain's whole output.
+        ref_tokens = row[REFERENCE]["tokens"]
+        return {system: index for system, index in row["first_divergence"].items()
+                if not (index == ref_tokens and row[system]["tokens"] > ref_tokens)}
     out = {}
     for system in SYSTEMS:
         cell = row.get(system)

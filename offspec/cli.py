@@ -60,10 +60,11 @@ def model_options(f):
                      help="Draft model folder (same tokenizer as the target). Default: the embedded Qwen2.5-Coder-0.5B-Instruct "
                           "when --target is not given, else none (plain autoregressive)."),
         click.option("--draft-quant", type=click.Choice(["auto", "none", "int8"]), default="auto", show_default=True,
-                     help="Store the draft's matrices as int8 (one scale per row). A draft call on a CPU reads every "
-                          "weight, so int8 makes it about twice as fast; output is unchanged (the target verifies every "
-                          "token), only acceptance may move slightly. auto = int8 on a CPU, none on a GPU (where a "
-                          "draft call is latency-bound)."),
+                     help="Keep an int8 copy of the draft's matrices (one scale per row, +50% draft memory) that draft "
+                          "calls over at most 4 tree nodes read instead. Such a call on a CPU reads every weight, so the "
+                          "copy makes it about twice as fast; output is unchanged (the target verifies every token), only "
+                          "acceptance may move slightly. auto = int8 on a CPU, none on a GPU (where a draft call is "
+                          "latency-bound)."),
         click.option("--device", default=default_device, show_default="cuda if available, else cpu",
                      help="Compute device for both models."),
         click.option("--dtype", default="bfloat16", show_default=True,

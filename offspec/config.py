@@ -72,4 +72,4 @@ class SamplingConfig:
 class RuntimeConfig:
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))  # compute device for both models
     dtype: torch.dtype = torch.float32         # compute and weight dtype
-    draft_quant: str = "none"                  # "none" | "int8": the draft's matrices as per-row int8 (changes p only)
+    draft_quant: str = "none"                  # "none" | "int8": the draft's matrices get a per-row int8 copy for narrow calls (changes p only)

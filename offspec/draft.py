@@ -7,7 +7,7 @@ import torch
 
 from .checkpoint import Checkpoint
 from .model import Model, ResidentLayers
-from .quant import QUANT_MODES, Int8Weight, matrix_fields, quantize_matrices
+from .quant import QUANT_MODES, Int8Weight, with_int8_copies
 
 
 def load_resident(ckpt: Checkpoint, device: torch.device, dtype: torch.dtype, quant: str = "none") -> Model:
@@ -21,7 +21,7 @@ def load_resident(ckpt: Checkpoint, device: torch.device, dtype: torch.dtype, qu
     layers = []
     for i in range(ckpt.config.n_layers):
         w = ckpt.layer_weights(i, device, dtype)
-        layers.append(quantize_matrices(w, matrix_fields(w)) if quant == "int8" else w)
+        layers.append(with_int8_copies(w) if quant == "int8" else w)
     globals_ = ckpt.global_weights(device, dtype)
     if quant == "int8":
         globals_ = replace(globals_, lm_head=Int8Weight.quantize(globals_.lm_head))   # embed stays as it is

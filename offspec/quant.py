@@ -56,12 +56,8 @@ def linear(x: torch.Tensor, w, bias: torch.Tensor | None = None) -> torch.Tensor
     return out if bias is None else out + bias
 
 
-def quantize_matrices(weights, names: tuple[str, ...]):
-    """A copy of the dataclass `weights` with the fields in `names` (2-D matrices) as Int8Weight."""
-    return replace(weights, **{n: Int8Weight.quantize(getattr(weights, n)) for n in names})
-
-
-def matrix_fields(weights) -> tuple[str, ...]:
-    """The 2-D tensor fields of a weights dataclass (norms and biases stay in full precision)."""
-    return tuple(f.name for f in fields(weights)
-                 if isinstance(getattr(weights, f.name), torch.Tensor) and getattr(weights, f.name).dim() == 2)
+def with_int8_copies(weights):
+    """A copy of the weights dataclass with every 2-D matrix as an Int8Weight (norms and biases stay as they are)."""
+    matrices = [f.name for f in fields(weights)
+                if isinstance(getattr(weights, f.name), torch.Tensor) and getattr(weights, f.name).dim() == 2]
+    return replace(weights, **{name: Int8Weight.quantize(getattr(weights, name)) for name in matrices})

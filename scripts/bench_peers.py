@@ -241,7 +241,8 @@ def drop_page_cache(paths) -> None:
 
 
 def hf_generate(target, ids, new_tokens: int, assistant=None, assist_tokens: int = 5) -> tuple[list[int], float]:
-    """Greedy transformers generate of exactly `new_tokens` (no EOS stop) -> (tokens, seconds)."""
+    """Greedy transformers generate of up to `new_tokens` -> (tokens, seconds). It may stop early at EOS: with
+    eos_token_id=None transformers still takes the model's EOS from its generation_config (see row_divergences)."""
     from transformers import GenerationConfig
 
     config = GenerationConfig(max_new_tokens=new_tokens, min_new_tokens=0, do_sample=False, eos_token_id=None,

@@ -144,18 +144,21 @@ def settings_mismatches(rows: list[dict], settings: dict) -> list[str]:
 
 # ------------------------------------------------------------------ identity
 
+def common_prefix(a: list[int], b: list[int]) -> int:
+    """How many leading tokens a and b share (at most the shorter length)."""
+    n = min(len(a), len(b))
+    return next((i for i in range(n) if a[i] != b[i]), n)
+
+
 def first_divergence(a: list[int], b: list[int]) -> Optional[int]:
     """Index of the first token where a and b differ (a length difference counts there); None if identical."""
-    n = min(len(a), len(b))
-    first = next((i for i in range(n) if a[i] != b[i]), n)
-    return None if first == n and len(a) == len(b) else first
+    first = common_prefix(a, b)
+    return None if first == len(a) == len(b) else first
 
 
 def agreement(a: list[int], b: list[int]) -> float:
     """Fraction of positions equal up to the first difference, over the shorter length (1.0 = identical)."""
-    n = min(len(a), len(b))
-    first = next((i for i in range(n) if a[i] != b[i]), n)
-    return first / max(n, 1)
+    return common_prefix(a, b) / max(min(len(a), len(b)), 1)
 
 
 def row_divergences(row: dict) -> dict[str, int]:

@@ -619,6 +619,8 @@ def main() -> int:
         stored = {r: rows_by_id(old_rows, r, ids) for r in regimes}
         results = [summarize_regime(r, [stored[r][pid] for pid in ids if pid in stored[r]]) for r in regimes
                    if stored[r]]
+        if not results:
+            p.error(f"{args.rows} holds no rows for regimes {','.join(regimes)} and these prompts: nothing to report")
     else:
         results = [bench_regime(args, regime, prompts, target_dir, draft_dir, dtype, settings, old_rows)
                    for regime in regimes]

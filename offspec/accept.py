@@ -27,6 +27,7 @@ siblings and down the tree the emitted tokens have exactly the target's distribu
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -64,21 +65,22 @@ def verify_greedy(tree: TokenTree, target_logits: torch.Tensor) -> Verdict:
         u = x
 
 
-def verify_stochastic(tree: TokenTree, q: torch.Tensor, generator: torch.Generator) -> Verdict:
-    """q (N, V): the target's processed distributions (process_logits of its logits), row per tree node.
+def verify_stochastic(tree: TokenTree, q_at: Callable[[int], torch.Tensor], generator: torch.Generator) -> Verdict:
+    """q_at(u) -> (V,): the target's processed distribution at node u (process_logits of its logits row).
 
-    Draft distributions come from tree.dist(u). `generator` must live on q's device; every call consumes fresh
-    randomness from it.
+    Asked only for the nodes verification visits: the root and the accepted path (a tree of a thousand nodes
+    needs a handful of rows). Draft distributions come from tree.dist(u). `generator` must live on q's
+    device; every call consumes fresh randomness from it.
     """
     tokens = tree.tokens.tolist()
     nodes, u = [], 0
     while True:
-        q_u = q[u].float()                                                                # (V,)
+        q_u = q_at(u).float()                                                             # (V,)
         children = tree.children(u)
         if not children:
             break
         p = tree.dist(u).float()                                                          # (V,)
-        r = torch.rand(len(children), generator=generator, device=q.device).tolist()     # (k,) uniforms
+        r = torch.rand(len(children), generator=generator, device=q_u.device).tolist()   # (k,) uniforms
         accepted = None
         for j, x_node in enumerate(children):
             x = tokens[x_node]

@@ -21,7 +21,7 @@ def bench_prompts(tokenizer, items, prompt_tokens: int) -> list[tuple[str, tuple
 
 
 def run_bench(engine: Engine, prompts, tree: TreeConfig, sampling: SamplingConfig, temperatures, new_tokens: int,
-              offload: str, on_result=None) -> list[dict]:
+              on_result=None) -> list[dict]:
     """One row per (temperature, system, prompt)."""
     rows = []
     for temperature in temperatures:
@@ -30,7 +30,7 @@ def run_bench(engine: Engine, prompts, tree: TreeConfig, sampling: SamplingConfi
             for prompt_id, ids in prompts:
                 request = GenerationRequest(prompt_ids=ids, max_new_tokens=new_tokens, tree=tree_cfg, sampling=s,
                                             ignore_eos=True)
-                report, steps = run(engine, request, offload=offload)
+                report, steps = run(engine, request)
                 row = {"temperature": temperature, "system": system, "id": prompt_id,
                        "seconds_per_token": report.seconds_per_token, "tokens_per_pass": report.tokens_per_pass,
                        "passes": report.passes, "new_tokens": report.new_tokens,

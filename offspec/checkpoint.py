@@ -1,13 +1,17 @@
 """Hugging Face checkpoint folders -> ModelConfig and tensors by layer.
 
 Tensors are read lazily through safetensors' memory map, one layer at a time, so the whole model never
-has to sit in RAM. Every name and shape is checked when the folder is opened (headers only, no data),
-so a truncated or mismatched checkpoint fails with one clear line before any work is done.
+has to sit in RAM. Every name, shape and dtype is checked when the folder is opened from the safetensors
+headers alone (read here, a few KB per file, no data and no memory map), so a mismatched checkpoint fails
+with one clear line before any work is done, and a folder of configs and headers is enough to plan a
+run (`offspec models info` for machines and models you do not have). A truncated file is refused at
+open unless the caller asks for headers only.
 """
 from __future__ import annotations
 
 import json
 import math
+import struct
 from pathlib import Path
 from typing import Optional
 
@@ -15,7 +19,7 @@ import torch
 
 from .config import ModelConfig, RopeScaling
 from .errors import CheckpointError
-from .model import GlobalWeights, LayerWeights, layer_shapes
+from .layout import GlobalWeights, LayerWeights, layer_shapes
 
 # Architectures the functional forward implements (SmolLM/SmolLM2 are LlamaForCausalLM).
 SUPPORTED_ARCHITECTURES = {
@@ -46,6 +50,36 @@ LAYER_NAMES = {
 }
 
 _FLOAT_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
+MAX_HEADER_BYTES = 100 << 20     # safetensors' own limit on the JSON header
+
+
+def read_safetensors_header(path: Path) -> tuple[dict[str, dict], int]:
+    """-> ({tensor name: {"dtype", "shape", "data_offsets"}}, bytes the file must have to hold its data).
+
+    The format: an 8-byte little-endian header length N, N bytes of JSON, then the data; data_offsets are
+    relative to the end of the header. Reads only the header."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(8)
+            if len(head) < 8:
+                raise CheckpointError(f"{path}: not a safetensors file (shorter than its 8-byte header length)")
+            (n,) = struct.unpack("<Q", head)
+            if n > MAX_HEADER_BYTES:
+                raise CheckpointError(f"{path}: not a safetensors file (header length {n} bytes)")
+            raw = f.read(n)
+    except OSError as e:
+        raise CheckpointError(f"{path}: unreadable ({e.strerror})") from None
+    try:
+        header = json.loads(raw)
+        if len(raw) < n or not isinstance(header, dict):
+            raise ValueError("truncated header")
+        header.pop("__metadata__", None)
+        data_end = max((int(t["data_offsets"][1]) for t in header.values()), default=0)
+        for t in header.values():
+            t["shape"] = tuple(int(d) for d in t["shape"])
+    except (ValueError, KeyError, TypeError, IndexError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{path}: unreadable or corrupt safetensors header ({e})") from None
+    return header, 8 + n + data_end
 
 
 def parse_config(raw: dict, where: str) -> ModelConfig:
@@ -113,9 +147,9 @@ def _parse_rope_scaling(rope: dict, where: str) -> Optional[RopeScaling]:
 class Checkpoint:
     """An HF folder: config.json, model.safetensors or sharded *.safetensors + index, tokenizer files."""
 
-    def __init__(self, path: str | Path):
-        from safetensors import SafetensorError, safe_open
-
+    def __init__(self, path: str | Path, headers_only: bool = False):
+        """headers_only: accept weight files that hold their headers but not (all of) their data, for
+        planning; such a checkpoint can describe itself but not load."""
         self.path = Path(path)
         if not self.path.is_dir():
             raise CheckpointError(f"{self.path}: no such model folder")
@@ -130,17 +164,20 @@ class Checkpoint:
 
         self._files = self._weight_files()
         self._handles = {}
-        self._where: dict[str, str] = {}   # tensor name -> file name
+        self._where: dict[str, str] = {}       # tensor name -> file name
+        self._header: dict[str, dict] = {}     # tensor name -> its safetensors header entry
+        self.incomplete: list[str] = []        # headers_only: files whose data is not (all) there
         for file in sorted(set(self._files.values())):
-            try:
-                handle = safe_open(str(self.path / file), framework="pt", device="cpu")
-            except (SafetensorError, OSError, ValueError) as e:
-                raise CheckpointError(f"{self.path / file}: unreadable or corrupt safetensors ({e})") from None
-            self._handles[file] = handle
-            for name in handle.keys():
-                self._where[name] = file
+            header, needed = read_safetensors_header(self.path / file)
+            size = (self.path / file).stat().st_size
+            if size < needed and not headers_only:
+                raise CheckpointError(f"{self.path / file}: truncated or corrupt ({size} bytes, its header needs "
+                                      f"{needed}); download or convert the model again")
+            if size < needed:
+                self.incomplete.append(f"{file} holds {size:,} of {needed:,} bytes")
+            self._header.update(header)
+            self._where.update({name: file for name in header})
         self._check_tensors()
-        self.close()
 
     def _handle(self, file: str):
         """The safetensors handle (a memory map) of one file, opened on demand."""
@@ -176,7 +213,7 @@ class Checkpoint:
         cfg = self.config
         expected = {GLOBAL_NAMES["embed"]: (cfg.vocab_size, cfg.hidden_size),
                     GLOBAL_NAMES["final_norm"]: (cfg.hidden_size,)}
-        if not cfg.tie_word_embeddings or GLOBAL_NAMES["lm_head"] in self._where:
+        if not cfg.tie_word_embeddings or self.has_lm_head:
             expected[GLOBAL_NAMES["lm_head"]] = (cfg.vocab_size, cfg.hidden_size)
         for i in range(cfg.n_layers):
             for field, shape in layer_shapes(cfg).items():
@@ -187,18 +224,21 @@ class Checkpoint:
         for name, shape in self._expected_shapes().items():
             if name not in self._where:
                 raise CheckpointError(f"{self.path}: tensor {name} is missing")
-            sl = self._handle(self._where[name]).get_slice(name)
-            if tuple(sl.get_shape()) != shape:
-                raise CheckpointError(
-                    f"{self.path}: tensor {name} has shape {tuple(sl.get_shape())}, config implies {shape}")
-            if sl.get_dtype() not in _FLOAT_DTYPES:
-                raise CheckpointError(f"{self.path}: tensor {name} has dtype {sl.get_dtype()}, expected a float type")
+            entry = self._header[name]
+            if entry["shape"] != shape:
+                raise CheckpointError(f"{self.path}: tensor {name} has shape {entry['shape']}, config implies {shape}")
+            if entry["dtype"] not in _FLOAT_DTYPES:
+                raise CheckpointError(f"{self.path}: tensor {name} has dtype {entry['dtype']}, expected a float type")
 
     @property
     def dtype(self) -> torch.dtype:
         """The dtype the layer weights are stored in."""
-        name = f"model.layers.0.{LAYER_NAMES['q_proj']}"
-        return _FLOAT_DTYPES[self._handle(self._where[name]).get_slice(name).get_dtype()]
+        return _FLOAT_DTYPES[self._header[f"model.layers.0.{LAYER_NAMES['q_proj']}"]["dtype"]]
+
+    @property
+    def has_lm_head(self) -> bool:
+        """lm_head is stored (untied, or tied but saved anyway): GlobalWeights holds it as its own tensor."""
+        return GLOBAL_NAMES["lm_head"] in self._where
 
     def tensor(self, name: str) -> torch.Tensor:
         try:
@@ -222,7 +262,7 @@ class Checkpoint:
 
     def global_weights(self, device: torch.device, dtype: torch.dtype) -> GlobalWeights:
         embed = self.tensor(GLOBAL_NAMES["embed"]).to(device=device, dtype=dtype, copy=True)
-        if GLOBAL_NAMES["lm_head"] in self._where:
+        if self.has_lm_head:
             lm_head = self.tensor(GLOBAL_NAMES["lm_head"]).to(device=device, dtype=dtype, copy=True)
         else:
             lm_head = embed

@@ -16,7 +16,7 @@ from typing import NoReturn, Optional
 
 import click
 
-from .config import OffloadConfig, RuntimeConfig, SamplingConfig, TreeConfig
+from .config import AUTO_MAX_TREE_BUDGET, DEFAULT_PREFILL_CHUNK, OffloadConfig, RunLimits, RuntimeConfig, SamplingConfig, TreeConfig
 from .errors import InputError, OffspecError
 
 POLICIES = ["dyspec", "heap", "chain", "static", "none"]
@@ -32,6 +32,19 @@ def parse_bytes(text: Optional[str]) -> Optional[int]:
     number, unit, binary = float(m.group(1)), m.group(2), m.group(3)
     scale = (1024 if binary else 1000) ** "_kmgt".index(unit) if unit else 1
     return int(number * scale)
+
+
+def parse_context(text: str) -> Optional[int]:
+    """--context: 'auto' -> None (from the prompts), else a whole number >= 2."""
+    if text == "auto":
+        return None
+    try:
+        value = int(text)
+    except ValueError:
+        raise InputError(f"--context must be 'auto' or a whole number of tokens, not {text!r}") from None
+    if value < 2:
+        raise InputError("--context must be at least 2 tokens")
+    return value
 
 
 def parse_budget(text: str) -> Optional[int]:
@@ -71,16 +84,27 @@ def model_options(f):
                      help="Weight and compute dtype: bfloat16, float16 or float32 (float32 for bit-exact greedy)."),
         click.option("--offload", type=click.Choice(["auto", "none", "cpu", "disk"]), default="auto", show_default=True,
                      help="Where the target's decoder layers live: none = all on the device; cpu = host RAM, streamed; "
-                          "disk = packed store on disk, streamed; auto = cpu on a GPU, none on a CPU-only run (there the "
-                          "'device' is host RAM already and streaming would only add copies)."),
-        click.option("--gpu-budget", default=None, help="Device bytes for target weights (e.g. 20GB); decides how many "
-                     "layers stay resident. Default: on a GPU its free memory, on the CPU none beyond the "
-                     "streaming ring."),
+                          "disk = packed store on disk, streamed. auto, on a GPU: none if the whole target fits beside "
+                          "everything else, else cpu if its layers fit in host RAM, else disk (the memory plan decides; "
+                          "`offspec models info` shows it); on a CPU-only run: none (there the 'device' is host RAM "
+                          "already and streaming would only add copies)."),
+        click.option("--gpu-budget", default=None, help="Device bytes for the target's decoder layers, ring included "
+                     "(e.g. 20GB); decides how many layers stay resident. Refused when above what the memory plan "
+                     "leaves after the draft, globals, KV caches, logits and activations. Default: all of that "
+                     "on a GPU; on the CPU, nothing resident beyond the streaming ring."),
         click.option("--slots", "n_slots", type=int, default=2, show_default=True,
                      help="Device slots in the streaming ring (>= 2; 1 only with --no-overlap)."),
         click.option("--store-dir", default=None, help="Disk-mode packed store folder. Default: under $OFFSPEC_HOME/stores."),
-        click.option("--host-budget", default=None, help="Max host RAM for the pinned arena (cpu mode, e.g. 64GB); "
-                     "above it, pageable memory. Default: no cap."),
+        click.option("--host-budget", default=None, help="Host RAM that may be pinned (the cpu-mode arena, disk-mode "
+                     "staging; e.g. 64GB); an arena above it stays pageable (slower copies, said in the report). "
+                     "Refused when above the host memory the run may use. Default: 80% of min(MemAvailable, the "
+                     "cgroup's memory limit)."),
+        click.option("--context", "context", default="auto", show_default=True,
+                     help="Tokens one sequence may reach (prompt + generated + one tree): sizes both KV caches. auto = "
+                          "the longest prompt + --max-new-tokens + the largest tree, capped at the models' context."),
+        click.option("--prefill-chunk", type=int, default=DEFAULT_PREFILL_CHUNK, show_default=True,
+                     help="Rows each layer processes at a time in one forward: a long prompt's activations stay this "
+                          "size (a streamed target still moves each layer once)."),
         click.option("--no-overlap", is_flag=True,
                      help="Debug: copy each layer, then compute (no prefetch). Default: overlap."),
         click.option("--tree", "policy", type=click.Choice(POLICIES), default="dyspec", show_default=True,
@@ -115,10 +139,10 @@ def build_configs(o: dict):
     runtime = RuntimeConfig(device=device, dtype=parse_dtype(o["dtype"]), draft_quant=draft_quant)
     if o["n_slots"] < (1 if o["no_overlap"] else 2):
         raise InputError("--slots must be at least 2 (1 only with --no-overlap)")
-    mode = o["offload"]
-    if mode == "auto":
-        mode = "cpu" if runtime.device.type == "cuda" else "none"
-    offload = OffloadConfig(mode=mode, gpu_budget=parse_bytes(o["gpu_budget"]), n_slots=o["n_slots"],
+    if o["prefill_chunk"] < 1:
+        raise InputError("--prefill-chunk must be at least 1")
+    # "auto" stays: the memory plan resolves it from the sizes (plan.make_plan).
+    offload = OffloadConfig(mode=o["offload"], gpu_budget=parse_bytes(o["gpu_budget"]), n_slots=o["n_slots"],
                             store_dir=o["store_dir"], host_budget=parse_bytes(o["host_budget"]),
                             overlap=not o["no_overlap"])
     if o["temperature"] < 0:
@@ -147,13 +171,23 @@ def resolve_models(o: dict) -> tuple[str, Optional[str]]:
     return o["target"], (o["draft"] if o["policy"] != "none" else None)
 
 
-def load_from_options(o: dict):
-    from .load import load_engine
+def open_from_options(o: dict):
+    """The model folders opened (configs, headers, tokenizer; no weights) and the configs: (models, configs)."""
+    from .load import Models
 
-    runtime, offload, tree, sampling = build_configs(o)
+    configs = build_configs(o)
     target, draft = resolve_models(o)
-    loaded = load_engine(target, draft, offload, runtime, progress=True)
-    return loaded, offload, tree, sampling
+    return Models.open(target, draft), configs
+
+
+def run_limits(o: dict, tree: TreeConfig, sampling: bool, longest: int) -> RunLimits:
+    """--context auto: the longest sequence the run can make (prompt + new tokens, `longest`), one full tree
+    and its root on top, so the last rounds still get whole trees; the plan caps it at the models' context."""
+    context = parse_context(o["context"])
+    if context is None:
+        tree_room = tree.budget if tree.budget is not None else AUTO_MAX_TREE_BUDGET
+        context = longest + (tree_room if tree.policy != "none" else 0) + 2
+    return RunLimits(context=context, tree_budget=tree.budget, prefill_chunk=o["prefill_chunk"], sampling=sampling)
 
 
 def fail(message: str) -> NoReturn:
@@ -228,18 +262,18 @@ def generate(prompt, prompt_file, raw, max_new_tokens, stop, json_path, quiet, *
         raise InputError("--max-new-tokens must be at least 1")
     if json_path:
         check_writable(json_path)
-    loaded, offload, tree, sampling = load_from_options(o)
+    models, (runtime, offload, tree, sampling) = open_from_options(o)
+    ids = encode_prompt(models.tokenizer, text, raw=raw)
+    request = GenerationRequest(prompt_ids=tuple(ids), max_new_tokens=max_new_tokens, stop_strings=tuple(stop),
+                                tree=tree, sampling=sampling)
+    loaded = models.load(offload, runtime, run_limits(o, tree, not sampling.greedy, len(ids) + max_new_tokens))
 
     def on_text(delta):
         sys.stdout.write(delta)
         sys.stdout.flush()
 
     try:
-        ids = encode_prompt(loaded.tokenizer, text, raw=raw)
-        request = GenerationRequest(prompt_ids=tuple(ids), max_new_tokens=max_new_tokens, stop_strings=tuple(stop),
-                                    tree=tree, sampling=sampling)
-        report, _ = run(loaded.engine, request, load_seconds=loaded.load_seconds, offload=offload.mode,
-                        on_text=on_text)
+        report, _ = run(loaded.engine, request, load_seconds=loaded.load_seconds, on_text=on_text)
     finally:
         loaded.engine.close()
     sys.stdout.write("\n")
@@ -327,23 +361,38 @@ def batch(prompt_file, output, max_new_tokens, stop, raw, strict, **o):
         if not todo:
             click.echo("nothing to do", err=True)
             return
-        loaded, offload, tree, sampling = load_from_options(o)
-        tokens = seconds = passes = 0
+        models, (runtime, offload, tree, sampling) = open_from_options(o)
         failed = 0
-        bar = tqdm(todo, desc="prompts", unit="prompt", file=sys.stderr, dynamic_ncols=True)
+
+        def skip(item, e, write=click.echo):
+            nonlocal failed
+            if strict:
+                raise InputError(f"{prompt_file} line {item.line}: {e}") from None
+            failed += 1
+            write(f"offspec: skipping {prompt_file} line {item.line} (id {item.id}): {e}", err=True)
+
+        # Every prompt is tokenized before loading: the longest one sizes the KV caches (--context auto).
+        requests = []
+        for item in todo:
+            try:
+                ids = encode_prompt(models.tokenizer, item.prompt, raw=raw)
+                requests.append((item, GenerationRequest(prompt_ids=tuple(ids), stop_strings=tuple(stop), tree=tree,
+                                                         max_new_tokens=item.max_new_tokens or max_new_tokens,
+                                                         sampling=sampling)))
+            except InputError as e:
+                skip(item, e)
+        if not requests:
+            raise InputError(f"{prompt_file}: no prompt could be encoded")
+        longest = max(len(r.prompt_ids) + r.max_new_tokens for _, r in requests)
+        loaded = models.load(offload, runtime, run_limits(o, tree, not sampling.greedy, longest))
+        tokens = seconds = passes = 0
+        bar = tqdm(requests, desc="prompts", unit="prompt", file=sys.stderr, dynamic_ncols=True)
         try:
-            for item in bar:
+            for item, request in bar:
                 try:
-                    ids = encode_prompt(loaded.tokenizer, item.prompt, raw=raw)
-                    request = GenerationRequest(prompt_ids=tuple(ids),
-                                                max_new_tokens=item.max_new_tokens or max_new_tokens,
-                                                stop_strings=tuple(stop), tree=tree, sampling=sampling)
-                    report, _ = run(loaded.engine, request, offload=offload.mode)
+                    report, _ = run(loaded.engine, request)
                 except InputError as e:      # e.g. a prompt longer than the context: skip this one, keep going
-                    if strict:
-                        raise InputError(f"{prompt_file} line {item.line}: {e}") from None
-                    failed += 1
-                    bar.write(f"offspec: skipping {prompt_file} line {item.line} (id {item.id}): {e}", file=sys.stderr)
+                    skip(item, e, write=lambda text, err: bar.write(text, file=sys.stderr))
                     continue
                 results.append(result_record(item, report))
                 tokens += report.new_tokens
@@ -404,22 +453,66 @@ def bench(prompt_file, prompt_tokens, new_tokens, temperatures, limit, json_path
         raise InputError("bench compares against a tree policy; choose one with --tree")
     if o["target"] is not None and o["draft"] is None:
         raise InputError("bench compares plain and speculative decoding: give a --draft for the --target")
-    loaded, offload, tree, sampling = load_from_options(o)
+    models, (runtime, offload, tree, sampling) = open_from_options(o)
+    prompts = bench_prompts(models.tokenizer, items, prompt_tokens)
+    longest = max(len(ids) for _, ids in prompts) + new_tokens
+    loaded = models.load(offload, runtime, run_limits(o, tree, any(t > 0 for t in temps), longest))
 
     def on_result(row):
         click.echo(f"T={row['temperature']:.1f} {row['system']:<18} {row['id']}: {row['seconds_per_token']:.4f} s/token, "
                    f"{row['tokens_per_pass']:.2f} tokens/pass", err=True)
 
     try:
-        prompts = bench_prompts(loaded.tokenizer, items, prompt_tokens)
-        rows = run_bench(loaded.engine, prompts, tree, sampling, temps, new_tokens, offload.mode, on_result)
+        rows = run_bench(loaded.engine, prompts, tree, sampling, temps, new_tokens, on_result)
     finally:
         loaded.engine.close()
     table = summarize(rows)
     click.echo(format_table(table))
     if json_path:
         write_json(json_path, {"summary": table, "rows": rows, "device": str(loaded.engine.device),
-                               "dtype": str(loaded.engine.target.dtype), "offload": offload.mode})
+                               "dtype": str(loaded.engine.target.dtype), "offload": loaded.plan.mode,
+                               "memory_plan": loaded.plan.to_dict()})
+
+
+# ------------------------------------------------------------------ doctor
+@main.command()
+@click.option("--target", type=click.Path(file_okay=False), default=None,
+              help="Target model folder to plan and advise for. Default: the embedded demo target when it is "
+                   "prepared (`offspec models demo`), else none.")
+@click.option("--draft", type=click.Path(file_okay=False), default=None,
+              help="Draft model folder. Default: the demo draft with the demo target, else none.")
+@click.option("--device", default=default_device, show_default="cuda if available, else cpu",
+              help="Compute device to check.")
+@click.option("--store-dir", default=None,
+              help="Folder whose drive is measured. Default: the target's packed store if built, else "
+                   "$OFFSPEC_HOME/stores.")
+@click.option("--quick", is_flag=True, help="Smaller probes: seconds rather than a minute.")
+@click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None,
+              help="Write the full report to this JSON file. Default: none.")
+def doctor(target, draft, device, store_dir, quick, json_path):
+    """Check this machine for offspec: devices and free memory, host memory and its cgroup limit, the largest
+    pinned buffer, host-to-device bandwidth (pinned and pageable), the cold read rate of the store's drive, and
+    the flags to run a target with (from the memory plan and the measured rates)."""
+    from .demo import DEFAULT_DRAFT, DEFAULT_TARGET, demo_model_dir, is_complete
+    from .doctor import check, summary
+    from .load import parse_device
+
+    if json_path:
+        check_writable(json_path)
+    dev = parse_device(device)
+    if target is None and is_complete(demo_model_dir(DEFAULT_TARGET)):
+        target = str(demo_model_dir(DEFAULT_TARGET))
+        if draft is None and is_complete(demo_model_dir(DEFAULT_DRAFT)):
+            draft = str(demo_model_dir(DEFAULT_DRAFT))
+    report = check(target, draft, dev, store_dir, quick, progress=lambda line: click.echo(line, err=True))
+    report.update(target=target, draft=draft)
+    click.echo(summary(report))
+    if json_path:
+        write_json(json_path, report)
+    failed = [name for name, section in report.items() if isinstance(section, dict) and section.get("status") == "failed"]
+    if failed:
+        click.echo(f"offspec: doctor: {', '.join(failed)} failed (details in the report)", err=True)
+        sys.exit(1)
 
 
 # ------------------------------------------------------------------ models
@@ -439,22 +532,68 @@ def models_demo():
 
 @models.command("info")
 @click.argument("model_dir", type=click.Path(file_okay=False))
-@click.option("--dtype", default="bfloat16", show_default=True, help="Dtype the layers would be streamed in.")
+@click.option("--draft", "draft_dir", type=click.Path(file_okay=False), default=None,
+              help="Draft model folder to plan beside the target. Default: none.")
+@click.option("--device-memory", default=None,
+              help="Plan for a GPU with this much free memory (e.g. 24GB), present or not. Default: this machine's "
+                   "GPU (its free memory now), or this CPU.")
+@click.option("--host-memory", default=None,
+              help="Plan for this much usable host RAM (e.g. 64GB). Default: this machine's min(MemAvailable, cgroup limit).")
+@click.option("--dtype", default="bfloat16", show_default=True, help="Weight and compute dtype of the run.")
+@click.option("--offload", type=click.Choice(["auto", "none", "cpu", "disk"]), default="auto", show_default=True,
+              help="Offload mode to plan (auto: as generate would choose).")
+@click.option("--gpu-budget", default=None,
+              help="As for generate: device bytes for the target's layers. Default: what the plan leaves.")
+@click.option("--host-budget", default=None,
+              help="As for generate: host bytes that may be pinned. Default: 80% of the host memory.")
+@click.option("--slots", "n_slots", type=int, default=2, show_default=True, help="Streaming ring slots.")
+@click.option("--context", default="4096", show_default=True,
+              help="Tokens per sequence the KV caches hold (capped at the models' context), or 'auto' = the models' context.")
+@click.option("--tree-budget", default="auto", show_default=True, help="Largest tree per pass, or auto (up to 1024).")
+@click.option("--prefill-chunk", type=int, default=DEFAULT_PREFILL_CHUNK, show_default=True,
+              help="Rows each layer processes at a time.")
+@click.option("--draft-quant", type=click.Choice(["auto", "none", "int8"]), default="auto", show_default=True,
+              help="As for generate (auto: int8 when planning for this CPU, none for a GPU).")
 @click.option("--link-gbps", type=float, default=24.0, show_default=True,
               help="Host-to-device bandwidth in GB/s for the predicted pass time (PCIe 4.0 x16 pinned ≈ 24).")
-def models_info(model_dir, dtype, link_gbps):
-    """Architecture, size and the pass time the weights imply at a given link bandwidth."""
+@click.option("--disk-gbps", type=float, default=3.0, show_default=True,
+              help="Read rate of the disk store's drive in GB/s for disk offload (a PCIe 4.0 NVMe ≈ 3–7).")
+@click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None,
+              help="Also write the plan as JSON. Default: none.")
+def models_info(model_dir, draft_dir, device_memory, host_memory, dtype, offload, gpu_budget, host_budget, n_slots,
+                context, tree_budget, prefill_chunk, draft_quant, link_gbps, disk_gbps, json_path):
+    """The model(s), and the memory plan of a run on a given machine: where every layer lives, what the
+    device and host hold, the predicted pass time. Reads config.json and the safetensors headers only, so
+    the weights need not be here (plan a 70B on a 24 GB GPU from its headers)."""
+    import torch
+
     from .checkpoint import Checkpoint
     from .load import parse_dtype
-    from .model import LayerLayout
+    from .plan import Machine, ModelSpec, make_plan, predicted_pass_seconds
 
-    ckpt = Checkpoint(model_dir)
+    if json_path:
+        check_writable(json_path)
+    ckpt = Checkpoint(model_dir, headers_only=True)
+    draft = Checkpoint(draft_dir, headers_only=True) if draft_dir else None
     cfg = ckpt.config
     dt = parse_dtype(dtype)
-    layout = LayerLayout.of(cfg, dt)
-    itemsize = layout.dtype.itemsize
-    streamed = layout.nbytes * cfg.n_layers
-    globals_bytes = (cfg.vocab_size * cfg.hidden_size * (1 if cfg.tie_word_embeddings else 2) + cfg.hidden_size) * itemsize
+    if device_memory is not None or not torch.cuda.is_available():
+        machine = Machine.given(parse_bytes(device_memory), parse_bytes(host_memory))
+    else:
+        measured = Machine.measure(torch.device("cuda"))
+        machine = measured if host_memory is None else Machine(
+            "cuda", measured.device_bytes, parse_bytes(host_memory), "given", measured.name)
+    if draft_quant == "auto":
+        draft_quant = "int8" if machine.kind == "cpu" else "none"
+    if prefill_chunk < 1:
+        raise InputError("--prefill-chunk must be at least 1")
+    plan = make_plan(ModelSpec.of(ckpt), ModelSpec.of(draft) if draft else None,
+                     OffloadConfig(mode=offload, gpu_budget=parse_bytes(gpu_budget), n_slots=n_slots,
+                                   host_budget=parse_bytes(host_budget)),
+                     RuntimeConfig(device=torch.device("cpu"), dtype=dt, draft_quant=draft_quant),
+                     RunLimits(context=parse_context(context), tree_budget=parse_budget(tree_budget),
+                               prefill_chunk=prefill_chunk), machine)
+    layer_bytes = plan.placement.layer_nbytes
     lines = [
         f"folder:          {ckpt.path}",
         f"architecture:    {cfg.arch} ({', '.join(ckpt.raw_config.get('architectures') or [])})",
@@ -462,11 +601,25 @@ def models_info(model_dir, dtype, link_gbps):
         f"stored dtype:    {str(ckpt.dtype).replace('torch.', '')}",
         f"layers:          {cfg.n_layers} (hidden {cfg.hidden_size}, heads {cfg.n_heads}/{cfg.n_kv_heads} kv, "
         f"mlp {cfg.intermediate_size}, vocab {cfg.vocab_size}, context {cfg.max_position_embeddings})",
-        f"bytes per layer: {layout.nbytes / 2**20:.1f} MiB in {dtype}",
-        f"streamed / pass: {streamed / 1e9:.2f} GB ({cfg.n_layers} layers); resident globals {globals_bytes / 1e9:.2f} GB",
-        f"PREDICTED pass:  {streamed / (link_gbps * 1e9):.3f} s at {link_gbps:g} GB/s (transfer-bound, all layers streamed)",
+        f"bytes per layer: {layer_bytes / 1e6:.1f} MB in {dtype}; all layers {cfg.n_layers * layer_bytes / 1e9:.2f} GB",
     ]
+    if draft is not None:
+        lines.append(f"draft:           {draft.path} ({draft.parameter_count() / 1e9:.3f} B parameters, "
+                     f"{draft.config.n_layers} layers)")
+    for c in (ckpt, draft):
+        if c is not None and c.incomplete:
+            lines.append(f"weights incomplete (enough to plan, not to run): {c.path.name}: {'; '.join(c.incomplete)}")
+    lines.append(plan.describe())
+    if plan.streamed_bytes:
+        seconds = predicted_pass_seconds(plan, link_gbps, disk_gbps)
+        via = f"{min(link_gbps, disk_gbps) if plan.mode == 'disk' else link_gbps:g} GB/s"
+        lines.append(f"PREDICTED pass:  {seconds:.3f} s to stream {plan.streamed_bytes / 1e9:.2f} GB at {via} "
+                     f"(transfer-bound; copies overlap compute)")
+    else:
+        lines.append("PREDICTED pass:  nothing streams (compute-bound)")
     click.echo("\n".join(lines))
+    if json_path:
+        write_json(json_path, plan.to_dict())
 
 
 @models.command("prepare")
@@ -479,7 +632,7 @@ def models_prepare(model_dir, dtype, store_dir):
     from .checkpoint import Checkpoint
     from .demo import offspec_home
     from .load import parse_dtype, store_dir_for
-    from .model import LayerLayout
+    from .layout import LayerLayout
     from .offload import prepare_disk_store
 
     ckpt = Checkpoint(model_dir)

@@ -6,6 +6,9 @@ from typing import Optional
 
 import torch
 
+AUTO_MAX_TREE_BUDGET = 1024     # the largest tree the auto budget planner may grow
+DEFAULT_PREFILL_CHUNK = 1024    # rows each layer processes at a time in one forward
+
 
 @dataclass(frozen=True)
 class RopeScaling:
@@ -66,6 +69,15 @@ class SamplingConfig:
     @property
     def greedy(self) -> bool:
         return self.temperature <= 0.0
+
+
+@dataclass(frozen=True)
+class RunLimits:
+    """The largest things one run will do, which the memory plan sizes everything by."""
+    context: Optional[int] = None      # tokens one sequence may reach (prompt + generated + one tree); None = the models' context
+    tree_budget: Optional[int] = None  # largest tree a pass may verify; None = auto: the most that fits, up to AUTO_MAX_TREE_BUDGET
+    prefill_chunk: int = DEFAULT_PREFILL_CHUNK  # rows each layer processes at a time: bounds a long prompt's activations
+    sampling: bool = True              # T > 0 may run: trees keep the draft distributions their nodes were drawn from
 
 
 @dataclass(frozen=True)

@@ -16,12 +16,14 @@ from typing import Optional
 
 import torch
 
+from .config import AUTO_MAX_TREE_BUDGET
+
 
 class BudgetPlanner:
     """Picks each round's tree budget ("auto") from measured draft and target costs."""
 
-    def __init__(self, start: int = 32, max_budget: int = 1024, max_depth: int = 32):
-        self.budget = start
+    def __init__(self, start: int = 32, max_budget: int = AUTO_MAX_TREE_BUDGET, max_depth: int = 32):
+        self.budget = min(start, max_budget)
         self.max_budget = max_budget
         self.max_depth = max_depth       # TreeConfig.max_depth: trees that reach it can only grow wider
         self.passes: deque[tuple[int, float]] = deque(maxlen=32)   # (tokens in pass, seconds)

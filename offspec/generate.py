@@ -18,7 +18,7 @@ from typing import Iterator, Optional, Sequence
 
 import torch
 
-from .config import SamplingConfig, TreeConfig
+from .config import AUTO_MAX_TREE_BUDGET, DEFAULT_PREFILL_CHUNK, SamplingConfig, TreeConfig
 from .costmodel import BudgetPlanner
 from .grow import grow
 from .errors import InputError
@@ -38,15 +38,26 @@ class GenerationRequest:
     sampling: SamplingConfig = SamplingConfig()  # temperature, top-p, top-k, seed
     ignore_eos: bool = False                    # benchmarks: always generate max_new_tokens
 
+    def __post_init__(self):
+        if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
+            raise InputError(f"max_new_tokens must be a whole number >= 1, not {self.max_new_tokens!r}")
+
 
 class StopChecker:
-    """EOS ids and stop strings, honored inside an accepted block: nothing after the stop is emitted."""
+    """EOS ids, stop strings, max_new_tokens and the context end, honored inside an accepted block: nothing
+    after the stop is emitted.
 
-    def __init__(self, tokenizer, eos_ids: Sequence[int], stop_strings: Sequence[str], max_new_tokens: int):
+    context_tokens: how many tokens fit before the context ends. Plain decoding stops once the sequence is
+    one short of the context (the next token would have no position to be fed at); a speculative block
+    could run one past that, so it is cut there too and both stop at the same token."""
+
+    def __init__(self, tokenizer, eos_ids: Sequence[int], stop_strings: Sequence[str], max_new_tokens: int,
+                 context_tokens: Optional[int] = None):
         self.tokenizer = tokenizer
         self.eos_ids = set(eos_ids)
         self.stop_strings = [s for s in stop_strings if s]
         self.max_new_tokens = max_new_tokens
+        self.context_tokens = context_tokens
         # A stop string that ends at the newest token lies within its last `window` tokens (a character
         # takes at most 4 byte-level tokens), so only that tail is decoded: earlier occurrences would have
         # stopped generation already, and decoding the whole text per token would be quadratic.
@@ -64,13 +75,21 @@ class StopChecker:
                     return block[: i + 1], "stop"   # IncrementalText cuts the text at the stop string
             if len(generated) + i + 1 >= self.max_new_tokens:
                 return block[: i + 1], "length"
+            if self.context_tokens is not None and len(generated) + i + 1 >= self.context_tokens:
+                return block[: i + 1], "context"
         return block, None
 
 
 class Engine:
-    """A target (resident or streamed) and an optional resident draft, sharing one tokenizer."""
+    """A target (resident or streamed) and an optional resident draft, sharing one tokenizer.
 
-    def __init__(self, target: Model, draft: Optional[Model], tokenizer, eos_ids: Sequence[int]):
+    context, max_tree_budget and prefill_chunk are the memory plan's (load.Models.load passes them): the KV
+    caches never hold more than `context` tokens, no tree has more than max_tree_budget nodes, and each
+    layer runs over at most prefill_chunk rows at a time."""
+
+    def __init__(self, target: Model, draft: Optional[Model], tokenizer, eos_ids: Sequence[int], *,
+                 context: Optional[int] = None, max_tree_budget: int = AUTO_MAX_TREE_BUDGET,
+                 prefill_chunk: int = DEFAULT_PREFILL_CHUNK, plan=None):
         self.target = target
         self.draft = draft
         self.tokenizer = tokenizer
@@ -79,6 +98,11 @@ class Engine:
         self.max_context = target.cfg.max_position_embeddings
         if draft is not None:
             self.max_context = min(self.max_context, draft.cfg.max_position_embeddings)
+        if context is not None:
+            self.max_context = min(self.max_context, context)
+        self.max_tree_budget = max_tree_budget
+        self.prefill_chunk = prefill_chunk
+        self.plan = plan            # plan.MemoryPlan the engine was loaded by, for reports (None: built by hand)
 
     # ------------------------------------------------------------ the loop
     def weights_source(self) -> str:
@@ -103,20 +127,24 @@ class Engine:
         if not prompt:
             raise InputError("the prompt is empty")
         speculative = self.speculative(request)
+        if speculative and request.tree.budget is not None and request.tree.budget > self.max_tree_budget:
+            raise InputError(f"a tree budget of {request.tree.budget} is more than the engine was planned for "
+                             f"({self.max_tree_budget}); load it with a larger tree budget")
         planner = None
         if speculative and request.tree.budget is None:
-            planner = BudgetPlanner(start=128 if self.device.type == "cuda" else 32, max_depth=request.tree.max_depth)
+            planner = BudgetPlanner(start=128 if self.device.type == "cuda" else 32, max_budget=self.max_tree_budget,
+                                    max_depth=request.tree.max_depth)
         budget = (planner.max_budget if planner else request.tree.budget) if speculative else 0
         if len(prompt) + 1 >= self.max_context:
             raise InputError(f"the prompt has {len(prompt)} tokens but the context holds only {self.max_context}")
-        # Prompt + generated tokens + one round's tree + the root; positions never pass the context, but the
-        # draft's cache slots (working-tree nodes) may, so only the target's cache is capped by it.
-        needed = len(prompt) + request.max_new_tokens + budget + 2
-        t_cache = KVCache.for_model(self.target.cfg, min(self.max_context, needed), self.target.dtype, self.device)
-        d_cache = KVCache.for_model(self.draft.cfg, needed, self.draft.dtype, self.device) if speculative else None
+        # Prompt + generated tokens + one round's tree + the root, and never more than the context: a round's
+        # tree shrinks to the room left before the context end, so no position or cache slot passes it.
+        capacity = min(self.max_context, len(prompt) + request.max_new_tokens + budget + 2)
+        t_cache = KVCache.for_model(self.target.cfg, capacity, self.target.dtype, self.device)
+        d_cache = KVCache.for_model(self.draft.cfg, capacity, self.draft.dtype, self.device) if speculative else None
         sampling = request.sampling
         stops = StopChecker(self.tokenizer, () if request.ignore_eos else self.eos_ids, request.stop_strings,
-                            request.max_new_tokens)
+                            request.max_new_tokens, context_tokens=self.max_context - 1 - len(prompt))
         seed_gen = torch.Generator().manual_seed(sampling.seed)   # seeds a fresh generator every round
 
         seq, generated = prompt, []
@@ -159,14 +187,13 @@ class Engine:
             floor_budget = round_budget
             seq = seq + block
             generated = generated + emitted
-            if reason is None and len(seq) + 1 >= self.max_context:
-                reason = "context"
             yield Step(
                 tokens=emitted, accepted=len(verdict.nodes), tree_size=tree.size, tree_depth=tree.depth,
                 pass_tokens=pass_tokens,
                 draft_seconds=draft_timer.seconds, target_seconds=target_timer.seconds,
                 wait_seconds=stream.wait_seconds, transfer_seconds=stream.transfer_seconds,
-                bytes_streamed=stream.bytes_streamed, finish_reason=reason)
+                bytes_streamed=stream.bytes_streamed, prefetched_bytes=stream.prefetched_bytes,
+                finish_reason=reason)
             if reason is not None:
                 return
 
@@ -179,9 +206,8 @@ class Engine:
         new = torch.tensor([seq[start:]], device=dev)                                  # (1, T)
         T = new.shape[1]
         positions = torch.arange(start, start + T, device=dev)
-        mask = causal_rows(start, T, start + T, dev)                                    # (T, start+T)
-        logits = draft.forward(new, positions[None], positions, mask[None], cache,
-                               logit_rows=torch.tensor([T - 1], device=dev))
+        logits = draft.forward(new, positions[None], positions, PassMask(start, T, None, dev), cache,
+                               logit_rows=torch.tensor([T - 1], device=dev), chunk=self.prefill_chunk)
         cache.set_length(start + T)
         root_dist = process_logits(logits[0, 0], sampling)                              # (V,)
         committed = len(seq)          # == cache.length: tree node j goes to slot committed + j - 1
@@ -197,7 +223,7 @@ class Engine:
             mask[:, committed:] = tree.mask[frontier.cpu()][:, 1:].to(dev)
             logits = draft.forward(tree.tokens[frontier.cpu()].to(dev)[None],
                                    (root_pos + tree.depths[frontier.cpu()].to(dev))[None],
-                                   committed + frontier - 1, mask[None], cache)                   # (1, F, V)
+                                   committed + frontier - 1, mask[None], cache, chunk=self.prefill_chunk)  # (1, F, V)
             return process_logits(logits[0], sampling)
 
         return grow(tree_cfg, sampling, seq[-1], root_dist, draft_step, budget, generator, expand_floor=floor)
@@ -213,13 +239,8 @@ class Engine:
         tokens = torch.tensor([pending + tree.tokens.tolist()], device=dev)               # (1, P+N)
         positions = torch.cat([torch.arange(start, root_slot), root_slot + tree.depths.cpu()]).to(dev)
         slots = torch.arange(start, root_slot + N, device=dev)                           # (P+N,)
-        S = root_slot + N
-        mask = torch.zeros(P + N, S, dtype=torch.bool, device=dev)
-        mask[:P] = causal_rows(start, P, S, dev)             # the pending prompt: causal
-        mask[P:, :root_slot] = True                          # tree rows see the whole committed prefix
-        mask[P:, root_slot:] = tree.mask.to(dev)             # ... and their ancestors in the tree
-        logits = self.target.forward(tokens, positions[None], slots, mask[None], cache,
-                                     logit_rows=torch.arange(P, P + N, device=dev))
+        logits = self.target.forward(tokens, positions[None], slots, PassMask(start, P, tree.mask, dev), cache,
+                                     logit_rows=torch.arange(P, P + N, device=dev), chunk=self.prefill_chunk)
         return logits[0], P + N                                                           # (N, V)
 
     @staticmethod
@@ -227,7 +248,9 @@ class Engine:
         from .accept import verify_greedy, verify_stochastic
         if sampling.greedy:
             return verify_greedy(tree, q_logits)
-        return verify_stochastic(tree, process_logits(q_logits, sampling), generator)
+        # q is processed row by row, only at the nodes verification visits (the accepted path): processing
+        # all N rows (sorting for top-p) would cost several (N, V) temporaries, gigabytes for a large tree.
+        return verify_stochastic(tree, lambda u: process_logits(q_logits[u], sampling), generator)
 
     # ------------------------------------------------------------ streaming stats
     def _stream_stats(self):
@@ -237,11 +260,12 @@ class Engine:
     def _stream_delta(self, before) -> "StreamDelta":
         now = self._stream_stats()
         if now is None or before is None:
-            return StreamDelta(0.0, 0.0, 0)
+            return StreamDelta(0.0, 0.0, 0, 0)
         # Disk mode moves a layer in two legs (read into staging, then copy into the slot); both count.
         moved = (now.transfer_s + now.read_s) - (before.transfer_s + before.read_s)
         return StreamDelta(wait_seconds=now.wait_s - before.wait_s, transfer_seconds=moved,
-                           bytes_streamed=now.bytes - before.bytes)
+                           bytes_streamed=now.bytes - before.bytes,
+                           prefetched_bytes=now.prefetched_bytes - before.prefetched_bytes)
 
 
 def causal_rows(first_slot: int, n_rows: int, n_cols: int, device) -> torch.Tensor:
@@ -250,17 +274,49 @@ def causal_rows(first_slot: int, n_rows: int, n_cols: int, device) -> torch.Tens
     return torch.arange(n_cols, device=device)[None, :] <= slots[:, None]
 
 
+class PassMask:
+    """One forward's attention mask, built a block of rows at a time (model.MaskRows), so a long prompt
+    never builds its whole (T, S) mask: `n_pending` causal rows for the not-yet-cached tokens at slots
+    first_slot, first_slot + 1, ..., then (with a tree) the tree's N rows, which see every slot before the
+    root and their own ancestors in the tree (tree_mask, (N, N)); the root sits at slot first_slot + n_pending.
+
+    Example: 3 cached tokens, 2 pending (slots 3, 4), a root with one child (slots 5, 6); S = 7:
+        slot 3  1111000        root  1111110
+        slot 4  1111100        child 1111111
+    """
+
+    def __init__(self, first_slot: int, n_pending: int, tree_mask: Optional[torch.Tensor], device):
+        self.first_slot, self.n_pending, self.device = first_slot, n_pending, device
+        self.tree_mask = tree_mask.to(device) if tree_mask is not None else None        # (N, N)
+        self.root_slot = first_slot + n_pending
+        self.n_cols = self.root_slot + (tree_mask.shape[0] if tree_mask is not None else 0)   # S
+
+    def __call__(self, a: int, b: int) -> torch.Tensor:
+        """Rows a..b-1 -> (1, b - a, S) bool."""
+        P = self.n_pending
+        rows = torch.zeros(b - a, self.n_cols, dtype=torch.bool, device=self.device)
+        if a < P:                                           # the pending prompt: causal
+            rows[: min(b, P) - a] = causal_rows(self.first_slot + a, min(b, P) - a, self.n_cols, self.device)
+        if b > P:                                           # tree rows: the whole committed prefix ...
+            tree_rows = slice(max(a, P) - a, b - a)
+            rows[tree_rows, : self.root_slot] = True
+            rows[tree_rows, self.root_slot:] = self.tree_mask[max(a, P) - P: b - P]   # ... and their ancestors
+        return rows[None]
+
+
 @dataclass(frozen=True)
 class StreamDelta:
     """What the streamer did during one target pass."""
     wait_seconds: float       # compute stood still waiting for a layer
     transfer_seconds: float   # time spent moving weights: disk reads plus copies (overlapped with compute)
     bytes_streamed: int
+    prefetched_bytes: int = 0  # of those, already in their slots when the pass began (copied during drafting)
 
 
 def run(engine: Engine, request: GenerationRequest, *, load_seconds: float = 0.0,
-        offload: str = "none", on_text=None, on_step=None):
-    """Drive the loop to the end: stream text deltas to `on_text`, return (RunReport, steps)."""
+        offload: Optional[str] = None, on_text=None, on_step=None):
+    """Drive the loop to the end: stream text deltas to `on_text`, return (RunReport, steps).
+    offload: the mode for the report; default the engine's memory plan's ("none" for an engine without one)."""
     from .metrics import build_report
     from .prompt import IncrementalText
 
@@ -279,5 +335,6 @@ def run(engine: Engine, request: GenerationRequest, *, load_seconds: float = 0.0
         steps, prompt_tokens=len(request.prompt_ids), text=text_stream.text(generated), load_seconds=load_seconds,
         tree_policy=request.tree.policy if engine.speculative(request) else "none",
         tree_budget=request.tree.budget if engine.speculative(request) else 0,
-        offload=offload, device=engine.device, dtype=engine.target.dtype, weights_source=engine.weights_source())
+        offload=offload or (engine.plan.mode if engine.plan is not None else "none"), device=engine.device, dtype=engine.target.dtype, weights_source=engine.weights_source(),
+        memory_plan=engine.plan.to_dict() if engine.plan is not None else None)
     return report, steps

@@ -1,21 +1,28 @@
-"""Checkpoint folders -> a ready Engine: target (resident or streamed), optional draft, shared tokenizer."""
+"""Checkpoint folders -> a ready Engine: target (resident or streamed), optional draft, shared tokenizer.
+
+    Models.open(target_dir, draft_dir)    configs, safetensors headers and the tokenizer; no weights read
+          .plan(offload, runtime, limits)  the memory plan (plan.py): where everything will live, or one line
+          .load(offload, runtime, limits)  allocate and load exactly what the plan counted -> Loaded(engine)
+    load_engine(...)                       the three in one call
+"""
 from __future__ import annotations
 
 import hashlib
 import json
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Optional
 
 import torch
 
 from .checkpoint import Checkpoint, load_tokenizer
-from .config import OffloadConfig, RuntimeConfig
+from .config import OffloadConfig, RunLimits, RuntimeConfig
 from .draft import load_resident
 from .errors import CheckpointError, InputError
 from .generate import Engine
 from .model import Model
+from .plan import Machine, MemoryPlan, ModelSpec, Placement, make_plan
 from .prompt import stop_token_ids
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
@@ -46,16 +53,23 @@ def store_dir_for(ckpt: Checkpoint, dtype: torch.dtype, home: Path) -> Path:
     return home / "stores" / f"{ckpt.path.name}-{str(dtype).replace('torch.', '')}-{key}"
 
 
-def load_target(ckpt: Checkpoint, offload: OffloadConfig, runtime: RuntimeConfig, progress: bool = True) -> Model:
-    if offload.mode == "none" and offload.gpu_budget is None:
+def load_target(ckpt: Checkpoint, offload: OffloadConfig, runtime: RuntimeConfig, progress: bool = True,
+                placement: Optional[Placement] = None) -> Model:
+    """The target: globals first, then its layers as `placement` (the memory plan's) says; no placement:
+    as offload says (plan.place_layers with its gpu_budget)."""
+    everything_resident = (placement is not None and not placement.streamed) or (
+        placement is None and offload.mode == "none" and offload.gpu_budget is None)
+    if everything_resident:
         return load_resident(ckpt, runtime.device, runtime.dtype)
     from .demo import offspec_home
     from .offload import open_target_layers
 
+    globals_ = ckpt.global_weights(runtime.device, runtime.dtype)
     store_dir = offload.store_dir or str(store_dir_for(ckpt, runtime.dtype, offspec_home()))
     layers = open_target_layers(ckpt.layer_tensors, ckpt.config, offload, runtime.device, runtime.dtype,
-                                store_dir=store_dir, progress=progress, source_id=ckpt.fingerprint())
-    return Model(ckpt.config, ckpt.global_weights(runtime.device, runtime.dtype), layers)
+                                store_dir=store_dir, progress=progress, source_id=ckpt.fingerprint(),
+                                placement=placement)
+    return Model(ckpt.config, globals_, layers)
 
 
 def check_same_tokenizer(target_tok, draft_tok, target_cfg, draft_cfg) -> None:
@@ -89,22 +103,59 @@ class Loaded:
     draft_ckpt: Optional[Checkpoint]
     tokenizer: object
     load_seconds: float
+    plan: MemoryPlan               # what was allocated where, as planned before loading
+
+
+@dataclass
+class Models:
+    """The checkpoints of one run, opened cheaply: configs and safetensors headers checked, the shared
+    tokenizer loaded, no weight read. Plan, then load."""
+    target: Checkpoint
+    draft: Optional[Checkpoint]
+    tokenizer: object
+    eos_ids: list[int]              # EOS and chat end tokens, from the tokenizer and generation_config
+    open_seconds: float
+
+    @staticmethod
+    def open(target_dir: str | Path, draft_dir: Optional[str | Path]) -> "Models":
+        start = time.perf_counter()
+        target = Checkpoint(target_dir)
+        tokenizer = load_tokenizer(target_dir)
+        draft = None
+        if draft_dir is not None:
+            draft = Checkpoint(draft_dir)
+            check_same_tokenizer(tokenizer, load_tokenizer(draft_dir), target.config, draft.config)
+        eos = stop_token_ids(tokenizer, generation_eos(target_dir))
+        return Models(target, draft, tokenizer, eos, time.perf_counter() - start)
+
+    def plan(self, offload: OffloadConfig, runtime: RuntimeConfig, limits: RunLimits = RunLimits(),
+             machine: Optional[Machine] = None) -> MemoryPlan:
+        """The memory plan for this machine now (or `machine`), before anything is allocated."""
+        return make_plan(ModelSpec.of(self.target), ModelSpec.of(self.draft) if self.draft else None, offload,
+                         runtime, limits, machine or Machine.measure(runtime.device))
+
+    def load(self, offload: OffloadConfig, runtime: RuntimeConfig, limits: RunLimits = RunLimits(),
+             progress: bool = True, machine: Optional[Machine] = None) -> Loaded:
+        """Plan, then load in the plan's order: draft, target globals, target layers (resident, ring, arena
+        or store). The engine keeps to the plan's context, tree budget and prefill chunk."""
+        start = time.perf_counter()
+        plan = self.plan(offload, runtime, limits, machine)
+        # The plan resolved "auto" and decided the pinned budget; the stores obey both.
+        offload = replace(offload, mode=plan.mode, host_budget=plan.pinned_budget)
+        draft = None
+        if self.draft is not None:
+            draft = load_resident(self.draft, runtime.device, runtime.dtype, runtime.draft_quant)
+        target = load_target(self.target, offload, runtime, progress, placement=plan.placement)
+        for ckpt in (self.target, self.draft):
+            if ckpt is not None:
+                ckpt.close()     # the weights now live in the models, the arena or the store
+        engine = Engine(target, draft, self.tokenizer, self.eos_ids, context=plan.context,
+                        max_tree_budget=plan.tree_budget, prefill_chunk=plan.prefill_chunk, plan=plan)
+        return Loaded(engine, self.target, self.draft, self.tokenizer,
+                      self.open_seconds + time.perf_counter() - start, plan)
 
 
 def load_engine(target_dir: str | Path, draft_dir: Optional[str | Path], offload: OffloadConfig,
-                runtime: RuntimeConfig, progress: bool = True) -> Loaded:
-    start = time.perf_counter()
-    target_ckpt = Checkpoint(target_dir)
-    tokenizer = load_tokenizer(target_dir)
-    draft_ckpt, draft = None, None
-    if draft_dir is not None:
-        draft_ckpt = Checkpoint(draft_dir)
-        check_same_tokenizer(tokenizer, load_tokenizer(draft_dir), target_ckpt.config, draft_ckpt.config)
-        draft = load_resident(draft_ckpt, runtime.device, runtime.dtype, runtime.draft_quant)
-    target = load_target(target_ckpt, offload, runtime, progress)
-    for ckpt in (target_ckpt, draft_ckpt):
-        if ckpt is not None:
-            ckpt.close()     # the weights now live in the models, the arena or the store
-    eos = stop_token_ids(tokenizer, generation_eos(target_dir))
-    engine = Engine(target, draft, tokenizer, eos)
-    return Loaded(engine, target_ckpt, draft_ckpt, tokenizer, time.perf_counter() - start)
+                runtime: RuntimeConfig, progress: bool = True, limits: RunLimits = RunLimits(),
+                machine: Optional[Machine] = None) -> Loaded:
+    return Models.open(target_dir, draft_dir).load(offload, runtime, limits, progress, machine)

@@ -10,13 +10,17 @@ import torch
 
 
 def synchronize(device: torch.device) -> None:
-    """Wait for queued device work so host clocks measure it (once per phase, never per layer)."""
+    """Wait for the compute work queued so far, so host clocks measure it (once per phase, never per layer).
+
+    Only the calling thread's current stream (the compute stream), never the whole device: a device-wide
+    torch.cuda.synchronize would also wait for the streamer's copy stream, so the next pass's first layers
+    could never be copied while the draft works, and every phase would absorb the copies' time."""
     if device.type == "cuda":
-        torch.cuda.synchronize(device)
+        torch.cuda.current_stream(device).synchronize()
 
 
 class Timer:
-    """Wall-clock seconds of a phase, device work included: `with Timer(dev) as t: ...; t.seconds`."""
+    """Wall-clock seconds of a phase, its compute-stream work included: `with Timer(dev) as t: ...; t.seconds`."""
 
     def __init__(self, device: torch.device):
         self.device = device
@@ -45,6 +49,7 @@ class Step:
     wait_seconds: float          # part of the target pass spent waiting for streamed weights
     transfer_seconds: float      # time the weight copies of this pass took (overlapped with compute)
     bytes_streamed: int          # weight bytes moved into the compute device this pass
+    prefetched_bytes: int = 0    # of those, already in their slots when the pass began (copied while drafting)
     finish_reason: Optional[str] = None   # "eos" | "stop" | "length" | "context" when this round ends generation
 
 
@@ -70,6 +75,7 @@ class RunReport:
     transfer_seconds: float
     gb_streamed: float
     gb_per_second: float                # streamed bytes / transfer seconds
+    prefetch_gb: float                  # streamed bytes already in their slots when their pass began (moved while drafting)
     peak_host_gb: float
     peak_device_gb: Optional[float]
     tree_policy: str
@@ -80,12 +86,15 @@ class RunReport:
     dtype: str
     acceptance: list[int] = field(default_factory=list)   # accepted draft tokens per round
     tree_sizes: list[int] = field(default_factory=list)   # tree nodes proposed per round
+    memory_plan: Optional[dict] = None  # plan.MemoryPlan.to_dict(): where every byte was planned to live
 
     def to_dict(self) -> dict:
         return asdict(self)
 
     def summary(self) -> str:
         dev = f", device peak {self.peak_device_gb:.2f} GB" if self.peak_device_gb is not None else ""
+        prefetch = (f", {self.prefetch_gb:.2f} GB of it moved while drafting" if self.gb_streamed > 0 else "")
+        plan = f"\nplan: {self.memory_plan['layers_line']}" if self.memory_plan else ""
         return (
             f"{self.new_tokens} tokens in {self.passes} target passes ({self.tokens_per_pass:.2f} tokens/pass), "
             f"finish: {self.finish_reason}\n"
@@ -93,9 +102,10 @@ class RunReport:
             f"(load {self.load_seconds:.2f} s, prefill {self.prefill_seconds:.2f} s)\n"
             f"target {self.target_seconds:.2f} s (waiting for weights {self.wait_seconds:.2f} s, compute "
             f"{self.compute_seconds:.2f} s), draft {self.draft_seconds:.2f} s; streamed {self.gb_streamed:.2f} GB "
-            f"at {self.gb_per_second:.2f} GB/s\n"
+            f"at {self.gb_per_second:.2f} GB/s{prefetch}\n"
             f"tree {self.tree_policy} (budget {self.tree_budget if self.tree_budget is not None else 'auto'}), "
             f"offload {self.offload} ({self.weights_source}), {self.device} {self.dtype}; host peak {self.peak_host_gb:.2f} GB{dev}"
+            f"{plan}"
         )
 
 
@@ -116,7 +126,7 @@ def peak_device_gb(device: torch.device) -> Optional[float]:
 
 def build_report(steps: list[Step], *, prompt_tokens: int, text: str, load_seconds: float, tree_policy: str,
                  tree_budget: Optional[int], offload: str, device: torch.device, dtype: torch.dtype,
-                 weights_source: str = "resident") -> RunReport:
+                 weights_source: str = "resident", memory_plan: Optional[dict] = None) -> RunReport:
     tokens = [t for s in steps for t in s.tokens]
     n = len(tokens)
     round_seconds = [s.draft_seconds + s.target_seconds for s in steps]
@@ -137,9 +147,10 @@ def build_report(steps: list[Step], *, prompt_tokens: int, text: str, load_secon
         draft_seconds=sum(s.draft_seconds for s in steps), target_seconds=target, wait_seconds=wait,
         compute_seconds=target - wait, transfer_seconds=transfer, gb_streamed=streamed / 1e9,
         gb_per_second=streamed / 1e9 / transfer if transfer > 0 else 0.0,
+        prefetch_gb=sum(s.prefetched_bytes for s in steps) / 1e9,
         peak_host_gb=peak_host_gb(), peak_device_gb=peak_device_gb(device),
         tree_policy=tree_policy, tree_budget=tree_budget, offload=offload, weights_source=weights_source,
         device=str(device),
         dtype=str(dtype).replace("torch.", ""), acceptance=[s.accepted for s in steps],
-        tree_sizes=[s.tree_size for s in steps],
+        tree_sizes=[s.tree_size for s in steps], memory_plan=memory_plan,
     )

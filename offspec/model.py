@@ -7,103 +7,30 @@ weights come from (a list of resident layers, or a slot of the streaming ring).
 Three index tensors stay separate everywhere (never merged):
   slots      (T,)    where each new token's K/V is written in the cache
   positions  (B, T)  the RoPE position of each new token (prefix length + tree depth)
-  mask       (B, T, S) bool, True = may attend; S = cache columns attended (0 .. S-1)
+  mask       (B, T, S) bool, True = may attend; S = cache columns attended (0 .. S-1); or a MaskRows
+                     function giving rows [a, b) of it, so a long pass never builds the whole (T, S) mask
+
+A forward may run each layer over its rows in chunks (`chunk`): every row of chunk k attends only to
+slots of earlier rows or its own (causal prompt rows, tree rows and their ancestors), all written to the
+cache before chunk k runs, so the result is the same while a long prompt's intermediates stay chunk-sized.
+The layer's weights are used by every chunk before the next layer is asked for, so a streamed target
+still moves each layer once per pass.
 """
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-from typing import Iterator, Optional, Protocol
+from typing import Callable, Iterator, Optional, Protocol, Union
 
 import torch
 import torch.nn.functional as F
 
 from .config import ModelConfig
 from .kv_cache import KVCache
+from .layout import GlobalWeights, LayerWeights
 from .quant import linear
 
 
-@dataclass
-class LayerWeights:
-    """One decoder layer. Linear weights are (out, in) as in the checkpoint."""
-    input_norm: torch.Tensor                 # (D,)
-    q_proj: torch.Tensor                     # (H*hd, D)
-    k_proj: torch.Tensor                     # (H_kv*hd, D)
-    v_proj: torch.Tensor                     # (H_kv*hd, D)
-    o_proj: torch.Tensor                     # (D, H*hd)
-    post_norm: torch.Tensor                  # (D,)
-    gate_proj: torch.Tensor                  # (F, D)
-    up_proj: torch.Tensor                    # (F, D)
-    down_proj: torch.Tensor                  # (D, F)
-    q_bias: Optional[torch.Tensor] = None    # (H*hd,)   Qwen2 only
-    k_bias: Optional[torch.Tensor] = None    # (H_kv*hd,)
-    v_bias: Optional[torch.Tensor] = None    # (H_kv*hd,)
-
-
-def layer_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """The shape of every tensor of one layer, in packing order."""
-    D, F_, hd = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
-    q, kv = cfg.n_heads * hd, cfg.n_kv_heads * hd
-    shapes = {
-        "input_norm": (D,), "q_proj": (q, D), "k_proj": (kv, D), "v_proj": (kv, D), "o_proj": (D, q),
-        "post_norm": (D,), "gate_proj": (F_, D), "up_proj": (F_, D), "down_proj": (D, F_),
-    }
-    if cfg.attention_bias:
-        shapes.update(q_bias=(q,), k_bias=(kv,), v_bias=(kv,))
-    return shapes
-
-
-TENSOR_ALIGN = 256  # bytes; every tensor inside a packed layer starts on this boundary (CUDA likes ≥256)
-
-
-@dataclass(frozen=True)
-class LayerLayout:
-    """Where each tensor of a layer sits inside one flat uint8 block, so that moving a layer is one copy."""
-    dtype: torch.dtype
-    entries: tuple[tuple[str, tuple[int, ...], int], ...]   # (name, shape, byte offset)
-    nbytes: int                                             # block size, a multiple of TENSOR_ALIGN
-
-    @staticmethod
-    def of(cfg: ModelConfig, dtype: torch.dtype) -> "LayerLayout":
-        itemsize = torch.empty((), dtype=dtype).element_size()
-        entries, offset = [], 0
-        for name, shape in layer_shapes(cfg).items():
-            entries.append((name, shape, offset))
-            offset += round_up(math.prod(shape) * itemsize, TENSOR_ALIGN)
-        return LayerLayout(dtype=dtype, entries=tuple(entries), nbytes=offset)
-
-    def views(self, block: torch.Tensor) -> LayerWeights:
-        """LayerWeights whose tensors are views into `block` (uint8, (nbytes,)); nothing is copied."""
-        assert block.dtype == torch.uint8 and block.numel() >= self.nbytes
-        typed = block[: self.nbytes].view(self.dtype)
-        itemsize = typed.element_size()
-        tensors = {}
-        for name, shape, offset in self.entries:
-            start = offset // itemsize
-            tensors[name] = typed[start: start + math.prod(shape)].view(shape)
-        return LayerWeights(**tensors)
-
-    def pack(self, weights: dict[str, torch.Tensor], block: torch.Tensor) -> None:
-        """Copy named tensors (any dtype, cast here) into their places in `block`; padding is zeroed."""
-        block.zero_()
-        views = self.views(block)
-        for name, shape, _ in self.entries:
-            src = weights[name]
-            if tuple(src.shape) != shape:
-                raise ValueError(f"{name}: expected shape {shape}, got {tuple(src.shape)}")
-            getattr(views, name).copy_(src)
-
-
-def round_up(n: int, multiple: int) -> int:
-    return (n + multiple - 1) // multiple * multiple
-
-
-@dataclass
-class GlobalWeights:
-    """Always resident: embedding, final norm, lm_head (the same tensor as embed when tied)."""
-    embed: torch.Tensor       # (V, D)
-    final_norm: torch.Tensor  # (D,)
-    lm_head: torch.Tensor     # (V, D)
+MaskRows = Callable[[int, int], torch.Tensor]   # (a, b) -> rows a..b-1 of the mask, (B, b - a, S) bool
 
 
 class LayerSource(Protocol):
@@ -219,15 +146,28 @@ class Model:
         tokens: torch.Tensor,       # (B, T) new token ids
         positions: torch.Tensor,    # (B, T) RoPE positions
         slots: torch.Tensor,        # (T,) cache slots
-        mask: torch.Tensor,         # (B, T, S) bool
+        mask: Union[torch.Tensor, MaskRows],   # (B, T, S) bool, or its rows on demand
         cache: KVCache,
         logit_rows: Optional[torch.Tensor] = None,  # (R,) rows of T whose logits are needed; None = all
+        chunk: Optional[int] = None,                # rows per layer call; None = all T at once
     ) -> torch.Tensor:
         """-> logits (B, R, V) float32."""
+        T = tokens.shape[1]
+        rows_of = mask if callable(mask) else (lambda a, b: mask[:, a:b])
+        step = T if chunk is None else max(1, chunk)
+        spans = [(a, min(T, a + step)) for a in range(0, T, step)]
+        # One chunk: build its mask once for every layer. Several: rebuild each (a comparison, cheap next to
+        # the layer) rather than hold the whole (T, S) mask of a long prompt.
+        only_mask = rows_of(0, T) if len(spans) == 1 else None
         x = F.embedding(tokens, self.globals.embed)                                  # (B, T, D)
-        cos, sin = rope_cos_sin(self.inv_freq, positions, self.dtype)
+        cos, sin = rope_cos_sin(self.inv_freq, positions, self.dtype)                # (B, 1, T, hd) each
         for i, w in self.layers.pass_layers():
-            x = layer_forward(x, w, self.cfg, cache, i, slots, cos, sin, mask)
+            if only_mask is not None:
+                x = layer_forward(x, w, self.cfg, cache, i, slots, cos, sin, only_mask)
+                continue
+            for a, b in spans:
+                x[:, a:b] = layer_forward(x[:, a:b], w, self.cfg, cache, i, slots[a:b], cos[:, :, a:b],
+                                          sin[:, :, a:b], rows_of(a, b))
         if logit_rows is not None:
             x = x[:, logit_rows]
         x = rms_norm(x, self.globals.final_norm, self.cfg.rms_norm_eps)

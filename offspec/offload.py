@@ -6,7 +6,8 @@
   LayerStreamer   a LayerSource: a ring of n_slots device slots that the streamed layers rotate through,
                   prefetching ahead and wrapping into the next pass; permanently resident layers are
                   interleaved in layer order.
-  open_target_layers   the factory: OffloadConfig + gpu_budget -> resident layers and/or a streamer.
+  open_target_layers   the factory: a Placement (from the memory plan, plan.py) -> resident layers and/or a
+                  streamer.
 
 Every stream, event and pinned-memory call goes through a transfer backend (transfer.py), so the CPU
 backend runs this exact code in the tests; CUDA.md is the checklist the ring protocol follows.
@@ -38,13 +39,13 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Callable, Iterator, Optional, Sequence, Union
 
-import psutil
 import torch
 from tqdm import tqdm
 
 from .config import ModelConfig, OffloadConfig
 from .errors import BudgetError, CheckpointError, InputError, StoreError
-from .model import LayerLayout, LayerWeights, ResidentLayers, round_up
+from .layout import LayerLayout, LayerWeights, round_up
+from .model import ResidentLayers
 from .transfer import (PAGE_BYTES, HostBuffer, TransferBackend, TransferEvent, format_bytes, make_backend,
                        raise_from_worker)
 
@@ -57,7 +58,6 @@ STORE_FORMAT = "offspec-layer-store"
 STORE_VERSION = 1
 MANIFEST = "manifest.json"
 LAYERS_BIN = "layers.bin"
-CUDA_HEADROOM = 2 << 30       # bytes left free on a GPU when gpu_budget is None (activations, workspaces)
 PIN_CHUNK_BYTES = 1 << 30     # the host arena is pinned in pieces of about this size (whole layers each)
 
 
@@ -121,11 +121,7 @@ class HostArenaStore:
         self.layout = layout
         self._block_of = {layer: i for i, layer in enumerate(layers)}   # layer index -> block index
         self._stride = round_up(layout.nbytes, PAGE_BYTES)             # bytes from one block to the next
-        nbytes = len(layers) * self._stride
-        available = psutil.virtual_memory().available
-        if nbytes > available:
-            raise BudgetError(f"the host arena needs {format_bytes(nbytes)} but only {format_bytes(available)} "
-                              f"of RAM is available: use disk offload")
+        nbytes = len(layers) * self._stride      # the memory plan has checked that the host can hold it
         layers_per_piece = max(1, PIN_CHUNK_BYTES // self._stride)
         self._arena = backend.host_buffer(nbytes, host_budget, chunk_bytes=layers_per_piece * self._stride)
 
@@ -225,6 +221,23 @@ def prepare_disk_store(layer_tensors_fn: LayerTensorsFn, n_layers: int, layout: 
         for path in (tmp_bin, tmp_manifest):        # present only when the build did not finish
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(path)
+
+
+def sequential_read(path: str, buffer: memoryview, *, direct: bool, drop_behind: bool) -> int:
+    """Read the whole file front to back, len(buffer) bytes per read, one read at a time (like dd): the
+    baseline a store's reader is measured against. O_DIRECT needs `buffer` page-aligned (an mmap) and the
+    file a whole number of BLOCK_ALIGN blocks; a filesystem that refuses it raises OSError (EINVAL).
+    drop_behind: drop each range from the page cache once read. -> bytes read."""
+    fd = os.open(path, os.O_RDONLY | (os.O_DIRECT if direct else 0))
+    try:
+        offset = 0
+        while n := os.preadv(fd, [buffer], offset):
+            if drop_behind:
+                os.posix_fadvise(fd, offset, n, os.POSIX_FADV_DONTNEED)
+            offset += n
+        return offset
+    finally:
+        os.close(fd)
 
 
 class DiskStore:
@@ -377,6 +390,8 @@ class StreamStats:
     transfer_s: float = 0.0    # seconds those copies took on the copy queue (device-timed on CUDA)
     wait_s: float = 0.0        # seconds compute stood still waiting for a layer (device-timed on CUDA)
     read_s: float = 0.0        # disk: seconds the loader spent reading layers.bin (host clock)
+    prefetched_layers: int = 0   # layers already in their slots when their pass began: copied while the
+    prefetched_bytes: int = 0    # consumer was busy elsewhere (drafting), the wrap-around prefetch at work
 
     @property
     def gb_per_s(self) -> float:
@@ -461,6 +476,7 @@ class LayerStreamer:
         try:
             comp_q = self.backend.compute_queue()   # resolved on the consumer's thread
             self._finish_abandoned_pass(comp_q)
+            self._count_prefetched()
             for layer in range(self.n_layers):
                 if layer in self.resident:
                     yield layer, self.resident[layer]
@@ -507,6 +523,18 @@ class LayerStreamer:
                 self._requests.append(self._posted)
                 self._posted += 1
             self._cv.notify_all()
+
+    def _count_prefetched(self) -> None:
+        """At the start of a pass: how many of its loads have already completed (query() never blocks).
+        Load n's ready record is the latest one on its slot until the consumer releases load n, so a
+        completed ready event of an issued load means that load is done."""
+        first = self._released
+        with self._cv:
+            issued = min(self._issued, first + len(self.streamed))
+        done = sum(1 for n in range(first, issued) if self._ready[self._slot_for(n)].query())
+        with self._lock:
+            self._stats.prefetched_layers += done
+            self._stats.prefetched_bytes += done * self.layout.nbytes
 
     def _wait_issued(self, n: int) -> None:
         with self._cv:
@@ -624,7 +652,7 @@ class LayerStreamer:
 @dataclass(frozen=True)
 class Placement:
     """Which target layers stay on the compute device and how many ring slots the rest stream through."""
-    mode: str                   # offload mode asked for: "none" | "cpu" | "disk"
+    mode: str                   # "none" | "cpu" | "disk": where the streamed layers live
     n_layers: int               # decoder layers of the target
     layer_nbytes: int           # bytes of one packed layer
     resident: tuple[int, ...]   # layers kept on the device for good (the first layers)
@@ -640,11 +668,11 @@ class Placement:
         return (len(self.resident) + self.n_slots) * self.layer_nbytes
 
 
-def plan_placement(n_layers: int, layer_bytes: int, offload: OffloadConfig, device: torch.device) -> Placement:
-    """Spend the device budget: the ring first (n_slots layers), then resident layers, first layers first.
-
-    gpu_budget None: on a GPU, its free memory now less CUDA_HEADROOM (open the target after the draft and
-    KV caches are allocated); on a CPU device, nothing resident, so cpu/disk modes really stream."""
+def place_layers(n_layers: int, layer_bytes: int, offload: OffloadConfig,
+                 layer_budget: Optional[int]) -> Placement:
+    """Spend `layer_budget` device bytes on the target's layers: the ring first (n_slots layers), then
+    resident layers, first layers first. layer_budget None: nothing resident beyond the ring (a CPU device,
+    where cpu/disk offload should really stream)."""
     mode = offload.mode
     if mode not in MODES:
         raise InputError(f"unknown offload mode {mode!r} (expected one of {', '.join(MODES)})")
@@ -652,26 +680,23 @@ def plan_placement(n_layers: int, layer_bytes: int, offload: OffloadConfig, devi
     if offload.n_slots < min_slots:
         raise InputError(f"n_slots={offload.n_slots}: streaming needs at least 2 slots (1 only with overlap off)")
     all_layers = n_layers * layer_bytes
-    budget, budget_name = offload.gpu_budget, "gpu_budget"
     if mode == "none":
-        if budget is not None and budget < all_layers:
-            raise BudgetError(f"gpu_budget {format_bytes(budget)} cannot hold all {n_layers} layers "
-                              f"({format_bytes(all_layers)}): use cpu or disk offload")
+        if layer_budget is not None and layer_budget < all_layers:
+            raise BudgetError(f"{format_bytes(layer_budget)} for target layers cannot hold all {n_layers} layers "
+                              f"({format_bytes(all_layers)}): use --offload cpu or disk")
         return Placement(mode, n_layers, layer_bytes, resident=tuple(range(n_layers)), n_slots=0)
-    if budget is None:
-        if device.type != "cuda":
-            return Placement(mode, n_layers, layer_bytes, resident=(), n_slots=offload.n_slots)
-        budget = max(0, torch.cuda.mem_get_info(device)[0] - CUDA_HEADROOM)
-        budget_name = "free device memory"
+    if layer_budget is None:
+        return Placement(mode, n_layers, layer_bytes, resident=(), n_slots=offload.n_slots)
     ring_min = min_slots * layer_bytes
-    if budget < ring_min:
-        raise BudgetError(f"{budget_name} {format_bytes(budget)} is too small to stream: it needs at least "
+    if layer_budget < ring_min:
+        raise BudgetError(f"{format_bytes(layer_budget)} for target layers is too small to stream: it needs at least "
                           f"{format_bytes(ring_min)} ({min_slots} slots × {format_bytes(layer_bytes)} per layer)")
-    if budget >= all_layers:
+    if layer_budget >= all_layers:
         return Placement(mode, n_layers, layer_bytes, resident=tuple(range(n_layers)), n_slots=0)
-    n_slots = min(offload.n_slots, budget // layer_bytes)
-    n_resident = (budget - n_slots * layer_bytes) // layer_bytes   # < n_layers - n_slots since budget < all_layers
+    n_slots = min(offload.n_slots, layer_budget // layer_bytes)
+    n_resident = (layer_budget - n_slots * layer_bytes) // layer_bytes   # < n_layers - n_slots
     return Placement(mode, n_layers, layer_bytes, resident=tuple(range(n_resident)), n_slots=n_slots)
+
 
 
 @dataclass
@@ -713,7 +738,8 @@ def _resident_from_tensors(layer_tensors_fn: LayerTensorsFn, layer: int, layout:
 
 def open_target_layers(layer_tensors_fn: LayerTensorsFn, cfg: ModelConfig, offload: OffloadConfig,
                        device: torch.device, dtype: torch.dtype, store_dir: Optional[str] = None,
-                       progress: bool = True, *, source_id: str = "") -> TargetLayers:
+                       progress: bool = True, *, source_id: str = "",
+                       placement: Optional[Placement] = None) -> TargetLayers:
     """The target's decoder layers, placed as `offload` says.
 
     layer_tensors_fn(i) gives layer i's tensors keyed by LayerWeights field names, any dtype (cast to
@@ -721,9 +747,13 @@ def open_target_layers(layer_tensors_fn: LayerTensorsFn, cfg: ModelConfig, offlo
     "disk": a packed store at store_dir (or offload.store_dir), built once with a progress bar when
     missing; source_id (e.g. Checkpoint.fingerprint()) is recorded in it, and a store built from other
     weights is refused. The result is a LayerSource; close it (or use it as a context manager) to stop
-    the streamer's threads."""
+    the streamer's threads.
+
+    placement: which layers stay resident and how many slots stream the rest, as the memory plan decided
+    (plan.make_plan); None = offload.gpu_budget alone decides (no budget: nothing resident beyond the ring)."""
     layout = LayerLayout.of(cfg, dtype)
-    placement = plan_placement(cfg.n_layers, layout.nbytes, offload, device)
+    if placement is None:
+        placement = place_layers(cfg.n_layers, layout.nbytes, offload, offload.gpu_budget)
     if not placement.streamed:
         layers = [_resident_from_tensors(layer_tensors_fn, i, layout, device)
                   for i in tqdm(range(cfg.n_layers), desc="loading layers", unit="layer", disable=not progress)]

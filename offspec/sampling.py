@@ -12,8 +12,14 @@ import torch
 from .config import SamplingConfig
 
 
+ROW_CHUNK = 64   # rows processed at a time: top-p sorts, and a sort of (R, V) makes several (R, V) temporaries
+
+
 def process_logits(logits: torch.Tensor, sampling: SamplingConfig) -> torch.Tensor:
     """logits (..., V) -> probabilities (..., V), float32, each row summing to 1.
+
+    Rows are processed ROW_CHUNK at a time, so a draft call over a wide tree level (a thousand rows of a
+    150k vocabulary) needs its output and one chunk's temporaries, not gigabytes of them.
 
     T > 0: softmax(logits / T) restricted to the top-k tokens, then to the nucleus (the smallest set of most
     likely tokens whose mass reaches top_p), renormalized. Same order as transformers: temperature, top-k,
@@ -22,6 +28,17 @@ def process_logits(logits: torch.Tensor, sampling: SamplingConfig) -> torch.Tens
     probabilities are only used to rank draft candidates during tree growth, and truncating them (or taking
     the T -> 0 one-hot limit) would throw away exactly the runner-up tokens a tree wants to try.
     """
+    rows = logits.numel() // max(logits.shape[-1], 1)
+    if logits.dim() >= 2 and rows > ROW_CHUNK:
+        flat = logits.reshape(rows, logits.shape[-1])                                    # (R, V)
+        out = torch.empty(flat.shape, dtype=torch.float32, device=logits.device)
+        for a in range(0, rows, ROW_CHUNK):
+            out[a: a + ROW_CHUNK] = _process_rows(flat[a: a + ROW_CHUNK], sampling)
+        return out.view(logits.shape)
+    return _process_rows(logits, sampling)
+
+
+def _process_rows(logits: torch.Tensor, sampling: SamplingConfig) -> torch.Tensor:
     x = logits.float()
     if sampling.greedy:
         return torch.softmax(x, dim=-1)

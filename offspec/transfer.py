@@ -35,12 +35,13 @@ PAGE_BYTES = mmap.PAGESIZE   # host page size: mappings start on it, pinned piec
 
 
 def format_bytes(n: float) -> str:
-    """1536 -> '1.5 KiB'; for messages and reports."""
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(n) < 1024:
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} TiB"
+    """Bytes for people, in decimal units as memory and GPUs are sold and as --gpu-budget 24GB reads them:
+    1.5e9 -> '1.50 GB', 3e8 -> '300 MB'."""
+    if abs(n) >= 1e9:
+        return f"{n / 1e9:.2f} GB"
+    if abs(n) >= 1e6:
+        return f"{n / 1e6:.0f} MB"
+    return f"{n / 1e3:.0f} kB"
 
 
 def raise_from_worker(err: BaseException, where: str) -> NoReturn:

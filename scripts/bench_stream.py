@@ -52,7 +52,8 @@ from offspec.errors import OffspecError
 from offspec.kv_cache import KVCache
 from offspec.load import parse_device, parse_dtype, store_dir_for
 from offspec.metrics import Timer
-from offspec.model import LayerLayout, Model
+from offspec.layout import LayerLayout
+from offspec.model import Model
 from offspec.offload import LAYERS_BIN, DiskStore, HostArenaStore, TargetLayers, open_target_layers
 from offspec.transfer import make_backend
 

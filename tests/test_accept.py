@@ -127,14 +127,14 @@ def test_verify_stochastic_edge_cases():
     # q = p: the first child is always accepted (min(1, q/p) = 1); the bonus comes from q at that leaf.
     q = torch.stack([p, torch.eye(V)[4], torch.eye(V)[5]])                              # (N, V)
     for _ in range(20):
-        assert verify_stochastic(tree, q, g) == Verdict((1,), (1,), 4)
+        assert verify_stochastic(tree, q.__getitem__, g) == Verdict((1,), (1,), 4)
     # q has no mass on either child: both rejected, the bonus comes from the residual, never 1 or 2.
     q = torch.stack([torch.tensor([0.2, 0.0, 0.0, 0.4, 0.4, 0.0]), torch.eye(V)[4], torch.eye(V)[5]])
     for _ in range(20):
-        verdict = verify_stochastic(tree, q, g)
+        verdict = verify_stochastic(tree, q.__getitem__, g)
         assert verdict.nodes == () and verdict.bonus in (0, 3, 4)
     # The residual after rejecting 1 and 2 is norm(max(q - p, 0)) = (0, 0, 0, .5, .5, 0): token 0 never comes.
-    assert all(verify_stochastic(tree, q, g).bonus in (3, 4) for _ in range(50))
+    assert all(verify_stochastic(tree, q.__getitem__, g).bonus in (3, 4) for _ in range(50))
 
 
 V_SMALL = 8
@@ -171,7 +171,7 @@ def sample_speculatively(cfg: TreeConfig, T: float, budget: int, trials: int = T
         while len(out) < 3:
             root = out[-1] if out else 0
             tree = grow(cfg, sampling, root, P[root], draft_step, budget, g)
-            verdict = verify_stochastic(tree, Q[tree.tokens], g)
+            verdict = verify_stochastic(tree, Q[tree.tokens].__getitem__, g)
             out += verdict.emitted
             widest = max(widest, max(len(tree.children(u)) for u in range(tree.n_nodes)))
             deepest = max(deepest, len(verdict.nodes))

@@ -68,6 +68,21 @@ def test_truncated_safetensors(good, tmp_path):
             ckpt.layer_tensors(i)
 
 
+def test_headers_only_folder_describes_itself_but_does_not_load(good, tmp_path):
+    """A folder of config + safetensors headers (no data) is enough to plan: headers_only opens it."""
+    from offspec.checkpoint import read_safetensors_header
+    path = copy(good, tmp_path)
+    f = path / "model.safetensors"
+    header, needed = read_safetensors_header(f)
+    assert needed == f.stat().st_size
+    data = f.read_bytes()
+    f.write_bytes(data[: 8 + int.from_bytes(data[:8], "little")])    # the header alone
+    ckpt = Checkpoint(path, headers_only=True)
+    assert ckpt.config.n_layers > 0 and ckpt.parameter_count() > 0
+    with pytest.raises(CheckpointError, match="truncated"):
+        Checkpoint(path)
+
+
 def test_garbage_header(good, tmp_path):
     path = copy(good, tmp_path)
     (path / "model.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{garbage-header}" + b"\0" * 64)

@@ -137,7 +137,7 @@ def test_streamed_target_equals_resident(pair, tmp_path, offload):
 
 def test_streamed_with_resident_layers_bitwise(pair):
     """Logits of a streamed target with some layers resident equal the all-resident logits bitwise."""
-    from offspec.model import LayerLayout
+    from offspec.layout import LayerLayout
     layer_bytes = LayerLayout.of(Checkpoint(pair[0]).config, torch.float32).nbytes
     streamed = engine(pair, OffloadConfig(mode="cpu", n_slots=2, gpu_budget=4 * layer_bytes))
     resident = engine(pair)
@@ -226,3 +226,148 @@ def test_stop_checker_decodes_only_a_tail():
     assert reason == "stop" and emitted == block[:6]
     assert tok.longest <= stops.window < 100
     assert stops.cut(generated, [ord("S"), ord("T")]) == ([ord("S"), ord("T")], None)
+
+
+# ---------------------------------------------------------------- caps, context end, chunks (issue #10)
+
+def test_max_new_tokens_below_one_is_refused_by_the_library():
+    from offspec.errors import InputError
+    for bad in (0, -3):
+        with pytest.raises(InputError, match="max_new_tokens must be a whole number >= 1"):
+            GenerationRequest(prompt_ids=PROMPT, max_new_tokens=bad)
+
+
+def test_both_kv_caches_are_capped_at_the_context(pair, monkeypatch):
+    """max_new_tokens of a million on a 512-token model: neither cache is sized by it (the draft's was)."""
+    from offspec import generate as gen_mod
+    capacities = []
+    real = gen_mod.KVCache.for_model
+
+    def recording(cfg, capacity, *args, **kwargs):
+        capacities.append(capacity)
+        return real(cfg, capacity, *args, **kwargs)
+
+    monkeypatch.setattr(gen_mod.KVCache, "for_model", staticmethod(recording))
+    eng = engine(pair)
+    req = GenerationRequest(prompt_ids=PROMPT, max_new_tokens=1_000_000, tree=TreeConfig(policy="dyspec", budget=16))
+    next(iter(eng.generate(req)))
+    assert len(capacities) == 2 and max(capacities) <= eng.max_context == 512
+
+
+@pytest.mark.parametrize("tree", [TreeConfig(policy="dyspec", budget=64), TreeConfig(policy="chain", budget=8),
+                                  TreeConfig(policy="dyspec", budget=None)])
+def test_at_the_context_end_speculation_emits_what_plain_decoding_does(pair, tree):
+    """A prompt 30 tokens short of the 512-token context: plain and speculative decoding stop at the same
+    token with finish_reason "context" (a speculative block used to run one token further)."""
+    eng = engine(pair)
+    prompt = tuple((7 * i) % 120 + 5 for i in range(482))
+    plain, _ = tokens_of(eng, TreeConfig(policy="none"), n=1000, prompt=prompt)
+    spec, steps = tokens_of(eng, tree, n=1000, prompt=prompt)
+    assert plain.finish_reason == spec.finish_reason == "context"
+    assert spec.tokens == plain.tokens and len(plain.tokens) == 512 - 1 - len(prompt)
+    assert max(s.tree_size for s in steps) > 1
+
+
+def test_a_planned_context_caps_the_engine(pair):
+    from offspec.config import RunLimits
+    eng = load_engine(pair[0], pair[1], OffloadConfig(), RUNTIME, progress=False,
+                      limits=RunLimits(context=64, tree_budget=8)).engine
+    assert eng.max_context == 64 and eng.max_tree_budget == 8
+    report, _ = tokens_of(eng, TreeConfig(policy="dyspec", budget=8), n=1000)
+    assert report.finish_reason == "context" and len(report.tokens) == 64 - 1 - len(PROMPT)
+    from offspec.errors import InputError
+    with pytest.raises(InputError, match="more than the engine was planned for"):
+        tokens_of(eng, TreeConfig(policy="dyspec", budget=9))
+
+
+@pytest.mark.parametrize("chunk", [1, 3, 7])
+def test_chunked_forward_equals_one_piece(pair, chunk):
+    """Each layer over its rows in chunks, the mask built per chunk: the same logits (fp32) and the same cache."""
+    from offspec.generate import PassMask
+    from offspec.kv_cache import KVCache
+    eng = engine(pair)
+    cfg = eng.target.cfg
+    T = len(PROMPT)
+    outs, caches = [], []
+    for c in (None, chunk):
+        cache = KVCache.for_model(cfg, T, torch.float32, torch.device("cpu"))
+        outs.append(eng.target.forward(torch.tensor([PROMPT]), torch.arange(T)[None], torch.arange(T),
+                                       PassMask(0, T, None, torch.device("cpu")), cache, chunk=c))
+        caches.append(cache)
+    # fp32 rounding only: matmuls over fewer rows may sum in another order
+    torch.testing.assert_close(outs[0], outs[1], rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(caches[0].k, caches[1].k, rtol=1e-4, atol=1e-4)
+    assert torch.equal(outs[0].argmax(-1), outs[1].argmax(-1))
+
+
+def test_pass_mask_rows_match_the_whole_mask():
+    """PassMask(a, b) = rows a..b-1 of [causal pending rows | tree rows (prefix + ancestors)]; the docstring's example."""
+    from offspec.generate import PassMask
+    from offspec.tree import TokenTree
+    tree = TokenTree(9)
+    tree.add(0, 4, 0.5)
+    mask = PassMask(3, 2, tree.mask, torch.device("cpu"))
+    whole = mask(0, 4)[0].int().tolist()
+    assert whole == [[1, 1, 1, 1, 0, 0, 0], [1, 1, 1, 1, 1, 0, 0], [1, 1, 1, 1, 1, 1, 0], [1, 1, 1, 1, 1, 1, 1]]
+    for a, b in [(0, 1), (1, 3), (2, 4), (3, 4)]:
+        assert mask(a, b)[0].int().tolist() == whole[a:b]
+
+
+def test_small_prefill_chunk_keeps_greedy_output(pair):
+    from offspec.config import RunLimits
+    eng = load_engine(pair[0], pair[1], OffloadConfig(mode="cpu", n_slots=2), RUNTIME, progress=False,
+                      limits=RunLimits(prefill_chunk=4)).engine
+    try:
+        plain, _ = tokens_of(engine(pair), TreeConfig(policy="none"))
+        spec, _ = tokens_of(eng, TreeConfig(policy="dyspec", budget=16))
+        assert spec.tokens == plain.tokens
+    finally:
+        eng.close()
+
+
+def test_sampled_verification_processes_only_the_rows_it_visits(pair, monkeypatch):
+    """At T > 0 the target's logits are turned into distributions only at the root and along the accepted
+    path, never for all N tree rows (N x V floats plus top-p's sort temporaries: gigabytes at N = 1024)."""
+    from offspec import generate as gen_mod
+    rows_processed = []
+    real = gen_mod.process_logits
+
+    def counting(logits, sampling):
+        rows_processed.append(logits.numel() // logits.shape[-1])
+        return real(logits, sampling)
+
+    monkeypatch.setattr(gen_mod, "process_logits", counting)
+    eng = engine(pair)
+    sampling = SamplingConfig(temperature=0.8, top_p=0.9, seed=1)
+    req = GenerationRequest(prompt_ids=PROMPT, max_new_tokens=24, tree=TreeConfig(policy="dyspec", budget=64),
+                            sampling=sampling, ignore_eos=True)
+    original_accept = eng._accept
+    verify_rows = []
+
+    def accept(tree, q_logits, sampling, generator):
+        before = len(rows_processed)
+        verdict = original_accept(tree, q_logits, sampling, generator)
+        verify_rows.append((sum(rows_processed[before:]), tree.n_nodes, len(verdict.nodes)))
+        return verdict
+
+    monkeypatch.setattr(eng, "_accept", accept)
+    list(eng.generate(req))
+    assert any(n > 8 for _, n, _ in verify_rows)
+    for processed, n_nodes, accepted in verify_rows:
+        assert processed == accepted + 1 <= n_nodes     # one row per visited node: the root and the accepted path
+
+
+def test_timer_waits_for_the_compute_stream_only(monkeypatch):
+    """Timing never calls the device-wide torch.cuda.synchronize (it would wait for the copy stream too)."""
+    from offspec import metrics
+    calls = []
+
+    class Stream:
+        def synchronize(self):
+            calls.append("stream")
+
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: pytest.fail("device-wide synchronize"))
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: Stream())
+    with metrics.Timer(torch.device("cuda")) as t:
+        pass
+    assert calls == ["stream", "stream"] and t.seconds >= 0

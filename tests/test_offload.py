@@ -13,9 +13,10 @@ import torch
 from offspec.config import ModelConfig, OffloadConfig
 from offspec.errors import BudgetError, InputError, StoreError
 from offspec.kv_cache import KVCache
-from offspec.model import GlobalWeights, LayerLayout, Model, ResidentLayers, layer_shapes
+from offspec.layout import GlobalWeights, LayerLayout, layer_shapes
+from offspec.model import Model, ResidentLayers
 from offspec.offload import (BLOCK_ALIGN, LAYERS_BIN, MANIFEST, DiskStore, HostArenaStore, LayerStreamer,
-                             disk_store_exists, layer_nbytes, open_target_layers, plan_placement,
+                             disk_store_exists, layer_nbytes, open_target_layers, place_layers,
                              prepare_disk_store, store_fingerprint)
 from offspec.transfer import PAGE_BYTES, CpuBackend, CpuEvent
 
@@ -553,36 +554,36 @@ def test_disk_mode_host_memory_follows_the_ring_not_the_model(tmp_path):
 def test_budget_below_two_slots_is_refused():
     one_layer = layer_nbytes(TINY, torch.float32)
     offload = OffloadConfig(mode="cpu", gpu_budget=one_layer + 100)
-    with pytest.raises(BudgetError, match=r"too small to stream: it needs at least 81\.0 KiB \(2 slots"):
+    with pytest.raises(BudgetError, match=r"too small to stream: it needs at least 83 kB \(2 slots"):
         open_target_layers(random_layers(TINY).__getitem__, TINY, offload, CPU, torch.float32, progress=False)
 
 
 def test_placement_spends_the_ring_first_then_resident_layers():
     L = 1000
-    plan = plan_placement(10, L, OffloadConfig(mode="cpu", n_slots=3, gpu_budget=5 * L + 999), CPU)
+    plan = place_layers(10, L, OffloadConfig(mode="cpu", n_slots=3), 5 * L + 999)
     assert plan.n_slots == 3 and plan.resident == (0, 1) and plan.streamed == tuple(range(2, 10))
     assert plan.device_bytes == 5 * L
     # A budget for 2 slots but not 3: the ring shrinks to what fits.
-    plan = plan_placement(10, L, OffloadConfig(mode="disk", n_slots=3, gpu_budget=2 * L), CPU)
+    plan = place_layers(10, L, OffloadConfig(mode="disk", n_slots=3), 2 * L)
     assert plan.n_slots == 2 and plan.resident == ()
     # Everything fits: nothing streams.
-    plan = plan_placement(10, L, OffloadConfig(mode="cpu", gpu_budget=10 * L), CPU)
+    plan = place_layers(10, L, OffloadConfig(mode="cpu"), 10 * L)
     assert plan.streamed == () and plan.n_slots == 0
     # No budget on a CPU device: stream everything.
-    plan = plan_placement(10, L, OffloadConfig(mode="cpu"), CPU)
+    plan = place_layers(10, L, OffloadConfig(mode="cpu"), None)
     assert plan.resident == () and plan.n_slots == 2
     # overlap off allows a single slot.
-    plan = plan_placement(10, L, OffloadConfig(mode="cpu", n_slots=1, overlap=False, gpu_budget=L), CPU)
+    plan = place_layers(10, L, OffloadConfig(mode="cpu", n_slots=1, overlap=False), L)
     assert plan.n_slots == 1 and plan.resident == ()
 
 
 def test_placement_errors():
     with pytest.raises(InputError, match="unknown offload mode"):
-        plan_placement(10, 1000, OffloadConfig(mode="ram"), CPU)
+        place_layers(10, 1000, OffloadConfig(mode="ram"), None)
     with pytest.raises(InputError, match="at least 2 slots"):
-        plan_placement(10, 1000, OffloadConfig(mode="cpu", n_slots=1), CPU)
+        place_layers(10, 1000, OffloadConfig(mode="cpu", n_slots=1), None)
     with pytest.raises(BudgetError, match="cannot hold all 10 layers"):
-        plan_placement(10, 1000, OffloadConfig(mode="none", gpu_budget=5000), CPU)
+        place_layers(10, 1000, OffloadConfig(mode="none"), 5000)
 
 
 def test_budget_that_holds_everything_gives_resident_layers():
@@ -628,3 +629,20 @@ def test_cuda_streamed_equals_checkpoint(tmp_path, mode):
             torch.cuda.set_sync_debug_mode("default")
         assert int(mismatches) == 0
         assert target.stats().passes == 3
+
+
+def test_the_next_pass_prefetched_while_the_consumer_was_away_is_counted():
+    """The wrap-around prefetch at work: layers of the next pass copied while the consumer did other things
+    (drafting) are already in their slots when the pass begins, and StreamStats counts them."""
+    weights = random_layers(TINY)
+    with open_target_layers(weights.__getitem__, TINY, OffloadConfig(mode="cpu", n_slots=3), CPU, torch.float32,
+                            progress=False) as target:
+        for _ in target.pass_layers():
+            pass
+        time.sleep(0.3)                                  # "drafting": the copy worker fills the ring meanwhile
+        before = target.stats()
+        for _ in target.pass_layers():
+            pass
+        after = target.stats()
+    assert after.prefetched_layers - before.prefetched_layers == 3
+    assert after.prefetched_bytes - before.prefetched_bytes == 3 * layer_nbytes(TINY, torch.float32)

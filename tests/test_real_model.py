@@ -27,7 +27,7 @@ def test_demo_pair_speculative_greedy_equals_transformers():
     ids = encode_prompt(loaded.tokenizer, "Write a Python function that returns the n-th Fibonacci number.")
     request = GenerationRequest(prompt_ids=tuple(ids), max_new_tokens=24, tree=TreeConfig(policy="dyspec", budget=16))
     try:
-        report, steps = run(loaded.engine, request, offload="cpu")
+        report, steps = run(loaded.engine, request)
     finally:
         loaded.engine.close()
     assert report.passes < report.new_tokens, "speculation must accept draft tokens on the real pair"

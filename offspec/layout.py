@@ -1,0 +1,97 @@
+"""How one model's weights are laid out: the per-layer weight record, its packed byte layout, the globals.
+
+The bottom floor of the package: the forward (model.py), checkpoint reading, the weight stores and the
+memory plan all speak these types, and this module imports none of them.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from .config import ModelConfig
+
+
+@dataclass
+class LayerWeights:
+    """One decoder layer. Linear weights are (out, in) as in the checkpoint."""
+    input_norm: torch.Tensor                 # (D,)
+    q_proj: torch.Tensor                     # (H*hd, D)
+    k_proj: torch.Tensor                     # (H_kv*hd, D)
+    v_proj: torch.Tensor                     # (H_kv*hd, D)
+    o_proj: torch.Tensor                     # (D, H*hd)
+    post_norm: torch.Tensor                  # (D,)
+    gate_proj: torch.Tensor                  # (F, D)
+    up_proj: torch.Tensor                    # (F, D)
+    down_proj: torch.Tensor                  # (D, F)
+    q_bias: Optional[torch.Tensor] = None    # (H*hd,)   Qwen2 only
+    k_bias: Optional[torch.Tensor] = None    # (H_kv*hd,)
+    v_bias: Optional[torch.Tensor] = None    # (H_kv*hd,)
+
+
+def layer_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """The shape of every tensor of one layer, in packing order."""
+    D, F_, hd = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
+    q, kv = cfg.n_heads * hd, cfg.n_kv_heads * hd
+    shapes = {
+        "input_norm": (D,), "q_proj": (q, D), "k_proj": (kv, D), "v_proj": (kv, D), "o_proj": (D, q),
+        "post_norm": (D,), "gate_proj": (F_, D), "up_proj": (F_, D), "down_proj": (D, F_),
+    }
+    if cfg.attention_bias:
+        shapes.update(q_bias=(q,), k_bias=(kv,), v_bias=(kv,))
+    return shapes
+
+
+TENSOR_ALIGN = 256  # bytes; every tensor inside a packed layer starts on this boundary (CUDA likes ≥256)
+
+
+@dataclass(frozen=True)
+class LayerLayout:
+    """Where each tensor of a layer sits inside one flat uint8 block, so that moving a layer is one copy."""
+    dtype: torch.dtype
+    entries: tuple[tuple[str, tuple[int, ...], int], ...]   # (name, shape, byte offset)
+    nbytes: int                                             # block size, a multiple of TENSOR_ALIGN
+
+    @staticmethod
+    def of(cfg: ModelConfig, dtype: torch.dtype) -> "LayerLayout":
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        entries, offset = [], 0
+        for name, shape in layer_shapes(cfg).items():
+            entries.append((name, shape, offset))
+            offset += round_up(math.prod(shape) * itemsize, TENSOR_ALIGN)
+        return LayerLayout(dtype=dtype, entries=tuple(entries), nbytes=offset)
+
+    def views(self, block: torch.Tensor) -> LayerWeights:
+        """LayerWeights whose tensors are views into `block` (uint8, (nbytes,)); nothing is copied."""
+        assert block.dtype == torch.uint8 and block.numel() >= self.nbytes
+        typed = block[: self.nbytes].view(self.dtype)
+        itemsize = typed.element_size()
+        tensors = {}
+        for name, shape, offset in self.entries:
+            start = offset // itemsize
+            tensors[name] = typed[start: start + math.prod(shape)].view(shape)
+        return LayerWeights(**tensors)
+
+    def pack(self, weights: dict[str, torch.Tensor], block: torch.Tensor) -> None:
+        """Copy named tensors (any dtype, cast here) into their places in `block`; padding is zeroed."""
+        block.zero_()
+        views = self.views(block)
+        for name, shape, _ in self.entries:
+            src = weights[name]
+            if tuple(src.shape) != shape:
+                raise ValueError(f"{name}: expected shape {shape}, got {tuple(src.shape)}")
+            getattr(views, name).copy_(src)
+
+
+def round_up(n: int, multiple: int) -> int:
+    return (n + multiple - 1) // multiple * multiple
+
+
+@dataclass
+class GlobalWeights:
+    """Always resident: embedding, final norm, lm_head (the same tensor as embed when tied)."""
+    embed: torch.Tensor       # (V, D)
+    final_norm: torch.Tensor  # (D,)
+    lm_head: torch.Tensor     # (V, D)

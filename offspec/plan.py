@@ -1,0 +1,463 @@
+"""The memory plan: before anything is allocated, where every byte of a run will live, and whether it fits.
+
+    make_plan(target, draft, offload, runtime, limits, machine) -> MemoryPlan   (or BudgetError: one line)
+
+Inputs are shapes, never weights: ModelSpec comes from config.json and the safetensors headers, so a plan
+can be made for machines and models that are not here (`offspec models info --device-memory 24GB`).
+
+Device (the GPU; on a CPU-only run the host RAM itself, one pool with the host items):
+  draft weights (+ its int8 copy), target globals (embed, final norm, lm_head), both KV caches at the run's
+  context, logits of the largest tree, activations of the largest forward (rows go through each layer in
+  chunks of prefill_chunk, so a long prompt costs chunk-sized intermediates), a reserve for the allocator
+  and library workspaces; what is left holds the streaming ring and the resident target layers.
+Host: the pinned arena (cpu offload) or the staging buffers (disk offload), a transient for loading, and the
+  runtime itself; all of it within min(MemAvailable, the cgroup's limit), the pinned part within a safe
+  fraction of that (pinned pages cannot be reclaimed: pinning too much is an OOM kill, not a fallback).
+
+Offload "auto" on a GPU: everything resident if it fits, else layers streamed from host RAM if the arena
+fits there, else from disk. On a CPU device auto is "none": host RAM is the device already.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+from typing import Optional
+
+import psutil
+import torch
+
+from .config import AUTO_MAX_TREE_BUDGET, ModelConfig, OffloadConfig, RunLimits, RuntimeConfig
+from .errors import BudgetError, InputError
+from .layout import LayerLayout, round_up
+from .offload import BLOCK_ALIGN, N_STAGING, Placement, place_layers
+from .transfer import PAGE_BYTES, format_bytes as fmt
+
+GB = 10**9
+GIB = 2**30
+MODES = ("none", "cpu", "disk")
+MIN_AUTO_TREE_BUDGET = 16       # a short device lowers the auto maximum, halving, down to this
+PINNED_FRACTION = 0.8           # default pinned budget: this share of the host memory the run may use
+CUDA_RESERVE_MIN = 512 << 20    # allocator fragmentation, cuBLAS / attention workspaces, CUDA graphs: at least
+CUDA_RESERVE_FRACTION = 0.04    # ... or this share of the device, whichever is larger
+RUNTIME_HOST_BYTES = 1 << 30    # the process itself: Python, torch, tokenizer, page tables
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """What the plan needs of one model (from config.json and the safetensors headers; no weight is read)."""
+    cfg: ModelConfig
+    lm_head_stored: bool   # lm_head is its own tensor (untied, or saved anyway); else it shares the embedding
+    name: str              # for messages: the folder
+
+    @staticmethod
+    def of(ckpt) -> "ModelSpec":
+        """From a checkpoint.Checkpoint (headers only is enough)."""
+        return ModelSpec(ckpt.config, ckpt.has_lm_head, str(ckpt.path))
+
+
+@dataclass(frozen=True)
+class Machine:
+    kind: str                  # "cuda" | "cpu": a CPU device shares one pool with the host
+    device_bytes: int          # device memory the run may use (free memory now, or as given)
+    host_bytes: int            # host memory the run may use: min(MemAvailable, cgroup limit - usage), or as given
+    host_source: str           # where host_bytes comes from, for messages
+    name: str = ""             # the device, for reports
+
+    @staticmethod
+    def measure(device: torch.device) -> "Machine":
+        """This machine now. On CUDA, the device's free memory (call before allocating anything)."""
+        host, source = host_memory_limit()
+        if device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(device)
+            return Machine("cuda", int(free), host, source, torch.cuda.get_device_name(device))
+        return Machine("cpu", host, host, source, "cpu")
+
+    @staticmethod
+    def given(device_bytes: Optional[int], host_bytes: Optional[int]) -> "Machine":
+        """A machine described by the user (`models info --device-memory 24GB --host-memory 64GB`); a size
+        not given is this machine's. A device size means a GPU of that size."""
+        host, source = (host_bytes, "given") if host_bytes is not None else host_memory_limit()
+        if device_bytes is None:
+            return Machine("cpu", host, host, source, "cpu (this machine)")
+        return Machine("cuda", device_bytes, host, source, f"a {device_bytes / GB:.0f} GB GPU")
+
+
+def host_memory_limit() -> tuple[int, str]:
+    """-> (bytes of host memory a run may use, what bounds it): MemAvailable, or less when this process's
+    cgroup (v2 memory.max, v1 memory.limit_in_bytes) leaves less. MemAvailable is host-wide: in a container
+    only the cgroup knows that the process would be killed long before."""
+    available = psutil.virtual_memory().available
+    cgroup = _cgroup_available()
+    if cgroup is not None and cgroup < available:
+        return cgroup, "cgroup memory limit"
+    return available, "MemAvailable"
+
+
+def _cgroup_available() -> Optional[int]:
+    """limit - (usage - inactive file pages) of this process's memory cgroup, None when unlimited/unknown."""
+    try:
+        lines = Path("/proc/self/cgroup").read_text().splitlines()
+    except OSError:
+        return None
+    for line in lines:
+        _, controllers, path = line.split(":", 2)
+        if controllers == "":                                   # v2: 0::/path
+            base, names = Path("/sys/fs/cgroup"), ("memory.max", "memory.current", "inactive_file")
+        elif "memory" in controllers.split(","):                # v1: N:memory:/path
+            base, names = Path("/sys/fs/cgroup/memory"), ("memory.limit_in_bytes", "memory.usage_in_bytes",
+                                                               "total_inactive_file")
+        else:
+            continue
+        # Inside a container the cgroup's own folder is usually mounted as the root: try it, then the root.
+        for folder in (base / path.lstrip("/"), base):
+            limit_file = folder / names[0]
+            if not limit_file.is_file():
+                continue
+            try:
+                text = limit_file.read_text().strip()
+                if text == "max" or int(text) >= 1 << 60:
+                    return None
+                usage = int((folder / names[1]).read_text())
+                stat = dict(l.split() for l in (folder / "memory.stat").read_text().splitlines() if " " in l)
+                reclaimable = int(stat.get(names[2], 0))
+                return max(0, int(text) - (usage - reclaimable))
+            except (OSError, ValueError):
+                return None
+    return None
+
+
+# ---------------------------------------------------------------- sizes
+
+def itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def layer_nbytes(cfg: ModelConfig, dtype: torch.dtype) -> int:
+    """One packed decoder layer (the ring slot, the arena block before page rounding)."""
+    return LayerLayout.of(cfg, dtype).nbytes
+
+
+def globals_nbytes(spec: ModelSpec, dtype: torch.dtype) -> int:
+    cfg = spec.cfg
+    matrices = 2 if spec.lm_head_stored else 1
+    return (matrices * cfg.vocab_size * cfg.hidden_size + cfg.hidden_size) * itemsize(dtype)
+
+
+def int8_copy_nbytes(cfg: ModelConfig, dtype: torch.dtype) -> int:
+    """quant.with_int8_copies: every matrix (N, K) of every layer and lm_head gets N*K int8 + N scales."""
+    D, F_, q, kv = cfg.hidden_size, cfg.intermediate_size, cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
+    per_layer = [(q, D), (kv, D), (kv, D), (D, q), (F_, D), (F_, D), (D, F_)]
+    s = itemsize(dtype)
+    layer = sum(n * k + n * s for n, k in per_layer)
+    return cfg.n_layers * layer + cfg.vocab_size * (cfg.hidden_size + s)
+
+
+def kv_bytes_per_token(cfg: ModelConfig, dtype: torch.dtype) -> int:
+    return 2 * cfg.n_layers * cfg.n_kv_heads * cfg.head_dim * itemsize(dtype)
+
+
+def activation_nbytes(cfg: ModelConfig, dtype: torch.dtype, rows: int, chunk: int, context: int) -> int:
+    """The largest forward of `rows` new tokens attending to `context` cache columns, each layer run over
+    chunks of `chunk` rows: hidden states of every row, plus one chunk's intermediates, mask and attention
+    scores (counted as the math kernel materializes them, float32 scores + probabilities: an upper bound)."""
+    s = itemsize(dtype)
+    c = max(1, min(rows, chunk))
+    D, F_, hd = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
+    H, H_kv = cfg.n_heads, cfg.n_kv_heads
+    hidden = 2 * rows * D * s + 2 * rows * hd * (s + 4)                    # x + residual; RoPE cos/sin
+    chunk_work = c * (3 * D + 2 * (H + 2 * H_kv) * hd + 3 * F_) * s        # norms, q/k/v (+roped), attn out, MLP
+    mask = c * context                                                      # bool
+    scores = H * c * context * (4 + s)
+    return hidden + chunk_work + mask + scores
+
+
+def logits_nbytes(target: ModelConfig, draft: Optional[ModelConfig], dtype: torch.dtype, tree_budget: int,
+                  sampling: bool) -> int:
+    """The largest of: the verification pass's tree logits ((N, V) in dtype, then float32), and a draft call
+    over a whole level (logits + processed float32 distributions); plus, at T > 0, the draft distributions
+    every expanded node keeps for verification ((V,) float32 each, at the target's width)."""
+    s = itemsize(dtype)
+    rows = tree_budget + 1
+    verify = rows * target.vocab_size * (s + 4)
+    drafting = rows * draft.vocab_size * (s + 8) if draft is not None else 0
+    kept = rows * target.vocab_size * 4 if (sampling and draft is not None) else 0
+    return max(verify, drafting) + kept
+
+
+# ---------------------------------------------------------------- the plan
+
+@dataclass(frozen=True)
+class PlanItem:
+    where: str        # "device" | "host"
+    what: str         # what the bytes are for
+    nbytes: int
+    note: str = ""    # how it was counted
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    machine: Machine
+    mode: str                     # the offload mode that runs ("auto" resolved)
+    context: int                  # tokens per sequence in both KV caches (capped at the models' context)
+    tree_budget: int              # largest tree a pass may verify
+    prefill_chunk: int            # rows per layer call
+    placement: Placement          # resident layers and ring
+    layer_budget: int             # device bytes that were available for the ring and resident layers
+    pinned_budget: int            # host bytes that may be pinned
+    host_pinned: bool             # the arena / staging will be pinned (CUDA only)
+    items: tuple[PlanItem, ...]
+    notes: tuple[str, ...] = ()   # decisions worth a line in the report (pageable fallback, auto mode, ...)
+    streamed_bytes: int = 0       # weight bytes moved per target pass
+
+    def total(self, where: str) -> int:
+        return sum(i.nbytes for i in self.items if i.where == where)
+
+    def layers_line(self) -> str:
+        p = self.placement
+        if not p.streamed:
+            return f"all {p.n_layers} target layers resident on the device"
+        source = {"cpu": "host RAM (" + ("pinned" if self.host_pinned else "pageable") + ")",
+                  "disk": "the disk store"}[self.mode]
+        resident = f"layers {_ranges(p.resident)} resident, " if p.resident else "no layer resident, "
+        return (f"{resident}layers {_ranges(p.streamed)} streamed from {source} through {p.n_slots} slots "
+                f"({fmt(p.layer_nbytes)} per layer)")
+
+    def describe(self) -> str:
+        """The plan as a table: every item with its size, the totals against what the machine has."""
+        m = self.machine
+        shared = m.kind == "cpu"
+        lines = [f"memory plan: {m.name or m.kind}, offload {self.mode}, context {self.context} tokens, tree budget "
+                 f"≤ {self.tree_budget}, prefill chunk {self.prefill_chunk}"]
+        for where in ("device", "host"):
+            items = [i for i in self.items if i.where == where]
+            if not items:
+                continue
+            label = "device (host RAM: the CPU is the device)" if (where == "device" and shared) else where
+            lines.append(f"  {label}")
+            for i in items:
+                note = f"  ({i.note})" if i.note else ""
+                lines.append(f"    {i.what:<38} {fmt(i.nbytes):>10}{note}")
+        if shared:
+            lines.append(f"  total {fmt(self.total('device') + self.total('host'))} of {fmt(m.host_bytes)} "
+                         f"host memory ({m.host_source})")
+        else:
+            lines.append(f"  device total {fmt(self.total('device'))} of {fmt(m.device_bytes)}; host total "
+                         f"{fmt(self.total('host'))} of {fmt(m.host_bytes)} ({m.host_source}), pinned budget "
+                         f"{fmt(self.pinned_budget)}")
+        lines.append(f"  {self.layers_line()}")
+        lines += [f"  note: {n}" for n in self.notes]
+        return "\n".join(lines)
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["placement"] = {"mode": self.placement.mode, "resident": list(self.placement.resident),
+                          "streamed": list(self.placement.streamed), "n_slots": self.placement.n_slots,
+                          "layer_nbytes": self.placement.layer_nbytes}
+        d["device_total"], d["host_total"] = self.total("device"), self.total("host")
+        d["layers_line"] = self.layers_line()
+        return d
+
+
+def make_plan(target: ModelSpec, draft: Optional[ModelSpec], offload: OffloadConfig, runtime: RuntimeConfig,
+              limits: RunLimits, machine: Machine) -> MemoryPlan:
+    """Where everything goes, or BudgetError saying in one line what does not fit and what to change.
+
+    An auto tree budget (limits.tree_budget None) is the most that fits, up to AUTO_MAX_TREE_BUDGET: a
+    device too short for the largest tree's logits gets a smaller auto maximum (said in the notes)."""
+    if limits.prefill_chunk < 1:
+        raise InputError("--prefill-chunk must be at least 1")
+    if limits.tree_budget is not None and limits.tree_budget < 0:
+        raise InputError("the tree budget must be >= 0")
+    model_context = min([target.cfg.max_position_embeddings] + ([draft.cfg.max_position_embeddings] if draft else []))
+    context = model_context if limits.context is None else min(limits.context, model_context)
+    if context < 2:
+        raise InputError(f"a context of {context} tokens leaves no room to generate")
+    shared = machine.kind == "cpu"
+    L = layer_nbytes(target.cfg, runtime.dtype)
+    min_slots = 2 if offload.overlap else 1
+    pool = machine.host_bytes if shared else machine.device_bytes
+    notes: list[str] = []
+    if limits.tree_budget is not None:
+        tree_budget = limits.tree_budget
+        fixed = _fixed_device_items(target, draft, runtime, limits, machine, context, tree_budget)
+    else:
+        tree_budget = min(AUTO_MAX_TREE_BUDGET, context)
+        while True:
+            fixed = _fixed_device_items(target, draft, runtime, limits, machine, context, tree_budget)
+            if pool - sum(i.nbytes for i in fixed) >= min_slots * L or tree_budget <= MIN_AUTO_TREE_BUDGET:
+                break
+            tree_budget //= 2
+        if tree_budget < min(AUTO_MAX_TREE_BUDGET, context):
+            notes.append(f"auto tree budget capped at {tree_budget} nodes: larger trees' logits do not fit")
+    return _place(target, offload, runtime, machine, context, tree_budget, limits.prefill_chunk, fixed, notes)
+
+
+def _fixed_device_items(target: ModelSpec, draft: Optional[ModelSpec], runtime: RuntimeConfig, limits: RunLimits,
+                        machine: Machine, context: int, tree_budget: int) -> list[PlanItem]:
+    """Every device item but the target's decoder layers."""
+    dtype = runtime.dtype
+    fixed: list[PlanItem] = []
+    if draft is not None:
+        fixed.append(PlanItem("device", "draft weights", draft.cfg.n_layers * layer_nbytes(draft.cfg, dtype)
+                              + globals_nbytes(draft, dtype), Path(draft.name).name))
+        if runtime.draft_quant == "int8":
+            fixed.append(PlanItem("device", "draft int8 copy", int8_copy_nbytes(draft.cfg, dtype),
+                                  "--draft-quant int8"))
+    fixed.append(PlanItem("device", "target embed, norm, lm_head", globals_nbytes(target, dtype)))
+    fixed.append(PlanItem("device", "target KV cache", kv_bytes_per_token(target.cfg, dtype) * context,
+                          f"{context} tokens"))
+    if draft is not None:
+        fixed.append(PlanItem("device", "draft KV cache", kv_bytes_per_token(draft.cfg, dtype) * context,
+                              f"{context} tokens"))
+    sampling = limits.sampling and draft is not None
+    fixed.append(PlanItem("device", "tree logits", logits_nbytes(target.cfg, draft.cfg if draft else None, dtype,
+                                                                 tree_budget, sampling),
+                          f"{tree_budget + 1} rows" + (", T>0 draft distributions" if sampling else "")))
+    act = max(activation_nbytes(m.cfg, dtype, context, limits.prefill_chunk, context)
+              for m in ([target] + ([draft] if draft else [])))
+    fixed.append(PlanItem("device", "activations of the largest forward", act,
+                          f"{context} rows in chunks of {min(context, limits.prefill_chunk)}"))
+    if machine.kind == "cpu":
+        fixed.append(PlanItem("device", "runtime (Python, torch, tokenizer)", RUNTIME_HOST_BYTES))
+    else:
+        reserve = max(CUDA_RESERVE_MIN, int(CUDA_RESERVE_FRACTION * machine.device_bytes))
+        fixed.append(PlanItem("device", "reserve (allocator, workspaces)", reserve))
+    return fixed
+
+
+def _place(target: ModelSpec, offload: OffloadConfig, runtime: RuntimeConfig, machine: Machine, context: int,
+           tree_budget: int, prefill_chunk: int, fixed: list[PlanItem], notes: list[str]) -> MemoryPlan:
+    """Given the fixed device items, place the target's layers and the host side, or refuse."""
+    shared = machine.kind == "cpu"
+    s = itemsize(runtime.dtype)
+    fixed_bytes = sum(i.nbytes for i in fixed)
+
+    # ---- the target's layers
+    L = layer_nbytes(target.cfg, runtime.dtype)
+    n_layers = target.cfg.n_layers
+    all_layers = n_layers * L
+    host_runtime = 0 if shared else RUNTIME_HOST_BYTES
+    loading = max(L, target.cfg.vocab_size * target.cfg.hidden_size * s)   # one layer or the embedding, on the host
+    arena = lambda streamed: streamed * round_up(L, PAGE_BYTES)           # noqa: E731
+    staging = N_STAGING * round_up(L, BLOCK_ALIGN)
+    pool = machine.host_bytes if shared else machine.device_bytes
+    left = pool - fixed_bytes - (loading if shared else 0)
+
+    if offload.host_budget is not None and offload.host_budget > machine.host_bytes:
+        raise BudgetError(f"--host-budget {fmt(offload.host_budget)} is more than the host memory this run may use "
+                          f"({fmt(machine.host_bytes)}, {machine.host_source})")
+    pinned_budget = offload.host_budget if offload.host_budget is not None else int(PINNED_FRACTION * machine.host_bytes)
+
+    if left < 0:
+        what = "host memory" if shared else f"the device's {fmt(machine.device_bytes)}"
+        raise BudgetError(f"{what} cannot hold the run before any target layer: "
+                          + ", ".join(f"{i.what} {fmt(i.nbytes)}" for i in fixed)
+                          + f" = {fmt(fixed_bytes)}; lower --context or --tree-budget, or use a smaller draft")
+
+    mode = offload.mode
+    if mode == "auto":
+        mode = _auto_mode(shared, left, all_layers, arena(n_layers), loading + host_runtime, machine, offload)
+        notes.append(f"offload auto -> {mode}")
+
+    if offload.gpu_budget is not None and offload.gpu_budget > left:
+        raise BudgetError(f"--gpu-budget {fmt(offload.gpu_budget)} is more than the device leaves for target layers: "
+                          f"{fmt(pool)} {'host memory' if shared else 'free'} − {fmt(fixed_bytes)} for the draft, "
+                          f"globals, caches, logits, activations and reserve = {fmt(left)}; use --gpu-budget "
+                          f"{_floor_gb(left)} or less")
+    if mode == "none":
+        budget = offload.gpu_budget if offload.gpu_budget is not None else left
+        if all_layers > budget:
+            raise BudgetError(f"the target's {n_layers} layers ({fmt(all_layers)}) do not fit in the {fmt(budget)} "
+                              f"the {'machine' if shared else 'device'} leaves for them: use --offload "
+                              f"{'disk' if shared else 'cpu or disk'}")
+    else:
+        min_slots = 2 if offload.overlap else 1
+        if left < min_slots * L:
+            raise BudgetError(f"{fmt(left)} is all the {'machine' if shared else 'device'} leaves for target layers "
+                              f"(of {fmt(pool)}: {fmt(fixed_bytes)} go to the draft, globals, caches, logits, "
+                              f"activations and reserve), too little for {min_slots} streaming slots of {fmt(L)}; "
+                              f"lower --context or --tree-budget, or use a smaller draft")
+        # On a CPU device, with no budget given, nothing stays resident: cpu/disk offload should really stream.
+        budget = offload.gpu_budget if offload.gpu_budget is not None else (None if shared else left)
+    placement = place_layers(n_layers, L, replace(offload, mode=mode), budget)
+
+    items = list(fixed)
+    if placement.n_slots:
+        items.append(PlanItem("device", f"ring: {placement.n_slots} slots", placement.n_slots * L,
+                              f"{fmt(L)} per layer"))
+    if placement.resident:
+        items.append(PlanItem("device", f"resident target layers ({len(placement.resident)})",
+                              len(placement.resident) * L))
+    host_pinned = False
+    streamed = len(placement.streamed)
+    if placement.streamed and mode == "cpu":
+        nbytes = arena(streamed)
+        host_pinned = not shared and nbytes <= pinned_budget
+        note = ("pinned" if host_pinned else
+                "pageable: the CPU is the device" if shared else
+                f"pageable: over the pinned budget {fmt(pinned_budget)}; copies are slower")
+        items.append(PlanItem("host", f"host arena ({streamed} layers)", nbytes, note))
+        if not shared and not host_pinned:
+            notes.append(f"the host arena ({fmt(nbytes)}) is over the pinned budget ({fmt(pinned_budget)}): "
+                         f"pageable, copies are slower (--host-budget sets the budget)")
+    if placement.streamed and mode == "disk":
+        host_pinned = not shared and staging <= pinned_budget
+        items.append(PlanItem("host", "disk staging buffers", staging, f"{N_STAGING} × {fmt(L)}"))
+    items.append(PlanItem("host", "loading (transient)", loading, "one layer or the embedding at a time"))
+    if not shared:
+        items.append(PlanItem("host", "runtime (Python, torch, tokenizer)", host_runtime))
+
+    host_total = sum(i.nbytes for i in items if i.where == "host") + (fixed_bytes + placement.device_bytes
+                                                                       if shared else 0)
+    if host_total > machine.host_bytes:
+        fix = "use --offload disk" if mode == "cpu" else "lower --context or --tree-budget"
+        raise BudgetError(f"the run needs {fmt(host_total)} of host memory but {fmt(machine.host_bytes)} is available "
+                          f"({machine.host_source}): {fix}")
+    return MemoryPlan(machine=machine, mode=mode, context=context, tree_budget=tree_budget,
+                      prefill_chunk=prefill_chunk, placement=placement,
+                      layer_budget=left if offload.gpu_budget is None else offload.gpu_budget,
+                      pinned_budget=pinned_budget, host_pinned=host_pinned, items=tuple(items), notes=tuple(notes),
+                      streamed_bytes=streamed * L)
+
+
+def _auto_mode(shared: bool, left: int, all_layers: int, full_arena: int, host_fixed: int, machine: Machine,
+               offload: OffloadConfig) -> str:
+    """none if every layer fits on the device; else cpu if the arena fits in host memory; else disk."""
+    if shared:
+        return "none"
+    budget = offload.gpu_budget if offload.gpu_budget is not None else left
+    if all_layers <= budget:
+        return "none"
+    if full_arena + host_fixed <= machine.host_bytes:
+        return "cpu"
+    return "disk"
+
+
+def predicted_pass_seconds(plan: MemoryPlan, link_gb_per_s: float, disk_gb_per_s: Optional[float] = None) -> float:
+    """PREDICTION: the transfer time of one target pass (copies overlap compute, so this is its floor when
+    streaming dominates): streamed bytes over the link, or over the slower of link and disk in disk mode."""
+    rate = link_gb_per_s
+    if plan.mode == "disk" and disk_gb_per_s:
+        rate = min(rate, disk_gb_per_s)
+    if plan.mode == "cpu" and not plan.host_pinned and plan.machine.kind == "cuda":
+        rate = rate / 2      # pageable copies are staged by the driver: roughly half the pinned rate
+    return plan.streamed_bytes / (rate * GB) if plan.streamed_bytes else 0.0
+
+
+# ---------------------------------------------------------------- formatting
+
+def _floor_gb(n: int) -> str:
+    return f"{math.floor(n / GB * 10) / 10:g}GB" if n >= GB else f"{max(n // 10**6, 0)}MB"
+
+
+def _ranges(layers: tuple[int, ...]) -> str:
+    """(0, 1, 2, 5, 6) -> '0–2, 5–6'."""
+    out, start = [], None
+    for i, layer in enumerate(layers):
+        if start is None:
+            start = layer
+        if i + 1 == len(layers) or layers[i + 1] != layer + 1:
+            out.append(f"{start}" if start == layer else f"{start}–{layer}")
+            start = None
+    return ", ".join(out)

@@ -1,0 +1,62 @@
+"""`offspec doctor` on this CPU-only machine: every section runs or says why not, the drive is measured, and the
+advice for a target comes from its memory plan."""
+import json
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+from offspec.cli import main
+from offspec.doctor import check, link
+from tiny import hf_config, make_model, perturbed_copy, save_checkpoint
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    root = tmp_path_factory.mktemp("doctor")
+    target = make_model(hf_config("qwen2", n_layers=2), seed=7)
+    return save_checkpoint(target, root / "t"), save_checkpoint(perturbed_copy(target, 0.02), root / "d")
+
+
+def test_doctor_cli_reports_every_section(pair, tmp_path):
+    out = tmp_path / "doctor.json"
+    r = CliRunner().invoke(main, ["doctor", "--target", str(pair[0]), "--draft", str(pair[1]), "--device", "cpu",
+                                  "--store-dir", str(tmp_path / "stores"), "--quick", "--json", str(out)])
+    assert r.exit_code == 0, r.output
+    report = json.loads(out.read_text())
+    assert report["devices"]["cuda"] is False and report["pinning"]["status"] == "skipped"
+    assert report["host"]["usable_bytes"] > 0 and report["host"]["default_pinned_budget_bytes"] < report["host"]["usable_bytes"]
+    assert report["link"]["pageable_gbps"] > 0
+    drive = report["drive"]
+    assert drive["status"] == "ok" and drive["read_gbps"] > 0 and drive["buffered_gbps"] > 0
+    assert not list((tmp_path / "stores").iterdir()), "the probe file is removed"
+    advice = report["advice"]
+    assert advice["plan"]["mode"] == "none" and "--offload none --tree-budget auto" in advice["recommended_flags"]
+    for needle in ("device: none (CPU only", "host:", "pinning: skipped", "link: host -> device", "drive (",
+                   "memory plan: cpu", "recommended: offspec generate --target"):
+        assert needle in r.output, needle
+
+
+def test_doctor_without_a_target_still_checks_the_machine(monkeypatch, tmp_path):
+    monkeypatch.setenv("OFFSPEC_HOME", str(tmp_path))         # no demo models prepared here
+    report = check(None, None, torch.device("cpu"), str(tmp_path / "s"), quick=True)
+    assert report["advice"]["status"] == "skipped" and report["drive"]["status"] == "ok"
+
+
+def test_a_failing_section_is_recorded_and_the_rest_still_run(pair, tmp_path, monkeypatch):
+    import offspec.doctor as doctor_mod
+
+    def broken(*args):
+        raise OSError(5, "Input/output error")
+
+    monkeypatch.setattr(doctor_mod, "drive", broken)
+    report = check(str(pair[0]), None, torch.device("cpu"), str(tmp_path), quick=True)
+    assert report["drive"]["status"] == "failed" and "Input/output error" in report["drive"]["error"]
+    assert report["link"]["status"] == "ok" and report["advice"]["status"] == "ok"
+    r = CliRunner().invoke(main, ["doctor", "--target", str(pair[0]), "--device", "cpu", "--quick"])
+    assert r.exit_code == 1 and "drive failed" in r.output
+
+
+def test_link_probe_runs_through_the_transfer_backend():
+    rates = link(torch.device("cpu"), quick=True)
+    assert rates["pageable_gbps"] > 0.1 and "pinned_gbps" not in rates

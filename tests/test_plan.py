@@ -1,0 +1,220 @@
+"""The memory plan (offspec/plan.py) for machines and models that are not here: 7B–72B checkpoints as config +
+safetensors headers only (tests/shapes.py), on 8/24/48/80 GB GPUs with 16/64/256 GB of host RAM; and
+`offspec models info` printing those plans, refusing in one line what cannot fit."""
+from __future__ import annotations
+
+import re
+import shlex
+from pathlib import Path
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+from offspec.checkpoint import Checkpoint
+from offspec.cli import main
+from offspec.config import OffloadConfig, RunLimits, RuntimeConfig
+from offspec.errors import BudgetError
+from offspec.plan import (GB, PINNED_FRACTION, Machine, ModelSpec, activation_nbytes, host_memory_limit,
+                          kv_bytes_per_token, layer_nbytes, make_plan)
+from shapes import MODELS, headers_only_checkpoint
+
+BF16 = RuntimeConfig(dtype=torch.bfloat16)
+PAIRS = [("Llama-2-7b-chat-hf", "TinyLlama-1.1B-Chat-v1.0"), ("Llama-2-13b-chat-hf", "TinyLlama-1.1B-Chat-v1.0"),
+         ("Llama-2-70b-chat-hf", "TinyLlama-1.1B-Chat-v1.0"), ("Llama-3.1-70B-Instruct", "Llama-3.2-1B-Instruct"),
+         ("Qwen2.5-72B-Instruct", "Qwen2.5-0.5B-Instruct")]
+DEVICES, HOSTS = (8, 24, 48, 80), (16, 64, 256)
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory):
+    root = tmp_path_factory.mktemp("shapes")
+    return {name: headers_only_checkpoint(root, name) for name in MODELS}
+
+
+@pytest.fixture(scope="module")
+def specs(folders):
+    return {name: ModelSpec.of(Checkpoint(folder, headers_only=True)) for name, folder in folders.items()}
+
+
+def plan_for(specs, target, draft, device_gb, host_gb, offload=OffloadConfig(mode="auto"), limits=RunLimits(context=4096)):
+    return make_plan(specs[target], specs[draft] if draft else None, offload, BF16, limits,
+                     Machine.given(device_gb * GB, host_gb * GB))
+
+
+def test_headers_are_enough_and_sizes_are_the_real_ones(specs):
+    # Llama-2-70B: 80 layers of 0.86 B parameters -> 1.71 GB each in bf16 (+ alignment), 32000-row vocab.
+    cfg = specs["Llama-2-70b-chat-hf"].cfg
+    assert 1.70 * GB < layer_nbytes(cfg, torch.bfloat16) < 1.72 * GB
+    # KV per token: 80 layers x 2 (k, v) x 8 kv heads x 128 x 2 bytes = 327,680 bytes
+    assert kv_bytes_per_token(cfg, torch.bfloat16) == 327_680
+    assert specs["Llama-3.2-1B-Instruct"].lm_head_stored is False and specs["Llama-3.1-70B-Instruct"].lm_head_stored
+
+
+@pytest.mark.parametrize("target,draft", PAIRS, ids=[t for t, _ in PAIRS])
+@pytest.mark.parametrize("device_gb", DEVICES)
+@pytest.mark.parametrize("host_gb", HOSTS)
+def test_plans_fit_the_machine_or_refuse_in_one_line(specs, target, draft, device_gb, host_gb):
+    try:
+        plan = plan_for(specs, target, draft, device_gb, host_gb)
+    except BudgetError as e:
+        message = str(e)
+        assert "\n" not in message and len(message) < 600
+        assert re.search(r"lower --context|--offload|smaller draft", message), message
+        return
+    p = plan.placement
+    assert plan.total("device") <= device_gb * GB
+    assert plan.total("host") <= host_gb * GB
+    assert sorted(p.resident + p.streamed) == list(range(specs[target].cfg.n_layers))
+    assert p.resident == tuple(range(len(p.resident)))          # the first layers stay resident
+    assert (p.n_slots >= 2) == bool(p.streamed)
+    if plan.mode == "cpu":
+        arena = next(i for i in plan.items if i.what.startswith("host arena"))
+        assert plan.host_pinned == (arena.nbytes <= PINNED_FRACTION * host_gb * GB)
+    # What the device holds besides the layers leaves no room for one more resident layer (no waste).
+    if p.streamed:
+        assert plan.total("device") + p.layer_nbytes > device_gb * GB
+
+
+def test_the_issues_cases(specs):
+    # 70B with an untied 128k vocabulary on an 80 GB GPU: embed and lm_head (4.2 GB) are counted before layers.
+    plan = plan_for(specs, "Llama-3.1-70B-Instruct", "Llama-3.2-1B-Instruct", 80, 256)
+    assert plan.mode == "cpu" and plan.host_pinned and 30 <= len(plan.placement.resident) < 80
+    assert any(i.what.startswith("target embed") and i.nbytes > 4 * GB for i in plan.items)
+    # The old README example: 70B + 7B fp16 draft on 24 GB with --gpu-budget 20GB cannot fit, and says why.
+    with pytest.raises(BudgetError, match=r"--gpu-budget 20.00 GB is more than the device leaves"):
+        make_plan(specs["Llama-2-70b-chat-hf"], specs["Llama-2-7b-chat-hf"],
+                  OffloadConfig(mode="cpu", gpu_budget=20 * GB), RuntimeConfig(dtype=torch.float16),
+                  RunLimits(context=4096), Machine.given(24 * GB, 192 * GB))
+    # A host too small for the arena: auto goes to disk; an explicit cpu is refused with the way out.
+    assert plan_for(specs, "Llama-3.1-70B-Instruct", "Llama-3.2-1B-Instruct", 24, 64).mode == "disk"
+    with pytest.raises(BudgetError, match="use --offload disk"):
+        plan_for(specs, "Llama-3.1-70B-Instruct", "Llama-3.2-1B-Instruct", 24, 64, OffloadConfig(mode="cpu"))
+    # Everything fits: nothing streams.
+    assert plan_for(specs, "Llama-2-7b-chat-hf", "TinyLlama-1.1B-Chat-v1.0", 24, 64).mode == "none"
+
+
+def test_more_device_memory_never_means_fewer_resident_layers(specs):
+    resident = [len(plan_for(specs, "Qwen2.5-72B-Instruct", "Qwen2.5-0.5B-Instruct", gb, 256).placement.resident)
+                for gb in (16, 24, 32, 48, 64, 80)]
+    assert resident == sorted(resident) and resident[0] < resident[-1]
+
+
+def test_kv_caches_and_activations_are_sized_by_the_context(specs):
+    short = plan_for(specs, "Llama-3.1-70B-Instruct", "Llama-3.2-1B-Instruct", 24, 256, limits=RunLimits(context=1024))
+    long = plan_for(specs, "Llama-3.1-70B-Instruct", "Llama-3.2-1B-Instruct", 24, 256, limits=RunLimits(context=8192))
+    kv = {p.context: next(i.nbytes for i in p.items if i.what == "target KV cache") for p in (short, long)}
+    assert kv[8192] == 8 * kv[1024]
+    assert len(short.placement.resident) > len(long.placement.resident)
+    # A context longer than the models' is capped at it (Llama-2: 4096).
+    capped = plan_for(specs, "Llama-2-13b-chat-hf", "TinyLlama-1.1B-Chat-v1.0", 48, 64, limits=RunLimits(context=10**6))
+    assert capped.context == 2048          # TinyLlama's context is the shorter one
+    # Chunked prefill bounds the activations: a 32k-token prompt in 1024-row chunks costs far less than unchunked.
+    cfg = specs["Qwen2.5-72B-Instruct"].cfg
+    assert activation_nbytes(cfg, torch.bfloat16, 32768, 1024, 32768) * 8 < activation_nbytes(
+        cfg, torch.bfloat16, 32768, 32768, 32768)
+
+
+def test_auto_tree_budget_shrinks_on_a_short_device(specs):
+    roomy = plan_for(specs, "Qwen2.5-7B-Instruct", "Qwen2.5-0.5B-Instruct", 80, 64)
+    assert roomy.tree_budget == 1024 and not any("tree budget" in n for n in roomy.notes)
+    tight = plan_for(specs, "Qwen2.5-72B-Instruct", "Qwen2.5-0.5B-Instruct", 14, 256)
+    assert tight.tree_budget < 1024 and any("auto tree budget capped" in n for n in tight.notes)
+    # An explicit budget is never changed: too large is a clear refusal.
+    with pytest.raises(BudgetError, match="lower --context or --tree-budget"):
+        plan_for(specs, "Qwen2.5-72B-Instruct", "Qwen2.5-0.5B-Instruct", 14, 256,
+                 limits=RunLimits(context=4096, tree_budget=1024))
+
+
+def test_gpu_budget_and_host_budget_are_checked(specs):
+    args = ("Llama-3.1-70B-Instruct", "Llama-3.2-1B-Instruct", 24, 256)
+    plan = plan_for(*(specs, *args), offload=OffloadConfig(mode="cpu", gpu_budget=5 * GB))
+    assert plan.placement.device_bytes <= 5 * GB and plan.placement.n_slots == 2
+    with pytest.raises(BudgetError, match=r"use --gpu-budget \d+(\.\d)?GB or less"):
+        plan_for(*(specs, *args), offload=OffloadConfig(mode="cpu", gpu_budget=23 * GB))
+    with pytest.raises(BudgetError, match="--host-budget 300.00 GB is more than the host memory"):
+        plan_for(*(specs, *args), offload=OffloadConfig(mode="cpu", host_budget=300 * GB))
+    # A pinned budget below the arena: pageable, said in the notes.
+    pageable = plan_for(*(specs, *args), offload=OffloadConfig(mode="cpu", host_budget=64 * GB))
+    assert not pageable.host_pinned and any("pageable" in n for n in pageable.notes)
+
+
+def test_host_memory_limit_is_at_most_memavailable():
+    import psutil
+    limit, source = host_memory_limit()
+    assert 0 < limit <= psutil.virtual_memory().available * 1.01 and source in ("MemAvailable", "cgroup memory limit")
+
+
+def test_cgroup_limit_below_memavailable_wins(tmp_path, monkeypatch):
+    """A container's cgroup (v2) with a 2 GB limit: the plan's host memory is what the cgroup leaves."""
+    import offspec.plan as plan_mod
+    cg = tmp_path / "sys" / "fs" / "cgroup"
+    (cg / "job").mkdir(parents=True)
+    (cg / "job" / "memory.max").write_text(f"{2 * GB}\n")
+    (cg / "job" / "memory.current").write_text(f"{GB}\n")
+    (cg / "job" / "memory.stat").write_text(f"anon 1\ninactive_file {GB // 2}\n")
+    (tmp_path / "cgroup").write_text("0::/job\n")
+    real_path = Path
+
+    def fake_path(p, *rest):
+        text = str(p)
+        if text == "/proc/self/cgroup":
+            return real_path(tmp_path / "cgroup")
+        if text.startswith("/sys/fs/cgroup"):
+            return real_path(str(tmp_path) + text, *rest)
+        return real_path(p, *rest)
+
+    monkeypatch.setattr(plan_mod, "Path", fake_path)
+    assert plan_mod.host_memory_limit() == (2 * GB - (GB - GB // 2), "cgroup memory limit")
+
+
+# ---------------------------------------------------------------- offspec models info
+
+def cli(*args):
+    return CliRunner().invoke(main, [str(a) for a in args], prog_name="offspec")
+
+
+def test_models_info_prints_the_plan_without_weights(folders):
+    r = cli("models", "info", folders["Llama-3.1-70B-Instruct"], "--draft", folders["Llama-3.2-1B-Instruct"],
+            "--device-memory", "24GB", "--host-memory", "192GB")
+    assert r.exit_code == 0, r.output
+    for needle in ("parameters:      70.554 B", "draft:", "memory plan: a 24 GB GPU, offload cpu",
+                   "target KV cache", "tree logits", "activations of the largest forward", "ring: 2 slots",
+                   "host arena", "(pinned)", "streamed from host RAM (pinned) through 2 slots", "PREDICTED pass:",
+                   "weights incomplete (enough to plan, not to run)"):
+        assert needle in r.output, needle
+
+
+def test_models_info_too_small_is_one_line(folders):
+    r = cli("models", "info", folders["Qwen2.5-72B-Instruct"], "--draft", folders["Qwen2.5-0.5B-Instruct"],
+            "--device-memory", "8GB", "--host-memory", "64GB")
+    assert r.exit_code == 1
+    lines = r.output.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("offspec: error: ") and "cannot hold the run" in lines[0]
+
+
+def readme_info_commands() -> list[str]:
+    readme = (Path(__file__).parent.parent / "README.md").read_text()
+    return [line.strip() for line in readme.splitlines() if line.strip().startswith("offspec models info ~/models/")]
+
+
+def test_readme_names_plans_for_its_gpu_examples():
+    readme = (Path(__file__).parent.parent / "README.md").read_text()
+    commands = readme_info_commands()
+    assert commands, "the README shows no `offspec models info` plan for its GPU examples"
+    for line in readme.splitlines():
+        if line.strip().startswith("offspec generate --target ~/models/"):
+            target = re.search(r"--target ~/models/(\S+)", line).group(1)
+            assert any(f"info ~/models/{target} " in c for c in commands), f"no plan shown for {line.strip()}"
+
+
+@pytest.mark.parametrize("command", readme_info_commands())
+def test_every_readme_example_is_a_plan_that_fits(folders, command):
+    args = shlex.split(command)[1:]
+    for i, a in enumerate(args):
+        if a.startswith("~/models/"):
+            name = a.removeprefix("~/models/")
+            assert name in folders, f"README names {name}: add its shape to tests/shapes.py"
+            args[i] = str(folders[name])
+    r = cli(*args)
+    assert r.exit_code == 0, r.output

@@ -13,10 +13,11 @@ import torch
 from .checkpoint import Checkpoint, load_tokenizer
 from .config import OffloadConfig, RuntimeConfig
 from .draft import load_resident
-from .errors import CheckpointError, InputError
+from .errors import InputError
 from .generate import Engine
 from .model import Model
 from .prompt import stop_token_ids
+from .vocab import check_rows_cover_tokenizer, check_same_tokenizer, token_id_count
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
           "float16": torch.float16, "fp16": torch.float16}
@@ -58,20 +59,6 @@ def load_target(ckpt: Checkpoint, offload: OffloadConfig, runtime: RuntimeConfig
     return Model(ckpt.config, ckpt.global_weights(runtime.device, runtime.dtype), layers)
 
 
-def check_same_tokenizer(target_tok, draft_tok, target_cfg, draft_cfg) -> None:
-    """Speculation compares token ids, so the two models must speak the same vocabulary."""
-    if target_cfg.vocab_size != draft_cfg.vocab_size:
-        raise CheckpointError(f"draft and target have different vocabularies: embedding rows "
-                              f"{draft_cfg.vocab_size} (draft) vs {target_cfg.vocab_size} (target)")
-    tv, dv = target_tok.get_vocab(), draft_tok.get_vocab()
-    if tv != dv:
-        differing = sorted({k for k in tv.keys() | dv.keys() if tv.get(k) != dv.get(k)},
-                           key=lambda k: tv.get(k, dv.get(k, 0)))
-        k = differing[0]
-        raise CheckpointError(f"draft and target tokenizers differ ({len(tv)} vs {len(dv)} tokens, {len(differing)} "
-                              f"with different ids; e.g. {k!r} is {tv.get(k)} in the target, {dv.get(k)} in the draft)")
-
-
 def generation_eos(path: Path):
     file = Path(path) / "generation_config.json"
     if file.is_file():
@@ -96,15 +83,19 @@ def load_engine(target_dir: str | Path, draft_dir: Optional[str | Path], offload
     start = time.perf_counter()
     target_ckpt = Checkpoint(target_dir)
     tokenizer = load_tokenizer(target_dir)
-    draft_ckpt, draft = None, None
+    check_rows_cover_tokenizer(target_ckpt.config.vocab_size, token_id_count(tokenizer), f"target {target_dir}")
+    draft_ckpt, draft, n_shared = None, None, None
     if draft_dir is not None:
         draft_ckpt = Checkpoint(draft_dir)
-        check_same_tokenizer(tokenizer, load_tokenizer(draft_dir), target_ckpt.config, draft_ckpt.config)
+        draft_tokenizer = load_tokenizer(draft_dir)
+        # Embedding rows may differ (padded vocabularies); the tokenizers may not (vocab.py).
+        n_shared = check_same_tokenizer(tokenizer, draft_tokenizer)
+        check_rows_cover_tokenizer(draft_ckpt.config.vocab_size, token_id_count(draft_tokenizer), f"draft {draft_dir}")
         draft = load_resident(draft_ckpt, runtime.device, runtime.dtype, runtime.draft_quant)
     target = load_target(target_ckpt, offload, runtime, progress)
     for ckpt in (target_ckpt, draft_ckpt):
         if ckpt is not None:
             ckpt.close()     # the weights now live in the models, the arena or the store
     eos = stop_token_ids(tokenizer, generation_eos(target_dir))
-    engine = Engine(target, draft, tokenizer, eos)
+    engine = Engine(target, draft, tokenizer, eos, n_shared=n_shared)
     return Loaded(engine, target_ckpt, draft_ckpt, tokenizer, time.perf_counter() - start)

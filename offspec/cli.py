@@ -55,9 +55,12 @@ def model_options(f):
     """Options shared by generate, batch and bench."""
     options = [
         click.option("--target", type=click.Path(file_okay=False), default=None,
-                     help="Target model folder (Hugging Face layout). Default: the embedded Qwen2.5-Coder-1.5B-Instruct."),
+                     help="Target model: a folder (Hugging Face layout) or a hub id such as Qwen/Qwen2.5-7B-Instruct, "
+                          "read from the local Hugging Face cache (downloaded there unless HF_HUB_OFFLINE=1). "
+                          "Default: the embedded Qwen2.5-Coder-1.5B-Instruct."),
         click.option("--draft", type=click.Path(file_okay=False), default=None,
-                     help="Draft model folder (same tokenizer as the target). Default: the embedded Qwen2.5-Coder-0.5B-Instruct "
+                     help="Draft model: a folder or a hub id, like --target; same tokenizer as the target (embedding rows "
+                          "may differ). Default: the embedded Qwen2.5-Coder-0.5B-Instruct "
                           "when --target is not given, else none (plain autoregressive)."),
         click.option("--draft-quant", type=click.Choice(["auto", "none", "int8"]), default="auto", show_default=True,
                      help="Keep an int8 copy of the draft's matrices (one scale per row, +50% draft memory) that draft "
@@ -443,12 +446,15 @@ def models_demo():
 @click.option("--link-gbps", type=float, default=24.0, show_default=True,
               help="Host-to-device bandwidth in GB/s for the predicted pass time (PCIe 4.0 x16 pinned ≈ 24).")
 def models_info(model_dir, dtype, link_gbps):
-    """Architecture, size and the pass time the weights imply at a given link bandwidth."""
+    """Architecture, size and the pass time the weights imply at a given link bandwidth.
+
+    MODEL_DIR: a model folder, or a hub id (owner/name) from the local Hugging Face cache, as --target takes."""
     from .checkpoint import Checkpoint
+    from .hub import resolve_model
     from .load import parse_dtype
     from .model import LayerLayout
 
-    ckpt = Checkpoint(model_dir)
+    ckpt = Checkpoint(resolve_model(model_dir))
     cfg = ckpt.config
     dt = parse_dtype(dtype)
     layout = LayerLayout.of(cfg, dt)
@@ -475,14 +481,17 @@ def models_info(model_dir, dtype, link_gbps):
 @click.option("--store-dir", default=None, help="Where to write the store (pass the same --store-dir to "
               "generate --offload disk). Default: under $OFFSPEC_HOME/stores.")
 def models_prepare(model_dir, dtype, store_dir):
-    """Build the packed disk store (one aligned block per layer) used by --offload disk."""
+    """Build the packed disk store (one aligned block per layer) used by --offload disk.
+
+    MODEL_DIR: a model folder, or a hub id (owner/name) from the local Hugging Face cache, as --target takes."""
     from .checkpoint import Checkpoint
     from .demo import offspec_home
+    from .hub import resolve_model
     from .load import parse_dtype, store_dir_for
     from .model import LayerLayout
     from .offload import prepare_disk_store
 
-    ckpt = Checkpoint(model_dir)
+    ckpt = Checkpoint(resolve_model(model_dir))
     dt = parse_dtype(dtype)
     target = Path(store_dir) if store_dir else store_dir_for(ckpt, dt, offspec_home())
     prepare_disk_store(ckpt.layer_tensors, ckpt.config.n_layers, LayerLayout.of(ckpt.config, dt), str(target),

@@ -1,4 +1,5 @@
-"""Checkpoint folders -> a ready Engine: target (resident or streamed), optional draft, shared tokenizer."""
+"""Checkpoint folders (or hub ids from the local Hugging Face cache) -> a ready Engine: target (resident or
+streamed), optional draft, shared tokenizer."""
 from __future__ import annotations
 
 import hashlib
@@ -15,6 +16,7 @@ from .config import OffloadConfig, RuntimeConfig
 from .draft import load_resident
 from .errors import InputError
 from .generate import Engine
+from .hub import resolve_model
 from .model import Model
 from .prompt import stop_token_ids
 from .vocab import check_rows_cover_tokenizer, check_same_tokenizer, token_id_count
@@ -80,12 +82,15 @@ class Loaded:
 
 def load_engine(target_dir: str | Path, draft_dir: Optional[str | Path], offload: OffloadConfig,
                 runtime: RuntimeConfig, progress: bool = True) -> Loaded:
+    """target_dir / draft_dir: a model folder, or a hub id such as Qwen/Qwen2.5-7B-Instruct (hub.resolve_model)."""
     start = time.perf_counter()
+    target_dir = resolve_model(target_dir)
     target_ckpt = Checkpoint(target_dir)
     tokenizer = load_tokenizer(target_dir)
     check_rows_cover_tokenizer(target_ckpt.config.vocab_size, token_id_count(tokenizer), f"target {target_dir}")
     draft_ckpt, draft, n_shared = None, None, None
     if draft_dir is not None:
+        draft_dir = resolve_model(draft_dir)
         draft_ckpt = Checkpoint(draft_dir)
         draft_tokenizer = load_tokenizer(draft_dir)
         # Embedding rows may differ (padded vocabularies); the tokenizers may not (vocab.py).

@@ -68,9 +68,12 @@ def model_options(f):
     """Options shared by generate, batch and bench."""
     options = [
         click.option("--target", type=click.Path(file_okay=False), default=None,
-                     help="Target model folder (Hugging Face layout). Default: the embedded Qwen2.5-Coder-1.5B-Instruct."),
+                     help="Target model: a folder (Hugging Face layout) or a hub id such as Qwen/Qwen2.5-7B-Instruct, "
+                          "read from the local Hugging Face cache (downloaded there unless HF_HUB_OFFLINE=1). "
+                          "Default: the embedded Qwen2.5-Coder-1.5B-Instruct."),
         click.option("--draft", type=click.Path(file_okay=False), default=None,
-                     help="Draft model folder (same tokenizer as the target). Default: the embedded Qwen2.5-Coder-0.5B-Instruct "
+                     help="Draft model: a folder or a hub id, like --target; same tokenizer as the target (embedding rows "
+                          "may differ). Default: the embedded Qwen2.5-Coder-0.5B-Instruct "
                           "when --target is not given, else none (plain autoregressive)."),
         click.option("--draft-quant", type=click.Choice(["auto", "none", "int8"]), default="auto", show_default=True,
                      help="Keep an int8 copy of the draft's matrices (one scale per row, +50% draft memory) that draft "
@@ -477,8 +480,8 @@ def bench(prompt_file, prompt_tokens, new_tokens, temperatures, limit, json_path
 # ------------------------------------------------------------------ doctor
 @main.command()
 @click.option("--target", type=click.Path(file_okay=False), default=None,
-              help="Target model folder to plan and advise for. Default: the embedded demo target when it is "
-                   "prepared (`offspec models demo`), else none.")
+              help="Target model folder (or hub id) to plan and advise for. Default: the embedded demo target when "
+                   "it is prepared (`offspec models demo`), else none.")
 @click.option("--draft", type=click.Path(file_okay=False), default=None,
               help="Draft model folder. Default: the demo draft with the demo target, else none.")
 @click.option("--device", default=default_device, show_default="cuda if available, else cpu",
@@ -495,11 +498,13 @@ def doctor(target, draft, device, store_dir, quick, json_path):
     the flags to run a target with (from the memory plan and the measured rates)."""
     from .demo import DEFAULT_DRAFT, DEFAULT_TARGET, demo_model_dir, is_complete
     from .doctor import check, summary
+    from .hub import resolve_model
     from .load import parse_device
 
     if json_path:
         check_writable(json_path)
     dev = parse_device(device)
+    target, draft = (str(resolve_model(m)) if m else None for m in (target, draft))
     if target is None and is_complete(demo_model_dir(DEFAULT_TARGET)):
         target = str(demo_model_dir(DEFAULT_TARGET))
         if draft is None and is_complete(demo_model_dir(DEFAULT_DRAFT)):
@@ -564,17 +569,20 @@ def models_info(model_dir, draft_dir, device_memory, host_memory, dtype, offload
                 context, tree_budget, prefill_chunk, draft_quant, link_gbps, disk_gbps, json_path):
     """The model(s), and the memory plan of a run on a given machine: where every layer lives, what the
     device and host hold, the predicted pass time. Reads config.json and the safetensors headers only, so
-    the weights need not be here (plan a 70B on a 24 GB GPU from its headers)."""
+    the weights need not be here (plan a 70B on a 24 GB GPU from its headers).
+
+    MODEL_DIR: a model folder, or a hub id (owner/name) from the local Hugging Face cache, as --target takes."""
     import torch
 
     from .checkpoint import Checkpoint
+    from .hub import resolve_model
     from .load import parse_dtype
     from .plan import Machine, ModelSpec, make_plan, predicted_pass_seconds
 
     if json_path:
         check_writable(json_path)
-    ckpt = Checkpoint(model_dir, headers_only=True)
-    draft = Checkpoint(draft_dir, headers_only=True) if draft_dir else None
+    ckpt = Checkpoint(resolve_model(model_dir), headers_only=True)
+    draft = Checkpoint(resolve_model(draft_dir), headers_only=True) if draft_dir else None
     cfg = ckpt.config
     dt = parse_dtype(dtype)
     if device_memory is not None or not torch.cuda.is_available():
@@ -628,14 +636,17 @@ def models_info(model_dir, draft_dir, device_memory, host_memory, dtype, offload
 @click.option("--store-dir", default=None, help="Where to write the store (pass the same --store-dir to "
               "generate --offload disk). Default: under $OFFSPEC_HOME/stores.")
 def models_prepare(model_dir, dtype, store_dir):
-    """Build the packed disk store (one aligned block per layer) used by --offload disk."""
+    """Build the packed disk store (one aligned block per layer) used by --offload disk.
+
+    MODEL_DIR: a model folder, or a hub id (owner/name) from the local Hugging Face cache, as --target takes."""
     from .checkpoint import Checkpoint
     from .demo import offspec_home
+    from .hub import resolve_model
     from .load import parse_dtype, store_dir_for
     from .layout import LayerLayout
     from .offload import prepare_disk_store
 
-    ckpt = Checkpoint(model_dir)
+    ckpt = Checkpoint(resolve_model(model_dir))
     dt = parse_dtype(dtype)
     target = Path(store_dir) if store_dir else store_dir_for(ckpt, dt, offspec_home())
     prepare_disk_store(ckpt.layer_tensors, ckpt.config.n_layers, LayerLayout.of(ckpt.config, dt), str(target),

@@ -27,6 +27,7 @@ from .metrics import Step, Timer
 from .model import Model
 from .sampling import make_generator, process_logits
 from .tree import TokenTree
+from .vocab import SharedVocab, token_id_count
 
 
 @dataclass(frozen=True)
@@ -85,19 +86,26 @@ class Engine:
 
     context, max_tree_budget and prefill_chunk are the memory plan's (load.Models.load passes them): the KV
     caches never hold more than `context` tokens, no tree has more than max_tree_budget nodes, and each
-    layer runs over at most prefill_chunk rows at a time."""
+    layer runs over at most prefill_chunk rows at a time. n_shared: the token ids the draft may propose
+    (vocab.py; Models.open counts those both tokenizers share); default: the tokenizer's own ids."""
 
     def __init__(self, target: Model, draft: Optional[Model], tokenizer, eos_ids: Sequence[int], *,
-                 context: Optional[int] = None, max_tree_budget: int = AUTO_MAX_TREE_BUDGET,
-                 prefill_chunk: int = DEFAULT_PREFILL_CHUNK, plan=None):
+                 n_shared: Optional[int] = None, context: Optional[int] = None,
+                 max_tree_budget: int = AUTO_MAX_TREE_BUDGET, prefill_chunk: int = DEFAULT_PREFILL_CHUNK, plan=None):
         self.target = target
         self.draft = draft
         self.tokenizer = tokenizer
         self.eos_ids = tuple(eos_ids)
         self.device = target.device
         self.max_context = target.cfg.max_position_embeddings
+        self.vocab = None
         if draft is not None:
             self.max_context = min(self.max_context, draft.cfg.max_position_embeddings)
+            # Draft and target rows may differ (padded vocabularies): every draft distribution goes through
+            # self.vocab, which keeps proposals on the shared ids and gives p the target's width (vocab.py).
+            if n_shared is None:
+                n_shared = min(token_id_count(tokenizer), draft.cfg.vocab_size, target.cfg.vocab_size)
+            self.vocab = SharedVocab(n_shared, draft_rows=draft.cfg.vocab_size, target_rows=target.cfg.vocab_size)
         if context is not None:
             self.max_context = min(self.max_context, context)
         self.max_tree_budget = max_tree_budget
@@ -203,18 +211,18 @@ class Engine:
         draft, dev = self.draft, self.device
         # Catch up: feed what the draft has not seen (ends with the root) and read the root's distribution.
         start = cache.length
-        new = torch.tensor([seq[start:]], device=dev)                                  # (1, T)
+        new = self.vocab.draft_input(torch.tensor([seq[start:]], device=dev))          # (1, T)
         T = new.shape[1]
         positions = torch.arange(start, start + T, device=dev)
         logits = draft.forward(new, positions[None], positions, PassMask(start, T, None, dev), cache,
                                logit_rows=torch.tensor([T - 1], device=dev), chunk=self.prefill_chunk)
         cache.set_length(start + T)
-        root_dist = process_logits(logits[0, 0], sampling)                              # (V,)
+        root_dist = self.vocab.draft_distribution(logits[0, 0], sampling)               # (V_target,)
         committed = len(seq)          # == cache.length: tree node j goes to slot committed + j - 1
         root_pos = len(seq) - 1
 
         def draft_step(tree: TokenTree, frontier: torch.Tensor) -> torch.Tensor:
-            """frontier (F,) working-tree node ids -> the draft's distributions at those nodes (F, V).
+            """frontier (F,) working-tree node ids -> the draft's distributions at those nodes (F, V_target).
             Working node j's K/V lives at slot committed + j - 1; its mask row spans every working node
             (grow reuses the index of a dropped node, so an ancestor may sit after its descendant)."""
             frontier = frontier.to(dev)
@@ -223,8 +231,9 @@ class Engine:
             mask[:, committed:] = tree.mask[frontier.cpu()][:, 1:].to(dev)
             logits = draft.forward(tree.tokens[frontier.cpu()].to(dev)[None],
                                    (root_pos + tree.depths[frontier.cpu()].to(dev))[None],
-                                   committed + frontier - 1, mask[None], cache, chunk=self.prefill_chunk)  # (1, F, V)
-            return process_logits(logits[0], sampling)
+                                   committed + frontier - 1, mask[None], cache,
+                                   chunk=self.prefill_chunk)                                      # (1, F, V_draft)
+            return self.vocab.draft_distribution(logits[0], sampling)
 
         return grow(tree_cfg, sampling, seq[-1], root_dist, draft_step, budget, generator, expand_floor=floor)
 
@@ -246,6 +255,8 @@ class Engine:
     @staticmethod
     def _accept(tree: TokenTree, q_logits: torch.Tensor, sampling: SamplingConfig, generator):
         from .accept import verify_greedy, verify_stochastic
+        # q spans every row of the target, padding included, never cut to the draft's vocabulary; the tree's
+        # draft distributions already have this width (SharedVocab.draft_distribution, vocab.py).
         if sampling.greedy:
             return verify_greedy(tree, q_logits)
         # q is processed row by row, only at the nodes verification visits (the accepted path): processing

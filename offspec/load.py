@@ -1,6 +1,7 @@
-"""Checkpoint folders -> a ready Engine: target (resident or streamed), optional draft, shared tokenizer.
+"""Checkpoint folders (or hub ids from the local Hugging Face cache) -> a ready Engine: target (resident or
+streamed), optional draft, shared tokenizer.
 
-    Models.open(target_dir, draft_dir)    configs, safetensors headers and the tokenizer; no weights read
+    Models.open(target, draft)             configs, safetensors headers and the tokenizers; no weights read
           .plan(offload, runtime, limits)  the memory plan (plan.py): where everything will live, or one line
           .load(offload, runtime, limits)  allocate and load exactly what the plan counted -> Loaded(engine)
     load_engine(...)                       the three in one call
@@ -19,11 +20,13 @@ import torch
 from .checkpoint import Checkpoint, load_tokenizer
 from .config import OffloadConfig, RunLimits, RuntimeConfig
 from .draft import load_resident
-from .errors import CheckpointError, InputError
+from .errors import InputError
 from .generate import Engine
+from .hub import resolve_model
 from .model import Model
 from .plan import Machine, MemoryPlan, ModelSpec, Placement, make_plan
 from .prompt import stop_token_ids
+from .vocab import check_rows_cover_tokenizer, check_same_tokenizer, token_id_count
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
           "float16": torch.float16, "fp16": torch.float16}
@@ -72,20 +75,6 @@ def load_target(ckpt: Checkpoint, offload: OffloadConfig, runtime: RuntimeConfig
     return Model(ckpt.config, globals_, layers)
 
 
-def check_same_tokenizer(target_tok, draft_tok, target_cfg, draft_cfg) -> None:
-    """Speculation compares token ids, so the two models must speak the same vocabulary."""
-    if target_cfg.vocab_size != draft_cfg.vocab_size:
-        raise CheckpointError(f"draft and target have different vocabularies: embedding rows "
-                              f"{draft_cfg.vocab_size} (draft) vs {target_cfg.vocab_size} (target)")
-    tv, dv = target_tok.get_vocab(), draft_tok.get_vocab()
-    if tv != dv:
-        differing = sorted({k for k in tv.keys() | dv.keys() if tv.get(k) != dv.get(k)},
-                           key=lambda k: tv.get(k, dv.get(k, 0)))
-        k = differing[0]
-        raise CheckpointError(f"draft and target tokenizers differ ({len(tv)} vs {len(dv)} tokens, {len(differing)} "
-                              f"with different ids; e.g. {k!r} is {tv.get(k)} in the target, {dv.get(k)} in the draft)")
-
-
 def generation_eos(path: Path):
     file = Path(path) / "generation_config.json"
     if file.is_file():
@@ -114,19 +103,27 @@ class Models:
     draft: Optional[Checkpoint]
     tokenizer: object
     eos_ids: list[int]              # EOS and chat end tokens, from the tokenizer and generation_config
+    n_shared: Optional[int]         # token ids both tokenizers know: the rows the draft may propose (vocab.py)
     open_seconds: float
 
     @staticmethod
     def open(target_dir: str | Path, draft_dir: Optional[str | Path]) -> "Models":
+        """target_dir / draft_dir: a model folder, or a hub id (hub.resolve_model)."""
         start = time.perf_counter()
+        target_dir = resolve_model(target_dir)
         target = Checkpoint(target_dir)
         tokenizer = load_tokenizer(target_dir)
-        draft = None
+        check_rows_cover_tokenizer(target.config.vocab_size, token_id_count(tokenizer), f"target {target_dir}")
+        draft, n_shared = None, None
         if draft_dir is not None:
+            draft_dir = resolve_model(draft_dir)
             draft = Checkpoint(draft_dir)
-            check_same_tokenizer(tokenizer, load_tokenizer(draft_dir), target.config, draft.config)
+            draft_tokenizer = load_tokenizer(draft_dir)
+            # Embedding rows may differ (padded vocabularies); the tokenizers may not (vocab.py).
+            n_shared = check_same_tokenizer(tokenizer, draft_tokenizer)
+            check_rows_cover_tokenizer(draft.config.vocab_size, token_id_count(draft_tokenizer), f"draft {draft_dir}")
         eos = stop_token_ids(tokenizer, generation_eos(target_dir))
-        return Models(target, draft, tokenizer, eos, time.perf_counter() - start)
+        return Models(target, draft, tokenizer, eos, n_shared, time.perf_counter() - start)
 
     def plan(self, offload: OffloadConfig, runtime: RuntimeConfig, limits: RunLimits = RunLimits(),
              machine: Optional[Machine] = None) -> MemoryPlan:
@@ -149,7 +146,7 @@ class Models:
         for ckpt in (self.target, self.draft):
             if ckpt is not None:
                 ckpt.close()     # the weights now live in the models, the arena or the store
-        engine = Engine(target, draft, self.tokenizer, self.eos_ids, context=plan.context,
+        engine = Engine(target, draft, self.tokenizer, self.eos_ids, n_shared=self.n_shared, context=plan.context,
                         max_tree_budget=plan.tree_budget, prefill_chunk=plan.prefill_chunk, plan=plan)
         return Loaded(engine, self.target, self.draft, self.tokenizer,
                       self.open_seconds + time.perf_counter() - start, plan)
@@ -158,4 +155,5 @@ class Models:
 def load_engine(target_dir: str | Path, draft_dir: Optional[str | Path], offload: OffloadConfig,
                 runtime: RuntimeConfig, progress: bool = True, limits: RunLimits = RunLimits(),
                 machine: Optional[Machine] = None) -> Loaded:
+    """target_dir / draft_dir: a model folder, or a hub id such as Qwen/Qwen2.5-7B-Instruct (hub.resolve_model)."""
     return Models.open(target_dir, draft_dir).load(offload, runtime, limits, progress, machine)

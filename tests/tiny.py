@@ -15,11 +15,15 @@ CHAT_TEMPLATE = (
 VOCAB = 128
 
 
-def make_tokenizer():
+def make_tokenizer(n_tokens: int | None = None, padding_tokens: int = 0):
+    """The char-level tokenizer: 100 ids (the specials, then CHARS), or its first `n_tokens` ids; then
+    `padding_tokens` '[PAD<id>]' entries, as GGUF conversions append up to a padded row count."""
     from tokenizers import Tokenizer, models, pre_tokenizers, decoders
     from transformers import PreTrainedTokenizerFast
 
-    vocab = {tok: i for i, tok in enumerate(SPECIALS + CHARS)}
+    tokens = (SPECIALS + CHARS)[:n_tokens]
+    tokens += [f"[PAD{len(tokens) + i}]" for i in range(padding_tokens)]
+    vocab = {tok: i for i, tok in enumerate(tokens)}
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<pad>"))
     tok.pre_tokenizer = pre_tokenizers.Split(pattern="", behavior="isolated")
     tok.decoder = decoders.Fuse()
@@ -81,3 +85,23 @@ def perturbed_copy(model, noise: float, seed: int = 1):
         for p in draft.parameters():
             p.add_(noise * p.abs().mean() * torch.randn_like(p))
     return draft
+
+
+def with_rows(model, rows: int, seed: int = 2, head_scale: float = 1.0):
+    """A copy of `model` with `rows` embedding and lm_head rows (a padded vocabulary): its first min(rows, V)
+    rows are the model's own, any rows past V are random like the rest, their lm_head rows times `head_scale`
+    (1: a new row wins as often as any other; below 1: less often)."""
+    import copy
+
+    torch.manual_seed(seed)
+    resized = copy.deepcopy(model)
+    old = model.config.vocab_size
+    resized.resize_token_embeddings(rows, mean_resizing=False)
+    embed, head = resized.get_input_embeddings().weight, resized.get_output_embeddings().weight
+    with torch.no_grad():
+        for p in {id(w): w for w in (embed, head)}.values():
+            p[old:] = torch.randn_like(p[old:]) * p[:old].std()
+        if head is not embed:
+            head[old:] *= head_scale
+    assert resized.config.vocab_size == rows
+    return resized.eval()

@@ -1,0 +1,105 @@
+"""Model names -> model folders: a folder as given, or a Hugging Face hub id found in the local Hugging Face cache.
+
+`--target`, `--draft`, `models info|prepare` and load_engine all go through resolve_model, which decides:
+  1. A path that exists is used as it is: a folder ./Qwen/Qwen2.5-7B wins over the hub id of the same spelling.
+  2. A name shaped like a hub id (owner/name, e.g. Qwen/Qwen2.5-7B-Instruct) is looked up in the local cache
+     ($HF_HUB_CACHE, else $HF_HOME/hub, else ~/.cache/huggingface/hub, read when called): the snapshot that
+     refs/main points to, if it holds config.json, the weights and a tokenizer. This never touches the network,
+     so a cached model loads the same offline; it is always the cached revision (`hf download ID` updates it).
+  3. Not cached, or only in part (transformers may have fetched just config.json or the tokenizer):
+       HF_HUB_OFFLINE (or TRANSFORMERS_OFFLINE) set -> one-line CheckpointError naming the cache searched and how
+                                                       to get the model;
+       otherwise -> the files offspec reads (HUB_FILES: config, *.safetensors, tokenizer, chat template) are
+                    downloaded into that cache by huggingface_hub, as transformers' from_pretrained would.
+  4. Anything else (no such path, not an id) goes on unchanged; Checkpoint then says "no such model folder".
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+from pathlib import Path
+from typing import Optional
+
+from .errors import CheckpointError
+
+# owner/name as the hub spells it: letters, digits, '-', '_', '.'; no '--' or '..'; no leading '.' or '-'.
+HUB_ID = re.compile(r"(?!.*(--|\.\.))[A-Za-z0-9_][\w.-]{0,95}/[A-Za-z0-9_][\w.-]{0,95}")
+
+# What a download fetches: config and generation config, weights (+ index), tokenizer files, chat template.
+HUB_FILES = ["*.json", "*.safetensors", "*.txt", "*.model", "*.tiktoken", "*.jinja"]
+# Never: subfolders (e.g. original/ with a second, consolidated copy of the weights) or Mistral's
+# consolidated.safetensors next to the sharded files, which would double the download.
+HUB_SKIP = ["*/*", "consolidated*"]
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "vocab.json")
+
+_TRUE = {"1", "ON", "YES", "TRUE"}
+
+
+def hub_cache_dir() -> Path:
+    """huggingface_hub's cache folder, from the environment as it is now (huggingface_hub reads it at import)."""
+    explicit = os.environ.get("HF_HUB_CACHE") or os.environ.get("HUGGINGFACE_HUB_CACHE")
+    if explicit:
+        return Path(os.path.expandvars(explicit)).expanduser()
+    home = os.environ.get("HF_HOME") or os.path.join(os.environ.get("XDG_CACHE_HOME") or "~/.cache", "huggingface")
+    return Path(os.path.expandvars(home)).expanduser() / "hub"
+
+
+def hub_offline() -> bool:
+    """HF_HUB_OFFLINE (or transformers' TRANSFORMERS_OFFLINE) is set: no downloads."""
+    return any((os.environ.get(var) or "").upper() in _TRUE for var in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"))
+
+
+def resolve_model(name: str | Path) -> Path:
+    """A model folder or a hub id -> the folder to load (see the module docstring for the rules)."""
+    path = Path(name).expanduser()
+    if path.exists() or not HUB_ID.fullmatch(str(name)):
+        return path
+    repo_id, cache = str(name), hub_cache_dir()
+    folder = cached_snapshot(repo_id, cache)
+    if folder is not None:
+        return folder
+    if hub_offline():
+        raise CheckpointError(
+            f"{repo_id}: no such folder, and no complete copy of this hub model in the Hugging Face cache {cache} "
+            f"(HF_HUB_OFFLINE is set, so offspec does not download); get it with `hf download {repo_id}` where the "
+            f"hub is reachable (into this cache: set HF_HUB_CACHE), or pass a model folder")
+    from huggingface_hub import snapshot_download
+
+    try:
+        folder = Path(snapshot_download(repo_id, cache_dir=cache, allow_patterns=HUB_FILES, ignore_patterns=HUB_SKIP))
+    except (OSError, ValueError) as e:   # hub errors are OSErrors (HTTP, not found, offline); bad ids ValueErrors
+        reason = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise CheckpointError(f"{repo_id}: no such folder, and downloading it from the Hugging Face hub into {cache} "
+                              f"failed ({reason}); check the id and the network, or pass a model folder") from None
+    return folder
+
+
+def cached_snapshot(repo_id: str, cache: Path) -> Optional[Path]:
+    """The cached snapshot of `repo_id` at refs/main when it holds a loadable model, else None. No network."""
+    from huggingface_hub import snapshot_download
+
+    try:
+        folder = Path(snapshot_download(repo_id, cache_dir=cache, local_files_only=True,
+                                        allow_patterns=HUB_FILES, ignore_patterns=HUB_SKIP))
+    except (OSError, ValueError):        # not cached (LocalEntryNotFoundError), incomplete, or a bad id
+        return None
+    return folder if has_model_files(folder) else None
+
+
+def has_model_files(folder: Path) -> bool:
+    """config.json, every weight shard (all the index lists, else at least one *.safetensors) and a tokenizer.
+    Cached files are symlinks into blobs/: a link whose blob is missing does not count."""
+    if not (folder / "config.json").is_file():
+        return False
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            shards = set(json.loads(index.read_text())["weight_map"].values())
+        except (json.JSONDecodeError, KeyError, TypeError, AttributeError):
+            return True                  # Checkpoint reports the malformed index with its path
+        if not all((folder / shard).is_file() for shard in shards):
+            return False
+    elif not any(f.is_file() for f in folder.glob("*.safetensors")):
+        return False
+    return any((folder / f).is_file() for f in TOKENIZER_FILES)

@@ -356,14 +356,19 @@ def test_cuda_streamed_forward_does_no_hidden_synchronization():
 # ---------------------------------------------------------------- pinned host memory
 
 def test_cuda_host_buffer_is_pinned_and_copies_asynchronously():
-    """offspec's exactly-sized pinning (mmap + cudaHostRegister in page-aligned pieces): torch sees every piece
-    as pinned, so the async copy's assertion passes, and the bytes arrive."""
+    """offspec's exactly-sized pinning (mmap + cudaHostRegister in page-aligned pieces): CUDA sees both pieces
+    as pinned, so the async copy's assertion passes, and the bytes arrive.
+
+    Tensor.is_pinned() asks about its *storage's* first byte (aten/src/ATen/native/Memory.cpp), so a slice
+    of the arena always reports piece 0; a tensor whose storage starts in piece 1 asks about piece 1."""
     backend = CudaBackend(cuda())
     nbytes = 3 * PAGE_BYTES + 100
     buffer = backend.host_buffer(nbytes, chunk_bytes=2 * PAGE_BYTES)
     try:
         assert buffer.pinned, buffer.reason
-        assert buffer.tensor.is_pinned() and buffer.tensor[2 * PAGE_BYTES:].is_pinned()
+        second_piece = torch.frombuffer(memoryview(buffer._mapping)[2 * PAGE_BYTES:], dtype=torch.uint8)
+        assert buffer.tensor.is_pinned() and second_piece.is_pinned()
+        del second_piece
         buffer.tensor.copy_(torch.arange(nbytes) % 251)
         dst = backend.device_buffer(nbytes)
         done = backend.new_event()

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import statistics
 import tempfile
 import time
 import traceback
@@ -116,38 +117,69 @@ def pinning(device: torch.device, quick: bool) -> dict:
         backend.close()
 
 
-def link(device: torch.device, quick: bool) -> dict:
-    """Copy rates into the device through the streamer's own backend (copy queue, timing events): from pinned
-    and from pageable host memory on CUDA; on a CPU the copy worker's memcpy (the "transfer" of a CPU run)."""
+def time_copies(backend, dst: torch.Tensor, src: torch.Tensor, src_pinned: bool, repeats: int) -> dict:
+    """`repeats` copies src -> dst on the backend's copy queue after one warm-up: median GB/s by the backend's
+    timing events (CUDA: device time between two events recorded on copy_s around the copy) and by the host
+    clock (issue to completion)."""
+    device_s, host_s = [], []
+    for i in range(repeats + 1):
+        start, end = backend.new_event(timing=True), backend.new_event(timing=True)
+        t0 = time.perf_counter()
+        start.record(backend.copy_queue)
+        backend.copy_async(dst, src, src_pinned=src_pinned)
+        end.record(backend.copy_queue)
+        end.synchronize()
+        if i:
+            device_s.append(start.elapsed_s(end))
+            host_s.append(time.perf_counter() - t0)
+    n = src.numel() * src.element_size()
+    return {"gbps": n / max(statistics.median(device_s), 1e-9) / 1e9,
+            "host_gbps": n / max(statistics.median(host_s), 1e-9) / 1e9}
+
+
+def measure_bandwidth(device: torch.device, sizes: list[int], repeats: int) -> list[dict]:
+    """For each size: copy into a device buffer from offspec's pinned HostBuffer and from a pageable tensor,
+    through the streamer's own transfer backend. On a CPU both are the copy worker's memcpy."""
     backend = make_backend(device)
-    nbytes = (64 << 20) if quick else PROBE_BYTES
-    reps = 3
-    out = {"bytes_per_copy": nbytes, "copies": reps}
+    rows = []
     try:
-        dst = backend.device_buffer(nbytes)
-        sources = {"pinned": backend.host_buffer(nbytes)} if device.type == "cuda" else {}
-        sources["pageable"] = HostBuffer(nbytes, pinned=False, reason="probe", mapping=HostBuffer.map(nbytes))
-        for name, src in sources.items():
-            if name == "pinned" and not src.pinned:
-                out["pinned_gbps"] = None
-                out["pinned_note"] = src.reason
-                continue
-            src.tensor.fill_(1)                                    # touch the pages: no first-touch faults timed
-            rates = []
-            for _ in range(reps + 1):                              # the first copy warms up
-                start_event, end_event = backend.new_event(timing=True), backend.new_event(timing=True)
-                start_event.record(backend.copy_queue)
-                backend.copy_async(dst, src.tensor, src_pinned=src.pinned)
-                end_event.record(backend.copy_queue)
-                end_event.synchronize()
-                rates.append(nbytes / max(start_event.elapsed_s(end_event), 1e-9) / 1e9)
-            out[f"{name}_gbps"] = sorted(rates[1:])[len(rates[1:]) // 2]
-            src.close()
-        if device.type != "cuda":
-            out["note"] = "CPU: host memory is the device; this is the copy worker's memcpy rate"
-        return out
+        for nbytes in sizes:
+            dst = backend.device_buffer(nbytes)
+            t0 = time.perf_counter()
+            pinned = backend.host_buffer(nbytes)          # exactly nbytes, pinned when the backend can
+            pin_s = time.perf_counter() - t0
+            try:
+                pageable = torch.empty(nbytes, dtype=torch.uint8)
+                pinned.tensor.fill_(1)                    # touch every page: no first-touch faults in the timing
+                pageable.fill_(1)
+                row = {"bytes": nbytes, "pinned": pinned.pinned, "pin_seconds": pin_s}
+                if not pinned.pinned:
+                    row["not_pinned_because"] = pinned.reason
+                row.update({f"pinned_{k}": v for k, v in
+                            time_copies(backend, dst, pinned.tensor, pinned.pinned, repeats).items()})
+                row.update({f"pageable_{k}": v for k, v in
+                            time_copies(backend, dst, pageable, False, repeats).items()})
+            finally:
+                pinned.close()
+            rows.append(row)
+            del dst
     finally:
         backend.close()
+    return rows
+
+
+def link(device: torch.device, quick: bool) -> dict:
+    """Copy rates into the device through the streamer's own backend: from pinned and from pageable host
+    memory on CUDA; on a CPU the copy worker's memcpy (the "transfer" of a CPU run)."""
+    row = measure_bandwidth(device, [(64 << 20) if quick else PROBE_BYTES], repeats=3)[0]
+    out = {"bytes_per_copy": row["bytes"], "pageable_gbps": row["pageable_gbps"]}
+    if device.type == "cuda":
+        out["pinned_gbps"] = row["pinned_gbps"] if row["pinned"] else None
+        if not row["pinned"]:
+            out["pinned_note"] = row["not_pinned_because"]
+    else:
+        out["note"] = "CPU: host memory is the device; this is the copy worker's memcpy rate"
+    return out
 
 
 def drive(store_dir: Optional[str], target_dir: Optional[str], quick: bool) -> dict:

@@ -162,8 +162,9 @@ def test_engine_sampling_is_lossless(tmp_path):
     (reached through an accepted draft token or a residual sample) follows the target's own distribution.
 
     The target is made nearly context-free (the exact next-token distribution depends only on the last token:
-    attention and MLP outputs are zeroed), so the exact law of token 2 is a matrix product. 3000 runs; a
-    total-variation error of 0.05 over <= 20 support tokens is caught with power > 0.95 at alpha = 0.001."""
+    attention and MLP outputs are zeroed), so the exact law of token 2 is a matrix product. 3000 runs, alpha =
+    0.001, <= 20 support tokens: by Cauchy-Schwarz the noncentrality is >= 3000 (2 TV)^2, so a total-variation
+    error of 0.1 is caught with power > 0.999 (one of 0.05 only with power >= 0.64)."""
     import numpy as np
     from scipy.stats import chisquare
 

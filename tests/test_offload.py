@@ -101,6 +101,17 @@ class RefillBeforeFree(LayerStreamer):
         self._free[k].record(comp_q)
 
 
+class FreeBeforeRead(LayerStreamer):
+    def _take(self, n, comp_q):
+        k = super()._take(n, comp_q)
+        self._free[k].record(comp_q)       # the bug: free[k] recorded before the consumer's kernels on slot k
+        return k
+
+    def _release(self, n, comp_q):
+        self._released = n + 1
+        self._post_loads()
+
+
 def run_protocol(store, backend, n_slots, n_passes, kernel_sleep, resident=(), streamer_cls=LayerStreamer,
                  overlap=True, seed=1):
     """Stream `n_passes` passes; each "kernel" reads its layer in two halves with a sleep between, on the
@@ -186,6 +197,10 @@ def test_protocol_test_catches_a_missing_raw_wait():
 
 def test_protocol_test_catches_a_refill_posted_before_free_is_recorded():
     assert arena_protocol("compute-bound", 2, streamer_cls=RefillBeforeFree) != []
+
+
+def test_protocol_test_catches_free_recorded_before_the_reader():
+    assert arena_protocol("compute-bound", 2, streamer_cls=FreeBeforeRead) != []
 
 
 def test_protocol_test_catches_per_pass_slot_mapping():

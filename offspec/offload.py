@@ -32,6 +32,7 @@ import dataclasses
 import hashlib
 import json
 import os
+import shutil
 import threading
 import time
 import zlib
@@ -178,10 +179,16 @@ def prepare_disk_store(layer_tensors_fn: LayerTensorsFn, n_layers: int, layout: 
     os.makedirs(directory, exist_ok=True)
     manifest_path, bin_path = os.path.join(directory, MANIFEST), os.path.join(directory, LAYERS_BIN)
     tmp_manifest, tmp_bin = manifest_path + ".tmp", bin_path + ".tmp"
+    block_nbytes = round_up(layout.nbytes, BLOCK_ALIGN)
+    # Say so before writing, not after an hour of packing: a 70B store is 140 GB.
+    reusable = sum(os.path.getsize(p) for p in (bin_path, tmp_bin) if os.path.exists(p))
+    free = shutil.disk_usage(directory).free + reusable
+    if n_layers * block_nbytes > free:
+        raise StoreError(f"the packed store needs {format_bytes(n_layers * block_nbytes)} at {directory} but its "
+                         f"drive has {format_bytes(free)} free: free space or choose --store-dir on another drive")
     if os.path.exists(manifest_path):
         os.unlink(manifest_path)
         _fsync_dir(directory)
-    block_nbytes = round_up(layout.nbytes, BLOCK_ALIGN)
     block = torch.zeros(block_nbytes, dtype=torch.uint8)   # reused for every layer; the padding stays zero
     block_bytes = memoryview(block.numpy())
     entries = []

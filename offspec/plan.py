@@ -278,8 +278,8 @@ def make_plan(target: ModelSpec, draft: Optional[ModelSpec], offload: OffloadCon
     min_slots = 2 if offload.overlap else 1
     pool = machine.host_bytes if shared else machine.device_bytes
     notes: list[str] = []
-    if limits.tree_budget is not None:
-        tree_budget = limits.tree_budget
+    if draft is None or limits.tree_budget is not None:
+        tree_budget = 0 if draft is None else limits.tree_budget   # no draft: plain decoding, no trees
         fixed = _fixed_device_items(target, draft, runtime, limits, machine, context, tree_budget)
     else:
         tree_budget = min(AUTO_MAX_TREE_BUDGET, context)

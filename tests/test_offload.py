@@ -661,3 +661,15 @@ def test_the_next_pass_prefetched_while_the_consumer_was_away_is_counted():
         after = target.stats()
     assert after.prefetched_layers - before.prefetched_layers == 3
     assert after.prefetched_bytes - before.prefetched_bytes == 3 * layer_nbytes(TINY, torch.float32)
+
+
+def test_a_store_that_cannot_fit_on_its_drive_is_refused_before_packing(tmp_path, monkeypatch):
+    import collections
+    import shutil
+    usage = collections.namedtuple("usage", "total used free")
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(10**9, 10**9 - 1000, 1000))
+    packed = []
+    with pytest.raises(StoreError, match=r"the packed store needs .* but its drive has 1 kB free"):
+        prepare_disk_store(lambda i: packed.append(i) or random_layers(TINY)[i], N_LAYERS,
+                           LayerLayout.of(TINY, torch.float32), str(tmp_path / "store"), progress=False)
+    assert packed == [] and not disk_store_exists(str(tmp_path / "store"))

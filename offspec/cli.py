@@ -11,6 +11,7 @@ import json
 import os
 import re
 import sys
+import time
 from pathlib import Path
 from typing import NoReturn, Optional
 
@@ -183,14 +184,15 @@ def open_from_options(o: dict):
     return Models.open(target, draft), configs
 
 
-def run_limits(o: dict, tree: TreeConfig, sampling: bool, longest: int) -> RunLimits:
+def run_limits(o: dict, tree: TreeConfig, sampling: bool, longest: int, concurrency: int = 1) -> RunLimits:
     """--context auto: the longest sequence the run can make (prompt + new tokens, `longest`), one full tree
     and its root on top, so the last rounds still get whole trees; the plan caps it at the models' context."""
     context = parse_context(o["context"])
     if context is None:
         tree_room = tree.budget if tree.budget is not None else AUTO_MAX_TREE_BUDGET
         context = longest + (tree_room if tree.policy != "none" else 0) + 2
-    return RunLimits(context=context, tree_budget=tree.budget, prefill_chunk=o["prefill_chunk"], sampling=sampling)
+    return RunLimits(context=context, tree_budget=tree.budget, prefill_chunk=o["prefill_chunk"], sampling=sampling,
+                     concurrency=concurrency)
 
 
 def fail(message: str) -> NoReturn:
@@ -337,8 +339,13 @@ def write_json(path: str, data: dict) -> None:
 @click.option("--stop", multiple=True, help="Stop string (repeatable); generation ends before it. Default: none.")
 @click.option("--raw", is_flag=True, help="Send prompts as is, without the chat template.")
 @click.option("--strict", is_flag=True, help="Stop at the first malformed line instead of skipping it.")
+@click.option("--concurrency", type=int, default=1, show_default=True,
+              help="Prompts in flight at once: every target pass streams the layers once for all of them (each "
+                   "with its own tree, KV-cache rows and randomness; outputs are the same as one at a time).")
+@click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None,
+              help="Write the job's totals (tokens/s, passes, prompts per pass, GB per token) here. Default: none.")
 @model_options
-def batch(prompt_file, output, max_new_tokens, stop, raw, strict, **o):
+def batch(prompt_file, output, max_new_tokens, stop, raw, strict, concurrency, json_path, **o):
     """Run every prompt of PROMPT_FILE (.txt: one per line; .jsonl: {id, prompt | messages, max_new_tokens?}).
 
     Each finished prompt is one complete line in OUTPUT; Ctrl-C (exit 130) or a kill loses no finished
@@ -346,11 +353,16 @@ def batch(prompt_file, output, max_new_tokens, stop, raw, strict, **o):
     from tqdm import tqdm
 
     from .batch import ResultFile, read_prompt_file, result_record
-    from .generate import GenerationRequest, run
+    from .generate import GenerationRequest, report_of
+    from .metrics import JobReport
     from .prompt import encode_prompt
 
     if max_new_tokens < 1:
         raise InputError("--max-new-tokens must be at least 1")
+    if concurrency < 1:
+        raise InputError("--concurrency must be at least 1")
+    if json_path:
+        check_writable(json_path)
     items, bad = read_prompt_file(prompt_file)
     for b in bad:
         if strict:
@@ -387,21 +399,28 @@ def batch(prompt_file, output, max_new_tokens, stop, raw, strict, **o):
         if not requests:
             raise InputError(f"{prompt_file}: no prompt could be encoded")
         longest = max(len(r.prompt_ids) + r.max_new_tokens for _, r in requests)
-        loaded = models.load(offload, runtime, run_limits(o, tree, not sampling.greedy, longest))
-        tokens = seconds = passes = 0
-        bar = tqdm(requests, desc="prompts", unit="prompt", file=sys.stderr, dynamic_ncols=True)
+        loaded = models.load(offload, runtime, run_limits(o, tree, not sampling.greedy, longest, concurrency))
+        job = JobReport(concurrency=concurrency)
+        steps: dict[int, list] = {}
+        bar = tqdm(total=len(requests), desc="prompts", unit="prompt", file=sys.stderr, dynamic_ncols=True)
+        started = time.perf_counter()
         try:
-            for item, request in bar:
-                try:
-                    report, _ = run(loaded.engine, request)
-                except InputError as e:      # e.g. a prompt longer than the context: skip this one, keep going
-                    skip(item, e, write=lambda text, err: bar.write(text, file=sys.stderr))
+            for event in loaded.engine.run_batch([r for _, r in requests], concurrency=concurrency):
+                item, request = requests[event.request]
+                if event.error is not None:   # e.g. a prompt longer than the context: skip this one, keep going
+                    skip(item, event.error, write=lambda text, err: bar.write(text, file=sys.stderr))
+                    bar.update(1)
                     continue
-                results.append(result_record(item, report))
-                tokens += report.new_tokens
-                seconds += report.decode_seconds + report.prefill_seconds
-                passes += report.passes
-                bar.set_postfix_str(f"{seconds / max(tokens, 1):.3f} s/token, {tokens / max(passes, 1):.2f} tok/pass")
+                job.add(event.step)
+                steps.setdefault(event.request, []).append(event.step)
+                if event.step.finish_reason is None:
+                    continue
+                results.append(result_record(item, report_of(loaded.engine, request, steps.pop(event.request))))
+                job.prompts += 1
+                job.wall_seconds = time.perf_counter() - started
+                bar.update(1)
+                bar.set_postfix_str(f"{job.generated_tokens / job.wall_seconds:.2f} tokens/s, "
+                                    f"{job.generated_tokens / max(job.passes, 1e-9):.2f} tokens/pass")
         except KeyboardInterrupt:
             bar.close()
             click.echo(f"\noffspec: interrupted; finished prompts are saved in {output}; rerun to resume", err=True)
@@ -411,12 +430,12 @@ def batch(prompt_file, output, max_new_tokens, stop, raw, strict, **o):
             loaded.engine.close()
     finally:
         results.close()
-    done = len(todo) - failed
-    click.echo(f"done: {done} prompts, {tokens} tokens, {seconds / max(tokens, 1):.4f} s/token, "
-               f"{tokens / max(passes, 1):.2f} tokens/pass; skipped {len(bad) + failed} bad; results in {output}",
-               err=True)
+    job.skipped = len(bad) + failed
+    click.echo(f"{job.summary()}; results in {output}", err=True)
+    if json_path:
+        write_json(json_path, job.to_dict())
     if failed or bad:
-        sys.exit(2 if done == 0 else 0)
+        sys.exit(2 if job.prompts == 0 else 0)
 
 
 # ------------------------------------------------------------------ bench

@@ -13,18 +13,19 @@ token, and the bonus token becomes the next root.
 from __future__ import annotations
 
 import itertools
+from dataclasses import field
 from dataclasses import dataclass
-from typing import Iterator, Optional, Sequence
+from typing import Callable, Iterator, Optional, Sequence
 
 import torch
 
 from .config import AUTO_MAX_TREE_BUDGET, DEFAULT_PREFILL_CHUNK, SamplingConfig, TreeConfig
 from .costmodel import BudgetPlanner
-from .grow import grow
+from .grow import grow_steps
 from .errors import InputError
 from .kv_cache import KVCache
 from .metrics import Step, Timer
-from .model import Model
+from .model import Model, RowSpan
 from .sampling import make_generator, process_logits
 from .tree import TokenTree
 from .vocab import SharedVocab, token_id_count
@@ -81,17 +82,84 @@ class StopChecker:
         return block, None
 
 
+@dataclass(frozen=True)
+class RowStep:
+    """What Engine.run_batch yields: one request's Step of a pass, or the error that refused the request."""
+    request: int                        # index of the request in the sequence given to run_batch
+    step: Optional[Step]                # None when the request was refused
+    error: Optional[InputError] = None  # why it was refused (an empty prompt, one longer than the context, ...)
+
+
+@dataclass
+class _Row:
+    """One request in flight: its sequence, cache row, randomness, stop state and tree budget."""
+    index: int                          # its position in run_batch's requests
+    request: GenerationRequest
+    cache_row: int                      # its row in both KV caches
+    seq: list[int]                      # prompt + every token emitted so far; seq[-1] is the next root
+    stops: StopChecker
+    seed_gen: torch.Generator           # seeds a fresh generator every round, from request.sampling.seed
+    speculative: bool
+    planner: Optional[BudgetPlanner]    # auto budget; None for a fixed one
+    budget: int                         # the most tree nodes a round may have (0: plain decoding)
+    generated: list[int] = field(default_factory=list)   # emitted tokens (seq minus the prompt, cut at a stop)
+    floor: float = 0.0                  # TreeConfig.prune: last round's C, when that tree filled its budget
+    floor_budget: int = 0               # ... and that round's budget
+    generator: Optional[torch.Generator] = None   # this round's randomness (growth and verification)
+    round_budget: int = 0               # this round's tree budget
+    round_floor: float = 0.0            # this round's expand floor
+
+    def start_round(self, engine: "Engine") -> None:
+        self.generator = make_generator(int(torch.randint(0, 2**62, (1,), generator=self.seed_gen)), engine.device)
+        room = engine.max_context - len(self.seq) - 1        # near the end of the context the tree shrinks to fit
+        wanted = self.planner.next_budget() if self.planner else self.budget
+        self.round_budget = max(0, min(wanted, room)) if self.speculative else 0
+        # A round with a larger budget than the floor's (the auto planner probing) must reach below it: no floor.
+        self.round_floor = self.floor if self.round_budget <= self.floor_budget else 0.0
+
+    def commit(self, engine: "Engine", tree: TokenTree, verdict, t_cache: KVCache, d_cache: Optional[KVCache],
+               pass_tokens: int, draft_s: float, target_s: float, stream: "StreamDelta", rows_in_pass: int) -> Step:
+        """Emit the accepted block (cut at a stop), keep only the root and accepted path in both caches; the
+        bonus token is the next root."""
+        block = list(verdict.tokens) + [verdict.bonus]
+        emitted, reason = self.stops.cut(self.generated, block)
+        dev, root_slot = engine.device, len(self.seq) - 1
+        t_cache.compact(torch.tensor([root_slot + j for j in [0, *verdict.nodes]], device=dev), root_slot,
+                        self.cache_row)
+        if d_cache is not None and tree.size > 0:
+            # The draft saw seq whole (root included) before the tree, then the working-tree nodes it ran on;
+            # an accepted node it ran on sits at slot start + origin - 1. Those form a prefix of the path.
+            start, origin = len(self.seq), tree.origin.tolist()
+            seen = list(itertools.takewhile(lambda n: origin[n] >= 0, verdict.nodes))
+            d_cache.compact(torch.tensor([start + origin[n] - 1 for n in seen], dtype=torch.long, device=dev), start,
+                            self.cache_row)
+        if self.planner is not None:
+            self.planner.observe(tree, draft_s, target_s, pass_tokens)
+        full = tree.size > 0 and tree.size >= self.round_budget
+        self.floor = float(tree.values[1:].min()) if self.request.tree.prune and full else 0.0
+        self.floor_budget = self.round_budget
+        self.seq = self.seq + block
+        self.generated = self.generated + emitted
+        return Step(tokens=emitted, accepted=len(verdict.nodes), tree_size=tree.size, tree_depth=tree.depth,
+                    pass_tokens=pass_tokens, draft_seconds=draft_s, target_seconds=target_s,
+                    wait_seconds=stream.wait_seconds, transfer_seconds=stream.transfer_seconds,
+                    bytes_streamed=stream.bytes_streamed, prefetched_bytes=stream.prefetched_bytes,
+                    rows_in_pass=rows_in_pass, finish_reason=reason)
+
+
 class Engine:
     """A target (resident or streamed) and an optional resident draft, sharing one tokenizer.
 
-    context, max_tree_budget and prefill_chunk are the memory plan's (load.Models.load passes them): the KV
-    caches never hold more than `context` tokens, no tree has more than max_tree_budget nodes, and each
-    layer runs over at most prefill_chunk rows at a time. n_shared: the token ids the draft may propose
-    (vocab.py; Models.open counts those both tokenizers share); default: the tokenizer's own ids."""
+    context, max_tree_budget, prefill_chunk and max_concurrency are the memory plan's (load.Models.load passes
+    them): the KV caches never hold more than `context` tokens a row, no tree has more than max_tree_budget
+    nodes, each layer runs over at most prefill_chunk rows at a time, and at most max_concurrency requests
+    are in flight. n_shared: the token ids the draft may propose (vocab.py; Models.open counts those both
+    tokenizers share); default: the tokenizer's own ids."""
 
     def __init__(self, target: Model, draft: Optional[Model], tokenizer, eos_ids: Sequence[int], *,
                  n_shared: Optional[int] = None, context: Optional[int] = None,
-                 max_tree_budget: int = AUTO_MAX_TREE_BUDGET, prefill_chunk: int = DEFAULT_PREFILL_CHUNK, plan=None):
+                 max_tree_budget: int = AUTO_MAX_TREE_BUDGET, prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
+                 max_concurrency: Optional[int] = None, plan=None):
         self.target = target
         self.draft = draft
         self.tokenizer = tokenizer
@@ -110,6 +178,7 @@ class Engine:
             self.max_context = min(self.max_context, context)
         self.max_tree_budget = max_tree_budget
         self.prefill_chunk = prefill_chunk
+        self.max_concurrency = max_concurrency   # requests in flight the plan counted (None: not planned)
         self.plan = plan            # plan.MemoryPlan the engine was loaded by, for reports (None: built by hand)
 
     # ------------------------------------------------------------ the loop
@@ -130,7 +199,80 @@ class Engine:
         return request.tree.policy != "none" and self.draft is not None and request.tree.budget != 0
 
     def generate(self, request: GenerationRequest) -> Iterator[Step]:
-        """Yield one Step per target pass until EOS, a stop string, max_new_tokens or the context end."""
+        """Yield one Step per target pass until EOS, a stop string, max_new_tokens or the context end: the
+        batch of one (run_batch), a bad request refused with its InputError."""
+        for event in self.run_batch([request], concurrency=1):
+            if event.error is not None:
+                raise event.error
+            yield event.step
+
+    def run_batch(self, requests: Sequence[GenerationRequest], concurrency: int = 1,
+                  after_round: Optional[Callable[[list["_Row"], KVCache, Optional[KVCache]], None]] = None
+                  ) -> Iterator["RowStep"]:
+        """Run many requests, up to `concurrency` at a time, every target pass serving all of them: yield a
+        RowStep per request per pass (its Step, or the error that refused it) as passes complete.
+
+        A request's output does not depend on which others share its passes: each row has its own caches'
+        row, generator (seeded from its own sampling.seed), tree and stop state, and attention never looks
+        across rows. A finished row's cache row is taken by the next waiting request before the next pass.
+        after_round(rows, target cache, draft cache): called once every row has committed a round (tests check
+        the caches against a fresh prefill of each row's sequence there)."""
+        if concurrency < 1:
+            raise InputError(f"concurrency must be at least 1, not {concurrency}")
+        if self.max_concurrency is not None and concurrency > self.max_concurrency:
+            raise InputError(f"concurrency {concurrency} is more than the engine was planned for "
+                             f"({self.max_concurrency}); load it with RunLimits(concurrency={concurrency})")
+        queue = list(enumerate(requests))[::-1]                  # popped from the end: in order
+        B = max(1, min(concurrency, len(requests)))
+        # One cache row per request in flight, each holding prompt + generated tokens + one round's tree and its
+        # root, never more than the context: a round's tree shrinks to the room left before the context end.
+        capacity = min(self.max_context, max((len(r.prompt_ids) + r.max_new_tokens + self._tree_room(r) + 2
+                                              for r in requests), default=2))
+        t_cache = KVCache.for_model(self.target.cfg, capacity, self.target.dtype, self.device, batch=B)
+        d_cache = (KVCache.for_model(self.draft.cfg, capacity, self.draft.dtype, self.device, batch=B)
+                   if any(self.speculative(r) for r in requests) else None)
+        free = list(range(B))[::-1]
+        rows: list[_Row] = []
+        while rows or queue:
+            while free and queue:                                # refill: the next prompts take free rows
+                index, request = queue.pop()
+                try:
+                    rows.append(self._admit(index, request, free[-1], t_cache, d_cache))
+                    free.pop()
+                except InputError as err:
+                    yield RowStep(index, None, err)
+            if not rows:
+                continue
+            for row in rows:
+                row.start_round(self)
+            with Timer(self.device) as draft_timer:
+                trees = self._grow_all(rows, d_cache)
+            stream_before = self._stream_stats()
+            with Timer(self.device) as target_timer:
+                q_logits, pass_tokens = self._verify_pass(rows, trees, t_cache)          # [(N_r, V)]
+            stream = self._stream_delta(stream_before)
+            finished = []
+            for row, tree, q, n_tokens in zip(rows, trees, q_logits, pass_tokens):
+                verdict = self._accept(tree, q, row.request.sampling, row.generator)
+                step = row.commit(self, tree, verdict, t_cache, d_cache, n_tokens, draft_timer.seconds,
+                                  target_timer.seconds, stream, len(rows))
+                yield RowStep(row.index, step)
+                if step.finish_reason is not None:
+                    finished.append(row)
+            if after_round is not None:
+                after_round(rows, t_cache, d_cache)
+            for row in finished:
+                rows.remove(row)
+                free.append(row.cache_row)
+
+    def _tree_room(self, request: GenerationRequest) -> int:
+        """The most tree nodes a round of `request` may hold (what its cache row needs beyond its tokens)."""
+        if not self.speculative(request):
+            return 0
+        return request.tree.budget if request.tree.budget is not None else self.max_tree_budget
+
+    def _admit(self, index: int, request: GenerationRequest, cache_row: int, t_cache: KVCache,
+               d_cache: Optional[KVCache]) -> "_Row":
         prompt = list(request.prompt_ids)
         if not prompt:
             raise InputError("the prompt is empty")
@@ -138,119 +280,114 @@ class Engine:
         if speculative and request.tree.budget is not None and request.tree.budget > self.max_tree_budget:
             raise InputError(f"a tree budget of {request.tree.budget} is more than the engine was planned for "
                              f"({self.max_tree_budget}); load it with a larger tree budget")
+        if len(prompt) + 1 >= self.max_context:
+            raise InputError(f"the prompt has {len(prompt)} tokens but the context holds only {self.max_context}")
         planner = None
         if speculative and request.tree.budget is None:
             planner = BudgetPlanner(start=128 if self.device.type == "cuda" else 32, max_budget=self.max_tree_budget,
                                     max_depth=request.tree.max_depth)
-        budget = (planner.max_budget if planner else request.tree.budget) if speculative else 0
-        if len(prompt) + 1 >= self.max_context:
-            raise InputError(f"the prompt has {len(prompt)} tokens but the context holds only {self.max_context}")
-        # Prompt + generated tokens + one round's tree + the root, and never more than the context: a round's
-        # tree shrinks to the room left before the context end, so no position or cache slot passes it.
-        capacity = min(self.max_context, len(prompt) + request.max_new_tokens + budget + 2)
-        t_cache = KVCache.for_model(self.target.cfg, capacity, self.target.dtype, self.device)
-        d_cache = KVCache.for_model(self.draft.cfg, capacity, self.draft.dtype, self.device) if speculative else None
-        sampling = request.sampling
+        t_cache.set_length(0, cache_row)
+        if d_cache is not None:
+            d_cache.set_length(0, cache_row)
         stops = StopChecker(self.tokenizer, () if request.ignore_eos else self.eos_ids, request.stop_strings,
                             request.max_new_tokens, context_tokens=self.max_context - 1 - len(prompt))
-        seed_gen = torch.Generator().manual_seed(sampling.seed)   # seeds a fresh generator every round
-
-        seq, generated = prompt, []
-        # TreeConfig.prune: last round's C (its tree's lowest value) when that tree filled its budget; a round
-        # with a larger budget (the auto planner probing) must reach below it, so it gets no floor.
-        floor, floor_budget = 0.0, 0
-        while True:
-            generator = make_generator(int(torch.randint(0, 2**62, (1,), generator=seed_gen)), self.device)
-            # Near the end of the context the tree shrinks so it still fits.
-            room = self.max_context - len(seq) - 1
-            round_budget = max(0, min(planner.next_budget() if planner else budget, room))
-            with Timer(self.device) as draft_timer:
-                if speculative and round_budget > 0:
-                    tree = self._grow(seq, d_cache, request.tree, sampling, round_budget, generator,
-                                      floor if round_budget <= floor_budget else 0.0)
-                else:
-                    tree = TokenTree.root_only(seq[-1])
-            stream_before = self._stream_stats()
-            with Timer(self.device) as target_timer:
-                q_logits, pass_tokens = self._verify_pass(seq, t_cache, tree)   # (N, V)
-            stream = self._stream_delta(stream_before)
-            verdict = self._accept(tree, q_logits, sampling, generator)
-
-            block = list(verdict.tokens) + [verdict.bonus]
-            emitted, reason = stops.cut(generated, block)
-            # Commit: both caches keep the root and the accepted path; the bonus is the next root.
-            root_slot = len(seq) - 1
-            t_cache.compact(torch.tensor([root_slot + j for j in [0, *verdict.nodes]], device=self.device), root_slot)
-            if d_cache is not None and tree.size > 0:
-                # The draft saw seq whole (root included) before the tree, then the working-tree nodes it ran on;
-                # an accepted node it ran on sits at slot start + origin - 1. Those form a prefix of the path.
-                start, origin = len(seq), tree.origin.tolist()
-                seen = list(itertools.takewhile(lambda n: origin[n] >= 0, verdict.nodes))
-                d_cache.compact(torch.tensor([start + origin[n] - 1 for n in seen], dtype=torch.long,
-                                             device=self.device), start)
-            if planner is not None:
-                planner.observe(tree, draft_timer.seconds, target_timer.seconds, pass_tokens)
-            full = tree.size > 0 and tree.size >= round_budget
-            floor = float(tree.values[1:].min()) if request.tree.prune and full else 0.0
-            floor_budget = round_budget
-            seq = seq + block
-            generated = generated + emitted
-            yield Step(
-                tokens=emitted, accepted=len(verdict.nodes), tree_size=tree.size, tree_depth=tree.depth,
-                pass_tokens=pass_tokens,
-                draft_seconds=draft_timer.seconds, target_seconds=target_timer.seconds,
-                wait_seconds=stream.wait_seconds, transfer_seconds=stream.transfer_seconds,
-                bytes_streamed=stream.bytes_streamed, prefetched_bytes=stream.prefetched_bytes,
-                finish_reason=reason)
-            if reason is not None:
-                return
+        return _Row(index=index, request=request, cache_row=cache_row, seq=prompt, stops=stops,
+                    seed_gen=torch.Generator().manual_seed(request.sampling.seed), speculative=speculative,
+                    planner=planner, budget=self._tree_room(request))
 
     # ------------------------------------------------------------ draft
-    def _grow(self, seq: list[int], cache: KVCache, tree_cfg: TreeConfig, sampling: SamplingConfig,
-              budget: int, generator: torch.Generator, floor: float) -> TokenTree:
+    def _grow_all(self, rows: list["_Row"], cache: Optional[KVCache]) -> list[TokenTree]:
+        """Every row's tree for this round, grown together: one draft forward catches every row up (what its
+        draft cache has not seen, ending with its root), then the rows' growths advance in lockstep, all the
+        draft calls of a step in ONE forward over every row's frontier."""
+        trees: list[Optional[TokenTree]] = [None if r.round_budget > 0 else TokenTree.root_only(r.seq[-1]) for r in rows]
+        growing = [i for i, t in enumerate(trees) if t is None]
+        if not growing:
+            return trees
         draft, dev = self.draft, self.device
-        # Catch up: feed what the draft has not seen (ends with the root) and read the root's distribution.
-        start = cache.length
-        new = self.vocab.draft_input(torch.tensor([seq[start:]], device=dev))          # (1, T)
-        T = new.shape[1]
-        positions = torch.arange(start, start + T, device=dev)
-        logits = draft.forward(new, positions[None], positions, PassMask(start, T, None, dev), cache,
-                               logit_rows=torch.tensor([T - 1], device=dev), chunk=self.prefill_chunk)
-        cache.set_length(start + T)
-        root_dist = self.vocab.draft_distribution(logits[0, 0], sampling)               # (V_target,)
-        committed = len(seq)          # == cache.length: tree node j goes to slot committed + j - 1
-        root_pos = len(seq) - 1
+        # Catch up, packed: row i feeds seq[Ld:] at slots Ld.. and reads the distribution after its root.
+        spans, tokens, positions, last = [], [], [], []
+        for i in growing:
+            row = rows[i]
+            start, new = cache.lengths[row.cache_row], row.seq[cache.lengths[row.cache_row]:]
+            spans.append(RowSpan(len(tokens), len(tokens) + len(new), row.cache_row,
+                                 torch.arange(start, start + len(new), device=dev), PassMask(start, len(new), None, dev)))
+            tokens += new
+            positions += range(start, start + len(new))
+            last.append(len(tokens) - 1)
+            cache.set_length(start + len(new), row.cache_row)
+        logits = draft.forward(self.vocab.draft_input(torch.tensor(tokens, device=dev)), torch.tensor(positions, device=dev),
+                               spans, cache, logit_rows=torch.tensor(last, device=dev), chunk=self.prefill_chunk)
+        steps, requests = {}, {}
+        for k, i in enumerate(growing):
+            row = rows[i]
+            root_dist = self.vocab.draft_distribution(logits[k], row.request.sampling)   # (V_target,)
+            steps[i] = grow_steps(row.request.tree, row.request.sampling, row.seq[-1], root_dist, row.round_budget,
+                                  row.generator, expand_floor=row.round_floor)
+        for i in list(steps):
+            self._advance(steps, requests, trees, i, None)
+        while requests:
+            answers = self._draft_step_all(rows, requests, cache)
+            for i, dists in answers.items():
+                self._advance(steps, requests, trees, i, dists)
+        return trees
 
-        def draft_step(tree: TokenTree, frontier: torch.Tensor) -> torch.Tensor:
-            """frontier (F,) working-tree node ids -> the draft's distributions at those nodes (F, V_target).
-            Working node j's K/V lives at slot committed + j - 1; its mask row spans every working node
-            (grow reuses the index of a dropped node, so an ancestor may sit after its descendant)."""
-            frontier = frontier.to(dev)
-            N = tree.n_nodes
-            mask = torch.ones(frontier.numel(), committed + N - 1, dtype=torch.bool, device=dev)   # (F, S)
-            mask[:, committed:] = tree.mask[frontier.cpu()][:, 1:].to(dev)
-            logits = draft.forward(tree.tokens[frontier.cpu()].to(dev)[None],
-                                   (root_pos + tree.depths[frontier.cpu()].to(dev))[None],
-                                   committed + frontier - 1, mask[None], cache,
-                                   chunk=self.prefill_chunk)                                      # (1, F, V_draft)
-            return self.vocab.draft_distribution(logits[0], sampling)
+    @staticmethod
+    def _advance(steps: dict, requests: dict, trees: list, i: int, dists: Optional[torch.Tensor]) -> None:
+        """Send row i's growth its answer (or start it); keep its next request, or its tree when it is done."""
+        try:
+            requests[i] = next(steps[i]) if dists is None else steps[i].send(dists)
+        except StopIteration as done:
+            trees[i] = done.value
+            requests.pop(i, None)
+            del steps[i]
 
-        return grow(tree_cfg, sampling, seq[-1], root_dist, draft_step, budget, generator, expand_floor=floor)
+    def _draft_step_all(self, rows: list["_Row"], requests: dict, cache: KVCache) -> dict[int, torch.Tensor]:
+        """One draft forward over every pending request: row i's frontier (F_i,) working-tree nodes -> the
+        draft's distributions there, (F_i, V_target). Working node j's K/V lives at slot len(seq) + j - 1 of
+        the row's cache row; a frontier row sees the committed sequence and its ancestors among the working
+        nodes (growth reuses a dropped node's index, so an ancestor may sit after its descendant)."""
+        dev = self.device
+        spans, tokens, positions, order = [], [], [], []
+        for i, (tree, frontier) in requests.items():
+            row = rows[i]
+            committed, F_ = len(row.seq), frontier.numel()
+            mask = torch.ones(F_, committed + tree.n_nodes - 1, dtype=torch.bool, device=dev)  # (F, S)
+            mask[:, committed:] = tree.mask[frontier][:, 1:].to(dev)
+            spans.append(RowSpan(len(tokens), len(tokens) + F_, row.cache_row, (committed + frontier - 1).to(dev), mask))
+            tokens += tree.tokens[frontier].tolist()
+            positions += (committed - 1 + tree.depths[frontier]).tolist()
+            order.append(i)
+        logits = self.draft.forward(torch.tensor(tokens, device=dev), torch.tensor(positions, device=dev), spans,
+                                    cache, chunk=self.prefill_chunk)                             # (sum F, V_draft)
+        return {i: self.vocab.draft_distribution(logits[span.start:span.end], rows[i].request.sampling)
+                for i, span in zip(order, spans)}
 
     # ------------------------------------------------------------ target
-    def _verify_pass(self, seq: list[int], cache: KVCache, tree: TokenTree) -> tuple[torch.Tensor, int]:
-        """ONE target pass over [not-yet-cached prompt tokens] + [root + tree] -> (N, V) tree logits, tokens fed."""
+    def _verify_pass(self, rows: list["_Row"], trees: list[TokenTree], cache: KVCache
+                     ) -> tuple[list[torch.Tensor], list[int]]:
+        """ONE target pass over every row's [not-yet-cached prompt tokens] + [root + tree], packed -> per row its
+        (N_r, V) tree logits and the tokens it fed."""
         dev = self.device
-        start = cache.length
-        root_slot = len(seq) - 1
-        pending = seq[start:root_slot]                      # the prompt in the first round, else empty
-        P, N = len(pending), tree.tokens.numel()
-        tokens = torch.tensor([pending + tree.tokens.tolist()], device=dev)               # (1, P+N)
-        positions = torch.cat([torch.arange(start, root_slot), root_slot + tree.depths.cpu()]).to(dev)
-        slots = torch.arange(start, root_slot + N, device=dev)                           # (P+N,)
-        logits = self.target.forward(tokens, positions[None], slots, PassMask(start, P, tree.mask, dev), cache,
-                                     logit_rows=torch.arange(P, P + N, device=dev), chunk=self.prefill_chunk)
-        return logits[0], P + N                                                           # (N, V)
+        spans, tokens, positions, logit_rows, fed = [], [], [], [], []
+        for row, tree in zip(rows, trees):
+            start, root_slot = cache.lengths[row.cache_row], len(row.seq) - 1
+            pending = row.seq[start:root_slot]                  # the prompt in the first round, else empty
+            P, N = len(pending), tree.n_nodes
+            first = len(tokens)
+            spans.append(RowSpan(first, first + P + N, row.cache_row, torch.arange(start, root_slot + N, device=dev),
+                                 PassMask(start, P, tree.mask, dev)))
+            tokens += pending + tree.tokens.tolist()
+            positions += list(range(start, root_slot)) + (root_slot + tree.depths).tolist()
+            logit_rows += range(first + P, first + P + N)
+            fed.append(P + N)
+        logits = self.target.forward(torch.tensor(tokens, device=dev), torch.tensor(positions, device=dev), spans,
+                                     cache, logit_rows=torch.tensor(logit_rows, device=dev), chunk=self.prefill_chunk)
+        per_row, at = [], 0
+        for tree in trees:
+            per_row.append(logits[at: at + tree.n_nodes])                                # (N_r, V)
+            at += tree.n_nodes
+        return per_row, fed
 
     @staticmethod
     def _accept(tree: TokenTree, q_logits: torch.Tensor, sampling: SamplingConfig, generator):
@@ -303,7 +440,7 @@ class PassMask:
         self.n_cols = self.root_slot + (tree_mask.shape[0] if tree_mask is not None else 0)   # S
 
     def __call__(self, a: int, b: int) -> torch.Tensor:
-        """Rows a..b-1 -> (1, b - a, S) bool."""
+        """Rows a..b-1 -> (b - a, S) bool."""
         P = self.n_pending
         rows = torch.zeros(b - a, self.n_cols, dtype=torch.bool, device=self.device)
         if a < P:                                           # the pending prompt: causal
@@ -312,7 +449,7 @@ class PassMask:
             tree_rows = slice(max(a, P) - a, b - a)
             rows[tree_rows, : self.root_slot] = True
             rows[tree_rows, self.root_slot:] = self.tree_mask[max(a, P) - P: b - P]   # ... and their ancestors
-        return rows[None]
+        return rows
 
 
 @dataclass(frozen=True)
@@ -328,7 +465,6 @@ def run(engine: Engine, request: GenerationRequest, *, load_seconds: float = 0.0
         offload: Optional[str] = None, on_text=None, on_step=None):
     """Drive the loop to the end: stream text deltas to `on_text`, return (RunReport, steps).
     offload: the mode for the report; default the engine's memory plan's ("none" for an engine without one)."""
-    from .metrics import build_report
     from .prompt import IncrementalText
 
     text_stream = IncrementalText(engine.tokenizer, request.stop_strings)
@@ -342,10 +478,21 @@ def run(engine: Engine, request: GenerationRequest, *, load_seconds: float = 0.0
                 on_text(delta)
         if on_step is not None:
             on_step(step)
-    report = build_report(
-        steps, prompt_tokens=len(request.prompt_ids), text=text_stream.text(generated), load_seconds=load_seconds,
-        tree_policy=request.tree.policy if engine.speculative(request) else "none",
-        tree_budget=request.tree.budget if engine.speculative(request) else 0,
-        offload=offload or (engine.plan.mode if engine.plan is not None else "none"), device=engine.device, dtype=engine.target.dtype, weights_source=engine.weights_source(),
+    return report_of(engine, request, steps, load_seconds=load_seconds, offload=offload), steps
+
+
+def report_of(engine: Engine, request: GenerationRequest, steps: list[Step], *, load_seconds: float = 0.0,
+              offload: Optional[str] = None):
+    """The RunReport of one request from its Steps (run() for one request, `offspec batch` for each of many)."""
+    from .metrics import build_report
+    from .prompt import IncrementalText
+
+    tokens = [t for s in steps for t in s.tokens]
+    speculative = engine.speculative(request)
+    return build_report(
+        steps, prompt_tokens=len(request.prompt_ids), text=IncrementalText(engine.tokenizer, request.stop_strings).text(tokens),
+        load_seconds=load_seconds, tree_policy=request.tree.policy if speculative else "none",
+        tree_budget=request.tree.budget if speculative else 0,
+        offload=offload or (engine.plan.mode if engine.plan is not None else "none"), device=engine.device,
+        dtype=engine.target.dtype, weights_source=engine.weights_source(),
         memory_plan=engine.plan.to_dict() if engine.plan is not None else None)
-    return report, steps

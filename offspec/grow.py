@@ -1,6 +1,12 @@
 """Tree growth: the resident draft proposes a token tree for one round, under a node budget.
 
     grow(tree_cfg, sampling, root_token, root_dist, draft_step, budget, generator) -> TokenTree
+    grow_steps(tree_cfg, sampling, root_token, root_dist, budget, generator)  -> a generator of draft requests
+
+grow_steps is the same growth written as a generator: it yields each draft call it needs, (working tree,
+frontier), is sent back the (F, V) distributions, and returns the TokenTree. So many trees can grow in
+lockstep and share one batched draft call per depth (generate.Engine does this for every row in flight);
+grow() drives one of them with a draft_step callback.
 
 Terms (DySpec, Xiong et al. 2024; p is the draft's processed distribution, q the target's):
   node value  v(x): the estimated probability that verification reaches node x AND accepts it. DySpec's
@@ -57,7 +63,7 @@ from __future__ import annotations
 import heapq
 import math
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Generator
 
 import torch
 
@@ -66,13 +72,28 @@ from .sampling import draw_without_replacement
 from .tree import TokenTree
 
 DraftStep = Callable[[TokenTree, torch.Tensor], torch.Tensor]   # (working tree, frontier (F,)) -> (F, V)
+DraftRequest = tuple[TokenTree, torch.Tensor]                   # what a growth generator yields: draft_step's args
+Growth = Generator[DraftRequest, torch.Tensor, TokenTree]       # yields requests, is sent (F, V), returns the tree
 
 POLICIES = ("dyspec", "heap", "chain", "static", "none")
 
 
 def grow(tree_cfg: TreeConfig, sampling: SamplingConfig, root_token: int, root_dist: torch.Tensor,
          draft_step: DraftStep, budget: int, generator: torch.Generator, expand_floor: float = 0.0) -> TokenTree:
-    """Grow one round's token tree with at most `budget` nodes besides the root.
+    """Grow one round's token tree with at most `budget` nodes besides the root, calling draft_step for every
+    draft call (grow_steps' requests, answered one at a time)."""
+    steps = grow_steps(tree_cfg, sampling, root_token, root_dist, budget, generator, expand_floor)
+    try:
+        request = next(steps)
+        while True:
+            request = steps.send(draft_step(*request))
+    except StopIteration as done:
+        return done.value
+
+
+def grow_steps(tree_cfg: TreeConfig, sampling: SamplingConfig, root_token: int, root_dist: torch.Tensor,
+               budget: int, generator: torch.Generator, expand_floor: float = 0.0) -> Growth:
+    """Grow one round's token tree with at most `budget` nodes besides the root, as a generator of draft calls.
 
     root_dist (V,): the draft's processed distribution at the root (process_logits of its logits there).
     generator: drives the without-replacement draws at T > 0 (unused at T = 0).
@@ -83,16 +104,16 @@ def grow(tree_cfg: TreeConfig, sampling: SamplingConfig, root_token: int, root_d
         raise ValueError(f"unknown tree policy {tree_cfg.policy!r}; expected one of {', '.join(POLICIES)}")
     if budget < 0:
         raise ValueError(f"tree budget must be >= 0, got {budget}")
-    g = _Growth(root_token, root_dist, sampling, draft_step, generator, capacity=budget + 1)
+    g = _Growth(root_token, root_dist, sampling, generator, capacity=budget + 1)
     if budget == 0 or tree_cfg.policy == "none" or tree_cfg.max_depth < 1:
         return g.finish([0])
     if tree_cfg.policy == "dyspec":
-        return _grow_dyspec(tree_cfg, g, budget, expand_floor)
+        return (yield from _grow_dyspec(tree_cfg, g, budget, expand_floor))
     if tree_cfg.policy == "heap":
-        return _grow_heap(tree_cfg, g, budget)
+        return (yield from _grow_heap(tree_cfg, g, budget))
     if tree_cfg.policy == "chain":
-        return _grow_chain(tree_cfg, g, budget)
-    return _grow_static(tree_cfg, g, budget)
+        return (yield from _grow_chain(tree_cfg, g, budget))
+    return (yield from _grow_static(tree_cfg, g, budget))
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -108,10 +129,9 @@ class _Growth:
     """Candidates of one round, identified by id (0 = root; ids grow as nodes are added, so a parent's id is
     below its children's and siblings' ids follow their draw order), plus the working tree for draft_step."""
 
-    def __init__(self, root_token: int, root_dist: torch.Tensor, sampling: SamplingConfig, draft_step: DraftStep,
+    def __init__(self, root_token: int, root_dist: torch.Tensor, sampling: SamplingConfig,
                  generator: torch.Generator, capacity: int):
         self.greedy = sampling.greedy
-        self.draft_step = draft_step
         self.generator = generator
         self.root_dist = root_dist
         self.token = [int(root_token)]
@@ -124,9 +144,9 @@ class _Growth:
         self.dist: dict[int, torch.Tensor] = {}          # T > 0: (V,) draft distribution of expanded candidates
         self.work_tree = TokenTree(root_token, capacity=capacity)   # what draft_step sees; never over B + 1
 
-    def expand(self, nodes: list[int], k: int) -> None:
+    def expand(self, nodes: list[int], k: int) -> Generator[DraftRequest, torch.Tensor, None]:
         """Compute the first k candidate children of each node: the root's from root_dist, the others' with
-        ONE draft_step call over all of them."""
+        ONE draft call over all of them (yielded as a request; the answer is sent back)."""
         if not nodes:
             return
         if nodes == [0]:
@@ -141,7 +161,7 @@ class _Growth:
                 else:
                     self.work[c] = self.work_tree.add(parent, self.token[c], self.value[c])
             frontier = torch.tensor([self.work[c] for c in nodes], dtype=torch.long)    # (F,)
-            dists = self.draft_step(self.work_tree, frontier)                            # (F, V)
+            dists = yield self.work_tree, frontier                                       # (F, V)
             self.work_tree.n_draft_calls += 1
             if dists.shape[0] != len(nodes):
                 raise ValueError(f"draft_step returned {dists.shape[0]} rows for {len(nodes)} frontier nodes")
@@ -248,7 +268,7 @@ class _Ranking:
 
 
 # ---------------------------------------------------------------------------------------------------------
-def _grow_dyspec(cfg: TreeConfig, g: _Growth, budget: int, expand_floor: float = 0.0) -> TokenTree:
+def _grow_dyspec(cfg: TreeConfig, g: _Growth, budget: int, expand_floor: float = 0.0) -> Growth:
     """DySpec Algorithm 2, level by level: at each depth every frontier candidate whose value reaches C joins
     (best first, so that the budget, when it binds, keeps the best); the next frontier is the new nodes that
     could still place a child. Adaptive C (threshold None): C is the B-th best value seen so far, so at T = 0
@@ -259,7 +279,7 @@ def _grow_dyspec(cfg: TreeConfig, g: _Growth, budget: int, expand_floor: float =
     count, so the caller may pass last round's final C as `expand_floor`: only nodes at least that likely
     are run. It only decides which nodes get children, from their own values, so it keeps losslessness."""
     ranking = _Ranking(budget, cfg.threshold)
-    g.expand([0], cfg.branching)
+    yield from g.expand([0], cfg.branching)
     frontier = [0]
     for level in range(cfg.max_depth):
         slots = [(-g.slot_key(u, 0), u, 0) for u in frontier if g.n_options(u) > 0]     # max-heap by key
@@ -283,11 +303,11 @@ def _grow_dyspec(cfg: TreeConfig, g: _Growth, budget: int, expand_floor: float =
         frontier = [n for n in new if n in ranking.alive and ranking.admits(g.value[n]) and g.value[n] >= expand_floor]
         if not frontier:
             break
-        g.expand(frontier, cfg.branching)
+        yield from g.expand(frontier, cfg.branching)
     return g.finish([0, *ranking.alive])
 
 
-def _grow_heap(cfg: TreeConfig, g: _Growth, budget: int) -> TokenTree:
+def _grow_heap(cfg: TreeConfig, g: _Growth, budget: int) -> Growth:
     """DySpec Algorithm 1: best first with a fixed size. Pop the highest-key candidate anywhere in the tree,
     add it, and offer its first child and its next sibling; stop after B nodes.
 
@@ -304,7 +324,7 @@ def _grow_heap(cfg: TreeConfig, g: _Growth, budget: int) -> TokenTree:
             heapq.heappush(queue, (-key, seq, kind, node, i))
             seq += 1
 
-    g.expand([0], cfg.branching)
+    yield from g.expand([0], cfg.branching)
     if g.n_options(0):
         push(g.slot_key(0, 0), SLOT, 0, 0)
     count = 0
@@ -320,7 +340,7 @@ def _grow_heap(cfg: TreeConfig, g: _Growth, budget: int) -> TokenTree:
                 else:
                     wave.append(n2)
             wave.sort()
-            g.expand(wave, cfg.branching)
+            yield from g.expand(wave, cfg.branching)
             waved = set(wave)
             queue = [e for e in queue if not (e[2] == PENDING and e[3] in waved)]
             heapq.heapify(queue)
@@ -338,19 +358,19 @@ def _grow_heap(cfg: TreeConfig, g: _Growth, budget: int) -> TokenTree:
     return g.finish(list(range(len(g.token))))
 
 
-def _grow_chain(cfg: TreeConfig, g: _Growth, budget: int) -> TokenTree:
+def _grow_chain(cfg: TreeConfig, g: _Growth, budget: int) -> Growth:
     """Classic speculative decoding: k = budget tokens (at most max_depth), each the draft's top token at
     T = 0 or a draw from p at T > 0."""
     u = 0
     for _ in range(min(budget, cfg.max_depth)):
-        g.expand([u], 1)
+        yield from g.expand([u], 1)
         if not g.n_options(u):
             break
         u = g.add(u, 0)
     return g.finish(list(range(len(g.token))))
 
 
-def _grow_static(cfg: TreeConfig, g: _Growth, budget: int) -> TokenTree:
+def _grow_static(cfg: TreeConfig, g: _Growth, budget: int) -> Growth:
     """A fixed shape (SpecInfer / Sequoia style): every node at depth d gets static_widths[d] children,
     filled breadth first until the budget runs out."""
     frontier, count = [0], 0
@@ -359,7 +379,7 @@ def _grow_static(cfg: TreeConfig, g: _Growth, budget: int) -> TokenTree:
             break
         # Only the nodes that will get children are run: with `room` places left, the first ceil(room/width).
         frontier = frontier[: math.ceil((budget - count) / width)]
-        g.expand(frontier, width)
+        yield from g.expand(frontier, width)
         new = []
         for u in frontier:
             for i in range(g.n_options(u)):

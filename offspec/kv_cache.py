@@ -1,8 +1,8 @@
-"""Preallocated K/V cache: a buffer plus a committed length.
+"""Preallocated K/V cache: a buffer of `batch` rows (one per sequence in flight) plus each row's committed length.
 
-Tree tokens are written after the committed prefix; once a round is verified, the accepted path is
+Tree tokens are written after a row's committed prefix; once a round is verified, the accepted path is
 gathered into place right after the prefix (`compact`) and the length advances. Nothing is ever freed
-or reallocated inside the generation loop.
+or reallocated inside the generation loop: a finished sequence's row is simply taken by the next one.
 """
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ class KVCache:
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
         self.capacity = capacity
-        self.length = 0      # committed tokens: slots [0, length) hold the accepted prefix
+        self.lengths = [0] * batch   # committed tokens per row: slots [0, length) hold the accepted prefix
 
     @staticmethod
     def for_model(cfg, capacity: int, dtype: torch.dtype, device: torch.device, batch: int = 1) -> "KVCache":
@@ -26,14 +26,20 @@ class KVCache:
     def nbytes(self) -> int:
         return 2 * self.k.numel() * self.k.element_size()
 
-    def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """slots (T,); k, v (B, H_kv, T, hd) -> cache[layer, :B, :, slots]."""
-        B = k.shape[0]
-        self.k[layer, :B].index_copy_(2, slots, k)
-        self.v[layer, :B].index_copy_(2, slots, v)
+    @property
+    def length(self) -> int:
+        """The committed length of a one-row cache."""
+        assert len(self.lengths) == 1, "a batched cache has a length per row: use lengths[row]"
+        return self.lengths[0]
 
-    def compact(self, kept_slots: torch.Tensor, start: int) -> None:
-        """Move the K/V at kept_slots (n,) to slots [start, start + n) in every layer; length = start + n.
+    def write(self, layer: int, row: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """slots (t,); k, v (H_kv, t, hd) -> cache[layer, row, :, slots]."""
+        self.k[layer, row].index_copy_(1, slots, k)
+        self.v[layer, row].index_copy_(1, slots, v)
+
+    def compact(self, kept_slots: torch.Tensor, start: int, row: int = 0) -> None:
+        """In `row`, move the K/V at kept_slots (n,) to slots [start, start + n) in every layer; its length =
+        start + n.
 
         Example: prefix of 7, tree written at slots 7..12, accepted path = slots [7, 9, 12]
         -> compact(tensor([7, 9, 12]), 7) leaves them at 7, 8, 9 and length 10.
@@ -42,9 +48,9 @@ class KVCache:
         dest = torch.arange(start, start + n, device=kept_slots.device)
         if n and not torch.equal(kept_slots, dest):
             # index_select makes a copy first, so overlapping source and destination are safe.
-            self.k.index_copy_(3, dest, self.k.index_select(3, kept_slots))
-            self.v.index_copy_(3, dest, self.v.index_select(3, kept_slots))
-        self.length = start + n
+            self.k[:, row].index_copy_(2, dest, self.k[:, row].index_select(2, kept_slots))
+            self.v[:, row].index_copy_(2, dest, self.v[:, row].index_select(2, kept_slots))
+        self.lengths[row] = start + n
 
-    def set_length(self, length: int) -> None:
-        self.length = length
+    def set_length(self, length: int, row: int = 0) -> None:
+        self.lengths[row] = length

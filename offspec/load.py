@@ -147,7 +147,8 @@ class Models:
             if ckpt is not None:
                 ckpt.close()     # the weights now live in the models, the arena or the store
         engine = Engine(target, draft, self.tokenizer, self.eos_ids, n_shared=self.n_shared, context=plan.context,
-                        max_tree_budget=plan.tree_budget, prefill_chunk=plan.prefill_chunk, plan=plan)
+                        max_tree_budget=plan.tree_budget, prefill_chunk=plan.prefill_chunk,
+                        max_concurrency=plan.concurrency, plan=plan)
         return Loaded(engine, self.target, self.draft, self.tokenizer,
                       self.open_seconds + time.perf_counter() - start, plan)
 

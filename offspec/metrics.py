@@ -50,6 +50,7 @@ class Step:
     transfer_seconds: float      # time the weight copies of this pass took (overlapped with compute)
     bytes_streamed: int          # weight bytes moved into the compute device this pass
     prefetched_bytes: int = 0    # of those, already in their slots when the pass began (copied while drafting)
+    rows_in_pass: int = 1        # requests that shared this pass (its times and bytes are the whole pass's)
     finish_reason: Optional[str] = None   # "eos" | "stop" | "length" | "context" when this round ends generation
 
 
@@ -107,6 +108,42 @@ class RunReport:
             f"offload {self.offload} ({self.weights_source}), {self.device} {self.dtype}; host peak {self.peak_host_gb:.2f} GB{dev}"
             f"{plan}"
         )
+
+
+@dataclass
+class JobReport:
+    """A batch job's totals (`offspec batch` stderr summary and --json), counted from every row's Steps. A
+    pass shared by R rows reports its whole time and bytes in each of their R Steps, so each Step adds 1/R
+    of a pass and 1/R of its bytes."""
+    concurrency: int                    # requests in flight at once
+    prompts: int = 0                    # requests finished (a line written each)
+    skipped: int = 0                    # requests refused or malformed
+    generated_tokens: int = 0
+    passes: float = 0.0                 # target passes (each streams every layer once)
+    row_steps: int = 0                  # (request, pass) pairs
+    bytes_streamed: float = 0.0         # weight bytes moved, summed over passes
+    wall_seconds: float = 0.0           # from the first pass to the last
+
+    def add(self, step: Step) -> None:
+        self.generated_tokens += len(step.tokens)
+        self.passes += 1 / step.rows_in_pass
+        self.row_steps += 1
+        self.bytes_streamed += step.bytes_streamed / step.rows_in_pass
+
+    def to_dict(self) -> dict:
+        tokens, passes = self.generated_tokens, max(self.passes, 1e-9)
+        return {**asdict(self), "passes": round(self.passes),
+                "tokens_per_second": tokens / self.wall_seconds if self.wall_seconds > 0 else 0.0,
+                "rows_per_pass": self.row_steps / passes, "tokens_per_pass": tokens / passes,
+                "gb_streamed_per_token": self.bytes_streamed / 1e9 / tokens if tokens else 0.0,
+                "peak_host_gb": peak_host_gb(), "peak_device_gb": None}
+
+    def summary(self) -> str:
+        d = self.to_dict()
+        return (f"done: {self.prompts} prompts, {self.generated_tokens} tokens in {self.wall_seconds:.1f} s "
+                f"({d['tokens_per_second']:.2f} tokens/s), {d['passes']} passes ({d['rows_per_pass']:.2f} prompts and "
+                f"{d['tokens_per_pass']:.2f} tokens a pass, {d['gb_streamed_per_token']:.3f} GB streamed a token); "
+                f"skipped {self.skipped} bad")
 
 
 def peak_host_gb() -> float:

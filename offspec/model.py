@@ -4,22 +4,28 @@ Llama 1/2/3 (incl. llama3 / linear rope scaling), Mistral, Qwen2 (qkv bias) and 
 The resident draft and the streamed target both run `layer_forward`; they differ only in where a layer's
 weights come from (a list of resident layers, or a slot of the streaming ring).
 
-Three index tensors stay separate everywhere (never merged):
-  slots      (T,)    where each new token's K/V is written in the cache
-  positions  (B, T)  the RoPE position of each new token (prefix length + tree depth)
-  mask       (B, T, S) bool, True = may attend; S = cache columns attended (0 .. S-1); or a MaskRows
-                     function giving rows [a, b) of it, so a long pass never builds the whole (T, S) mask
+One forward computes the new tokens of several sequences at once, PACKED: their tokens are rows of one
+(N, D) batch, each sequence a RowSpan [start, end) of it, so the matmuls run over exactly N rows (no
+padding), while attention runs per sequence against its own KV-cache row, so a sequence's attention work
+is its own and never that of its neighbours. A single sequence is the batch of one.
 
-A forward may run each layer over its rows in chunks (`chunk`): every row of chunk k attends only to
-slots of earlier rows or its own (causal prompt rows, tree rows and their ancestors), all written to the
-cache before chunk k runs, so the result is the same while a long prompt's intermediates stay chunk-sized.
-The layer's weights are used by every chunk before the next layer is asked for, so a streamed target
-still moves each layer once per pass.
+Three index tensors stay separate everywhere (never merged):
+  slots      (t,)    per sequence: where each new token's K/V is written in its cache row
+  positions  (N,)    the RoPE position of each new token (prefix length + tree depth)
+  mask       (t, S)  per sequence, bool, True = may attend; S = columns 0 .. S-1 of its cache row; or a
+                     MaskRows function giving rows [a, b) of it, so a long pass never builds the whole mask
+
+A forward may run each layer over the packed rows in chunks (`chunk`): every row attends only to slots of
+earlier rows of its own sequence or its own (causal prompt rows, tree rows and their ancestors), all
+written to the cache before its chunk runs, so the result is the same while a long prompt's
+intermediates stay chunk-sized. The layer's weights serve every chunk before the next layer is asked for,
+so a streamed target still moves each layer once per pass.
 """
 from __future__ import annotations
 
 import math
-from typing import Callable, Iterator, Optional, Protocol, Union
+from dataclasses import dataclass
+from typing import Callable, Iterator, Optional, Protocol, Sequence, Union
 
 import torch
 import torch.nn.functional as F
@@ -30,7 +36,34 @@ from .layout import GlobalWeights, LayerWeights
 from .quant import linear
 
 
-MaskRows = Callable[[int, int], torch.Tensor]   # (a, b) -> rows a..b-1 of the mask, (B, b - a, S) bool
+MaskRows = Callable[[int, int], torch.Tensor]   # (a, b) -> rows a..b-1 of a sequence's mask, (b - a, S) bool
+
+
+@dataclass(frozen=True)
+class RowSpan:
+    """One sequence's share of a packed forward: its new tokens are rows [start, end) of the batch."""
+    start: int                              # first packed row
+    end: int                                # one past the last
+    cache_row: int                          # the sequence's row in the KV cache
+    slots: torch.Tensor                     # (end - start,) cache slots its new K/V go to
+    mask: Union[torch.Tensor, MaskRows]     # (end - start, S) bool over its cache row, or its rows on demand
+
+    def mask_rows(self, a: int, b: int) -> torch.Tensor:
+        """Rows a..b-1 (the sequence's own numbering) of its mask: (b - a, S) bool."""
+        return self.mask(a, b) if callable(self.mask) else self.mask[a:b]
+
+    def clip(self, a: int, b: int) -> Optional["RowSpan"]:
+        """The part of this span inside packed rows [a, b), with its mask and slots cut to match; None if none."""
+        lo, hi = max(a, self.start), min(b, self.end)
+        if lo >= hi:
+            return None
+        first, last = lo - self.start, hi - self.start
+        return RowSpan(lo, hi, self.cache_row, self.slots[first:last], self.mask_rows(first, last))
+
+
+def one_sequence(slots: torch.Tensor, mask: Union[torch.Tensor, MaskRows], cache_row: int = 0) -> list[RowSpan]:
+    """The spans of a forward over one sequence: all of its slots.numel() new tokens."""
+    return [RowSpan(0, slots.numel(), cache_row, slots, mask)]
 
 
 class LayerSource(Protocol):
@@ -75,10 +108,10 @@ def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
 
 
 def rope_cos_sin(inv_freq: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype):
-    """positions (B, T) -> cos, sin (B, 1, T, hd), computed in float32 then cast (as transformers does)."""
-    freqs = positions.to(torch.float32)[..., None] * inv_freq.to(positions.device)  # (B, T, hd/2)
-    emb = torch.cat((freqs, freqs), dim=-1)                                        # (B, T, hd)
-    return emb.cos().to(dtype)[:, None], emb.sin().to(dtype)[:, None]
+    """positions (N,) -> cos, sin (N, hd), computed in float32 then cast (as transformers does)."""
+    freqs = positions.to(torch.float32)[..., None] * inv_freq.to(positions.device)  # (N, hd/2)
+    emb = torch.cat((freqs, freqs), dim=-1)                                        # (N, hd)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -87,7 +120,7 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x (B, heads, T, hd)."""
+    """x (heads, N, hd); cos, sin (N, hd)."""
     return x * cos + _rotate_half(x) * sin
 
 
@@ -101,30 +134,34 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 def layer_forward(
-    x: torch.Tensor,            # (B, T, D) hidden states of the new tokens
+    x: torch.Tensor,            # (N, D) hidden states of the new tokens, packed
     w: LayerWeights,
     cfg: ModelConfig,
     cache: KVCache,
     layer: int,                 # index of this layer in `cache`
-    slots: torch.Tensor,        # (T,) cache slots the new K/V go to
-    cos: torch.Tensor,          # (B, 1, T, hd)
-    sin: torch.Tensor,          # (B, 1, T, hd)
-    mask: torch.Tensor,         # (B, T, S) bool, True = attend; S cache columns
+    rows: Sequence[RowSpan],    # the sequences, spans of rows of x (clipped to x's rows, start 0)
+    cos: torch.Tensor,          # (N, hd)
+    sin: torch.Tensor,          # (N, hd)
 ) -> torch.Tensor:
-    B, T, _ = x.shape
+    N = x.shape[0]
     H, H_kv, hd = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
 
     h = rms_norm(x, w.input_norm, cfg.rms_norm_eps)
-    q = linear(h, w.q_proj, w.q_bias).view(B, T, H, hd).transpose(1, 2)          # (B, H, T, hd)
-    k = linear(h, w.k_proj, w.k_bias).view(B, T, H_kv, hd).transpose(1, 2)       # (B, H_kv, T, hd)
-    v = linear(h, w.v_proj, w.v_bias).view(B, T, H_kv, hd).transpose(1, 2)       # (B, H_kv, T, hd)
+    q = linear(h, w.q_proj, w.q_bias).view(N, H, hd).transpose(0, 1)            # (H, N, hd)
+    k = linear(h, w.k_proj, w.k_bias).view(N, H_kv, hd).transpose(0, 1)         # (H_kv, N, hd)
+    v = linear(h, w.v_proj, w.v_bias).view(N, H_kv, hd).transpose(0, 1)         # (H_kv, N, hd)
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
 
-    cache.write(layer, slots, k, v)
-    S = mask.shape[-1]
-    keys, values = cache.k[layer, :B, :, :S], cache.v[layer, :B, :, :S]            # (B, H_kv, S, hd)
-    attn = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask[:, None], enable_gqa=H != H_kv)
-    x = x + linear(attn.transpose(1, 2).reshape(B, T, H * hd), w.o_proj)          # (B, T, D)
+    attn = torch.empty_like(q)                                                    # (H, N, hd)
+    for r in rows:
+        span = slice(r.start, r.end)
+        cache.write(layer, r.cache_row, r.slots, k[:, span], v[:, span])
+        mask = r.mask_rows(0, r.end - r.start)                                    # (t, S)
+        S = mask.shape[-1]
+        keys, values = cache.k[layer, r.cache_row, :, :S], cache.v[layer, r.cache_row, :, :S]   # (H_kv, S, hd)
+        attn[:, span] = F.scaled_dot_product_attention(q[None, :, span], keys[None], values[None],
+                                                       attn_mask=mask[None, None], enable_gqa=H != H_kv)[0]
+    x = x + linear(attn.transpose(0, 1).reshape(N, H * hd), w.o_proj)            # (N, D)
 
     h = rms_norm(x, w.post_norm, cfg.rms_norm_eps)
     return x + linear(F.silu(linear(h, w.gate_proj)) * linear(h, w.up_proj), w.down_proj)
@@ -143,32 +180,43 @@ class Model:
 
     def forward(
         self,
-        tokens: torch.Tensor,       # (B, T) new token ids
-        positions: torch.Tensor,    # (B, T) RoPE positions
-        slots: torch.Tensor,        # (T,) cache slots
-        mask: Union[torch.Tensor, MaskRows],   # (B, T, S) bool, or its rows on demand
+        tokens: torch.Tensor,       # (N,) new token ids of every sequence, packed
+        positions: torch.Tensor,    # (N,) their RoPE positions
+        rows: Sequence[RowSpan],    # the sequences: spans of the N rows, each with its cache row, slots and mask
         cache: KVCache,
-        logit_rows: Optional[torch.Tensor] = None,  # (R,) rows of T whose logits are needed; None = all
-        chunk: Optional[int] = None,                # rows per layer call; None = all T at once
+        logit_rows: Optional[torch.Tensor] = None,  # (R,) packed rows whose logits are needed; None = all
+        chunk: Optional[int] = None,                # packed rows per layer call; None = all N at once
     ) -> torch.Tensor:
-        """-> logits (B, R, V) float32."""
-        T = tokens.shape[1]
-        rows_of = mask if callable(mask) else (lambda a, b: mask[:, a:b])
-        step = T if chunk is None else max(1, chunk)
-        spans = [(a, min(T, a + step)) for a in range(0, T, step)]
-        # One chunk: build its mask once for every layer. Several: rebuild each (a comparison, cheap next to
-        # the layer) rather than hold the whole (T, S) mask of a long prompt.
-        only_mask = rows_of(0, T) if len(spans) == 1 else None
-        x = F.embedding(tokens, self.globals.embed)                                  # (B, T, D)
-        cos, sin = rope_cos_sin(self.inv_freq, positions, self.dtype)                # (B, 1, T, hd) each
+        """-> logits (R, V) float32."""
+        N = tokens.shape[0]
+        step = N if chunk is None else max(1, chunk)
+        # Per chunk, the spans cut to it (and shifted to start at 0). One chunk: its masks are built once for
+        # every layer. Several: rebuilt per layer (a comparison, cheap next to the layer) rather than holding
+        # the whole (T, S) mask of a long prompt.
+        bounds = [(a, min(N, a + step)) for a in range(0, N, step)]
+        only = _shift(list(rows), 0) if len(bounds) == 1 else None
+        x = F.embedding(tokens, self.globals.embed)                                  # (N, D)
+        cos, sin = rope_cos_sin(self.inv_freq, positions, self.dtype)                # (N, hd) each
         for i, w in self.layers.pass_layers():
-            if only_mask is not None:
-                x = layer_forward(x, w, self.cfg, cache, i, slots, cos, sin, only_mask)
+            if only is not None:
+                x = layer_forward(x, w, self.cfg, cache, i, only, cos, sin)
                 continue
-            for a, b in spans:
-                x[:, a:b] = layer_forward(x[:, a:b], w, self.cfg, cache, i, slots[a:b], cos[:, :, a:b],
-                                          sin[:, :, a:b], rows_of(a, b))
+            for a, b in bounds:
+                clipped = _shift([c for r in rows if (c := r.clip(a, b)) is not None], a)
+                x[a:b] = layer_forward(x[a:b], w, self.cfg, cache, i, clipped, cos[a:b], sin[a:b])
         if logit_rows is not None:
-            x = x[:, logit_rows]
+            x = x[logit_rows]
         x = rms_norm(x, self.globals.final_norm, self.cfg.rms_norm_eps)
-        return linear(x, self.globals.lm_head).float()                              # (B, R, V)
+        return linear(x, self.globals.lm_head).float()                              # (R, V)
+
+
+    def forward_one(self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
+                    mask: Union[torch.Tensor, MaskRows], cache: KVCache, logit_rows: Optional[torch.Tensor] = None,
+                    chunk: Optional[int] = None, cache_row: int = 0) -> torch.Tensor:
+        """forward() for one sequence: tokens, positions, slots (T,), mask (T, S) -> logits (R, V)."""
+        return self.forward(tokens, positions, one_sequence(slots, mask, cache_row), cache, logit_rows, chunk)
+
+
+def _shift(rows: list[RowSpan], a: int) -> list[RowSpan]:
+    """Spans of packed rows [a, ...) renumbered from 0, their masks built (one call each)."""
+    return [RowSpan(r.start - a, r.end - a, r.cache_row, r.slots, r.mask_rows(0, r.end - r.start)) for r in rows]

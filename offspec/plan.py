@@ -202,6 +202,7 @@ class MemoryPlan:
     context: int                  # tokens per sequence in both KV caches (capped at the models' context)
     tree_budget: int              # largest tree a pass may verify
     prefill_chunk: int            # rows per layer call
+    concurrency: int              # requests in flight at once: KV-cache rows, trees per pass
     placement: Placement          # resident layers and ring
     layer_budget: int             # device bytes that were available for the ring and resident layers
     pinned_budget: int            # host bytes that may be pinned
@@ -228,7 +229,8 @@ class MemoryPlan:
         m = self.machine
         shared = m.kind == "cpu"
         lines = [f"memory plan: {m.name or m.kind}, offload {self.mode}, context {self.context} tokens, tree budget "
-                 f"≤ {self.tree_budget}, prefill chunk {self.prefill_chunk}"]
+                 f"≤ {self.tree_budget}, prefill chunk {self.prefill_chunk}"
+                 + (f", {self.concurrency} requests in flight" if self.concurrency > 1 else "")]
         for where in ("device", "host"):
             items = [i for i in self.items if i.where == where]
             if not items:
@@ -267,6 +269,8 @@ def make_plan(target: ModelSpec, draft: Optional[ModelSpec], offload: OffloadCon
     device too short for the largest tree's logits gets a smaller auto maximum (said in the notes)."""
     if limits.prefill_chunk < 1:
         raise InputError("--prefill-chunk must be at least 1")
+    if limits.concurrency < 1:
+        raise InputError("--concurrency must be at least 1")
     if limits.tree_budget is not None and limits.tree_budget < 0:
         raise InputError("the tree budget must be >= 0")
     model_context = min([target.cfg.max_position_embeddings] + ([draft.cfg.max_position_embeddings] if draft else []))
@@ -290,7 +294,7 @@ def make_plan(target: ModelSpec, draft: Optional[ModelSpec], offload: OffloadCon
             tree_budget //= 2
         if tree_budget < min(AUTO_MAX_TREE_BUDGET, context):
             notes.append(f"auto tree budget capped at {tree_budget} nodes: larger trees' logits do not fit")
-    return _place(target, offload, runtime, machine, context, tree_budget, limits.prefill_chunk, fixed, notes)
+    return _place(target, offload, runtime, machine, context, tree_budget, limits, fixed, notes)
 
 
 def _fixed_device_items(target: ModelSpec, draft: Optional[ModelSpec], runtime: RuntimeConfig, limits: RunLimits,
@@ -305,19 +309,23 @@ def _fixed_device_items(target: ModelSpec, draft: Optional[ModelSpec], runtime: 
             fixed.append(PlanItem("device", "draft int8 copy", int8_copy_nbytes(draft.cfg, dtype),
                                   "--draft-quant int8"))
     fixed.append(PlanItem("device", "target embed, norm, lm_head", globals_nbytes(target, dtype)))
-    fixed.append(PlanItem("device", "target KV cache", kv_bytes_per_token(target.cfg, dtype) * context,
-                          f"{context} tokens"))
+    # Every request in flight has its own KV-cache rows and its own tree in each pass; a pass may carry all of
+    # their prompts at once (the worst case for the hidden states of the packed rows).
+    B = limits.concurrency
+    per = f" × {B} rows" if B > 1 else ""
+    fixed.append(PlanItem("device", "target KV cache", B * kv_bytes_per_token(target.cfg, dtype) * context,
+                          f"{context} tokens{per}"))
     if draft is not None:
-        fixed.append(PlanItem("device", "draft KV cache", kv_bytes_per_token(draft.cfg, dtype) * context,
-                              f"{context} tokens"))
+        fixed.append(PlanItem("device", "draft KV cache", B * kv_bytes_per_token(draft.cfg, dtype) * context,
+                              f"{context} tokens{per}"))
     sampling = limits.sampling and draft is not None
-    fixed.append(PlanItem("device", "tree logits", logits_nbytes(target.cfg, draft.cfg if draft else None, dtype,
-                                                                 tree_budget, sampling),
-                          f"{tree_budget + 1} rows" + (", T>0 draft distributions" if sampling else "")))
-    act = max(activation_nbytes(m.cfg, dtype, context, limits.prefill_chunk, context)
+    fixed.append(PlanItem("device", "tree logits", B * logits_nbytes(target.cfg, draft.cfg if draft else None, dtype,
+                                                                     tree_budget, sampling),
+                          f"{tree_budget + 1} rows{per}" + (", T>0 draft distributions" if sampling else "")))
+    act = max(activation_nbytes(m.cfg, dtype, B * context, limits.prefill_chunk, context)
               for m in ([target] + ([draft] if draft else [])))
     fixed.append(PlanItem("device", "activations of the largest forward", act,
-                          f"{context} rows in chunks of {min(context, limits.prefill_chunk)}"))
+                          f"{B * context} rows in chunks of {min(B * context, limits.prefill_chunk)}"))
     if machine.kind == "cpu":
         fixed.append(PlanItem("device", "runtime (Python, torch, tokenizer)", RUNTIME_HOST_BYTES))
     else:
@@ -327,7 +335,7 @@ def _fixed_device_items(target: ModelSpec, draft: Optional[ModelSpec], runtime: 
 
 
 def _place(target: ModelSpec, offload: OffloadConfig, runtime: RuntimeConfig, machine: Machine, context: int,
-           tree_budget: int, prefill_chunk: int, fixed: list[PlanItem], notes: list[str]) -> MemoryPlan:
+           tree_budget: int, limits: RunLimits, fixed: list[PlanItem], notes: list[str]) -> MemoryPlan:
     """Given the fixed device items, place the target's layers and the host side, or refuse."""
     shared = machine.kind == "cpu"
     s = itemsize(runtime.dtype)
@@ -415,7 +423,7 @@ def _place(target: ModelSpec, offload: OffloadConfig, runtime: RuntimeConfig, ma
         raise BudgetError(f"the run needs {fmt(host_total)} of host memory but {fmt(machine.host_bytes)} is available "
                           f"({machine.host_source}): {fix}")
     return MemoryPlan(machine=machine, mode=mode, context=context, tree_budget=tree_budget,
-                      prefill_chunk=prefill_chunk, placement=placement,
+                      prefill_chunk=limits.prefill_chunk, concurrency=limits.concurrency, placement=placement,
                       layer_budget=left if offload.gpu_budget is None else offload.gpu_budget,
                       pinned_budget=pinned_budget, host_pinned=host_pinned, items=tuple(items), notes=tuple(notes),
                       streamed_bytes=streamed * L)

@@ -46,13 +46,13 @@ def time_calls(model, rows: int, context: int, calls: int) -> float:
     """Median seconds of one draft forward over `rows` new tokens after `context` cached ones."""
     cache = KVCache.for_model(model.cfg, context + rows, model.dtype, CPU)
     cache.set_length(context)
-    tokens = torch.randint(0, model.cfg.vocab_size, (1, rows), generator=torch.Generator().manual_seed(rows))
+    tokens = torch.randint(0, model.cfg.vocab_size, (rows,), generator=torch.Generator().manual_seed(rows))
     positions = torch.arange(context, context + rows)                                     # (R,)
-    mask = torch.ones(1, rows, context + rows, dtype=torch.bool)                           # (1, R, S)
+    mask = torch.ones(rows, context + rows, dtype=torch.bool)                              # (R, S)
     times = []
     for _ in range(calls + 1):                 # the first call warms up
         start = time.perf_counter()
-        model.forward(tokens, positions[None], positions, mask, cache)
+        model.forward_one(tokens, positions, positions, mask, cache)
         times.append(time.perf_counter() - start)
     return statistics.median(times[1:])
 

@@ -106,27 +106,27 @@ def parse_args(argv=None) -> argparse.Namespace:
 @dataclass
 class Inputs:
     """Fixed random token ids: the values do not change the work a pass does."""
-    context: torch.Tensor              # (1, C) prefix ids, prefilled once per model
-    new: dict[int, torch.Tensor]       # T -> (1, T) ids of the timed pass
+    context: torch.Tensor              # (C,) prefix ids, prefilled once per model
+    new: dict[int, torch.Tensor]       # T -> (T,) ids of the timed pass
 
 
 def make_inputs(vocab: int, context: int, tokens: list[int], device: torch.device) -> Inputs:
     gen = torch.Generator().manual_seed(0)
-    ctx = torch.randint(0, vocab, (1, context), generator=gen)
-    new = {t: torch.randint(0, vocab, (1, t), generator=gen).to(device) for t in tokens}
+    ctx = torch.randint(0, vocab, (context,), generator=gen)
+    new = {t: torch.randint(0, vocab, (t,), generator=gen).to(device) for t in tokens}
     return Inputs(ctx.to(device), new)
 
 
-def forward_at(model: Model, cache: KVCache, start: int, ids: torch.Tensor) -> None:
-    """One forward over ids (1, T) at positions/slots start .. start+T-1, attending causally to the cache.
+def forward_at(model: Model, cache: KVCache, start: int, ids: torch.Tensor) -> torch.Tensor:
+    """One forward over ids (T,) at positions/slots start .. start+T-1, attending causally to the cache.
 
     Every timed pass writes the same slots (start = the context length), so passes are identical and the
     cache never grows. Logits for all T rows, as a tree verification needs them."""
-    T = ids.shape[1]
+    T = ids.shape[0]
     positions = torch.arange(start, start + T, device=model.device)                # (T,) also the slots
     cols = torch.arange(start + T, device=model.device)
     mask = cols[None, :] <= positions[:, None]                                     # (T, start+T)
-    model.forward(ids, positions[None], positions, mask[None], cache)
+    return model.forward_one(ids, positions, positions, mask, cache)            # (T, V)
 
 
 def timed_passes(model: Model, cache: KVCache, inputs: Inputs, T: int, n: int, before_each=None) -> list[float]:
@@ -136,7 +136,7 @@ def timed_passes(model: Model, cache: KVCache, inputs: Inputs, T: int, n: int, b
         if before_each is not None:
             before_each()
         with Timer(model.device) as timer:
-            forward_at(model, cache, inputs.context.shape[1], inputs.new[T])
+            forward_at(model, cache, inputs.context.shape[0], inputs.new[T])
         seconds.append(timer.seconds)
     return seconds
 
@@ -144,7 +144,7 @@ def timed_passes(model: Model, cache: KVCache, inputs: Inputs, T: int, n: int, b
 def prefill(model: Model, inputs: Inputs, capacity: int) -> KVCache:
     cache = KVCache.for_model(model.cfg, capacity, model.dtype, model.device)
     forward_at(model, cache, 0, inputs.context)
-    cache.set_length(inputs.context.shape[1])
+    cache.set_length(inputs.context.shape[0])
     return cache
 
 

@@ -57,7 +57,7 @@ sys.path.insert(0, str(REPO))                # this checkout's offspec, not an i
 sys.path.insert(0, str(REPO / "scripts"))
 
 import _common  # noqa: E402
-from bench_stream import make_inputs, prefill, settle  # noqa: E402
+from bench_stream import forward_at, make_inputs, prefill, settle  # noqa: E402
 from offspec.config import ModelConfig, OffloadConfig  # noqa: E402
 from offspec.doctor import measure_bandwidth  # noqa: E402
 from offspec.kv_cache import KVCache  # noqa: E402
@@ -220,21 +220,13 @@ def random_globals(cfg: ModelConfig, device: torch.device, dtype: torch.dtype) -
     return GlobalWeights(embed=embed, final_norm=torch.ones(cfg.hidden_size, device=device, dtype=dtype), lm_head=head)
 
 
-def forward_logits(model: Model, cache: KVCache, start: int, ids: torch.Tensor) -> torch.Tensor:
-    """bench_stream.forward_at, keeping the logits: ids (1, T) at positions/slots start..start+T-1, causal."""
-    T = ids.shape[1]
-    positions = torch.arange(start, start + T, device=model.device)                # (T,) also the slots
-    mask = torch.arange(start + T, device=model.device)[None, :] <= positions[:, None]   # (T, start+T)
-    return model.forward(ids, positions[None], positions, mask[None], cache)      # (1, T, V)
-
-
 def back_to_back(model: Model, cache: KVCache, start: int, ids: torch.Tensor,
                  passes: int) -> tuple[float, torch.Tensor]:
     """`passes` forwards with no synchronization between them, timed as one block (a streamed model keeps its
     ring busy across pass boundaries, as in generation) -> (seconds per pass, the last pass's logits)."""
     with Timer(model.device) as timer:
         for _ in range(passes):
-            logits = forward_logits(model, cache, start, ids)
+            logits = forward_at(model, cache, start, ids)
     return timer.seconds / passes, logits
 
 

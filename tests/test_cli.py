@@ -264,26 +264,27 @@ def test_batch_jsonl_bad_lines_and_strict(m, tmp_path):
     assert not (tmp_path / "strict.jsonl").exists()                # stopped before any work
 
 
-def test_batch_interrupted_then_resumed_loses_and_duplicates_nothing(m, tmp_path, monkeypatch):
+@pytest.mark.parametrize("concurrency", [1, 3])
+def test_batch_interrupted_then_resumed_loses_and_duplicates_nothing(m, tmp_path, monkeypatch, concurrency):
     ids = [f"p{i}" for i in range(6)]
     prompts = write_jsonl(tmp_path / "p.jsonl", [{"id": i, "prompt": f"prompt number {i}"} for i in ids])
     out = tmp_path / "out.jsonl"
-    args = ["batch", prompts, "-o", out, *m.models, *FAST, "--max-new-tokens", 3]
+    args = ["batch", prompts, "-o", out, *m.models, *FAST, "--max-new-tokens", 3, "--concurrency", concurrency]
 
-    calls, real_run = [], offspec.generate.run
+    calls, real_run = [], offspec.generate.report_of
 
-    def run_then_ctrl_c(*a, **kw):
+    def run_then_ctrl_c(*a, **kw):          # Ctrl-C as the third prompt finishes
         calls.append(1)
         if len(calls) == 3:
             raise KeyboardInterrupt
         return real_run(*a, **kw)
-    monkeypatch.setattr(offspec.generate, "run", run_then_ctrl_c)
+    monkeypatch.setattr(offspec.generate, "report_of", run_then_ctrl_c)
     result = cli(*args)
     assert result.exit_code == 130 and "Traceback" not in result.output
     assert "rerun to resume" in result.stderr
     assert [r["id"] for r in read_results(out)] == ids[:2]          # finished lines kept, each complete
 
-    monkeypatch.setattr(offspec.generate, "run", real_run)
+    monkeypatch.setattr(offspec.generate, "report_of", real_run)
     result = ok(cli(*args))
     assert "resuming: 2 of 6" in result.stderr
     rows = read_results(out)
@@ -527,3 +528,20 @@ def test_help_explains_every_option_with_its_default(path, command):
         assert param.help, f"{' '.join(path)} {param.opts[0]} has no help"
         assert param.show_default or "default" in param.help.lower(), f"{' '.join(path)} {param.opts[0]}: no default"
         assert param.opts[0] in result.output
+
+
+def test_batch_concurrency_gives_the_same_lines_and_a_job_report(m, tmp_path):
+    prompts = write_jsonl(tmp_path / "p.jsonl", [{"id": f"q{i}", "prompt": f"question {i}: " + "why? " * i,
+                                                   "max_new_tokens": 3 + i} for i in range(5)])
+    lines = {}
+    for concurrency in (1, 3):
+        out, job = tmp_path / f"out{concurrency}.jsonl", tmp_path / f"job{concurrency}.json"
+        result = ok(cli("batch", prompts, "-o", out, *m.models, *FAST, "--tree-budget", 8,
+                        "--concurrency", concurrency, "--json", job))
+        lines[concurrency] = {r["id"]: r["tokens"] for r in read_results(out)}
+        report = json.loads(job.read_text())
+        assert report["prompts"] == 5 and report["concurrency"] == concurrency
+        assert report["generated_tokens"] == sum(3 + i for i in range(5)) and report["tokens_per_second"] > 0
+        assert report["rows_per_pass"] > (1.5 if concurrency == 3 else 0.99)
+        assert "tokens/s" in result.stderr and "prompts and" in result.stderr
+    assert lines[1] == lines[3]

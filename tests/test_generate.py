@@ -144,13 +144,13 @@ def test_streamed_with_resident_layers_bitwise(pair):
     try:
         from offspec.kv_cache import KVCache
         cfg = resident.target.cfg
-        toks = torch.tensor([PROMPT])
-        T = toks.shape[1]
-        mask = (torch.arange(T)[:, None] >= torch.arange(T)[None])[None]
+        toks = torch.tensor(PROMPT)
+        T = toks.shape[0]
+        mask = torch.arange(T)[:, None] >= torch.arange(T)[None]                    # (T, T) causal
         outs = []
         for eng in (resident, streamed):
             cache = KVCache.for_model(cfg, T, torch.float32, torch.device("cpu"))
-            outs.append(eng.target.forward(toks, torch.arange(T)[None], torch.arange(T), mask, cache))
+            outs.append(eng.target.forward_one(toks, torch.arange(T), torch.arange(T), mask, cache))
         assert torch.equal(outs[0], outs[1])
         assert len(streamed.target.layers.placement.resident) == 2
     finally:
@@ -292,8 +292,8 @@ def test_chunked_forward_equals_one_piece(pair, chunk):
     outs, caches = [], []
     for c in (None, chunk):
         cache = KVCache.for_model(cfg, T, torch.float32, torch.device("cpu"))
-        outs.append(eng.target.forward(torch.tensor([PROMPT]), torch.arange(T)[None], torch.arange(T),
-                                       PassMask(0, T, None, torch.device("cpu")), cache, chunk=c))
+        outs.append(eng.target.forward_one(torch.tensor(PROMPT), torch.arange(T), torch.arange(T),
+                                           PassMask(0, T, None, torch.device("cpu")), cache, chunk=c))
         caches.append(cache)
     # fp32 rounding only: matmuls over fewer rows may sum in another order
     torch.testing.assert_close(outs[0], outs[1], rtol=1e-4, atol=1e-4)
@@ -308,10 +308,10 @@ def test_pass_mask_rows_match_the_whole_mask():
     tree = TokenTree(9)
     tree.add(0, 4, 0.5)
     mask = PassMask(3, 2, tree.mask, torch.device("cpu"))
-    whole = mask(0, 4)[0].int().tolist()
+    whole = mask(0, 4).int().tolist()
     assert whole == [[1, 1, 1, 1, 0, 0, 0], [1, 1, 1, 1, 1, 0, 0], [1, 1, 1, 1, 1, 1, 0], [1, 1, 1, 1, 1, 1, 1]]
     for a, b in [(0, 1), (1, 3), (2, 4), (3, 4)]:
-        assert mask(a, b)[0].int().tolist() == whole[a:b]
+        assert mask(a, b).int().tolist() == whole[a:b]
 
 
 def test_small_prefill_chunk_keeps_greedy_output(pair):

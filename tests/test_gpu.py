@@ -273,12 +273,12 @@ def random_model(device):
 def steps(device):
     """(tokens, positions, slots, mask) of a 6-token prefill and two 1-token steps: three passes."""
     g = torch.Generator().manual_seed(1)
-    tokens = torch.randint(0, MODEL.vocab_size, (1, 8), generator=g).to(device)
+    tokens = torch.randint(0, MODEL.vocab_size, (8,), generator=g).to(device)
     out = []
     for start, end in [(0, 6), (6, 7), (7, 8)]:
-        positions = torch.arange(start, end, device=device)[None]               # (1, T)
-        mask = torch.arange(end, device=device)[None, :] <= positions[0, :, None]   # (T, end) causal
-        out.append((tokens[:, start:end], positions, positions[0], mask[None]))
+        positions = torch.arange(start, end, device=device)                     # (T,) also the slots
+        mask = torch.arange(end, device=device)[None, :] <= positions[:, None]  # (T, end) causal
+        out.append((tokens[start:end], positions, positions, mask))
     return out
 
 
@@ -301,7 +301,7 @@ def test_cuda_streamed_logits_equal_resident_bitwise(tmp_path, mode, n_slots, n_
         caches = [KVCache.for_model(MODEL, 16, torch.float32, device) for _ in models]
         for _ in range(2):                          # the second round re-runs the passes: wrap-around again
             for tokens, positions, slots, mask in steps(device):
-                logits = [m.forward(tokens, positions, slots, mask, c) for m, c in zip(models, caches)]
+                logits = [m.forward_one(tokens, positions, slots, mask, c) for m, c in zip(models, caches)]
                 assert torch.equal(logits[0], logits[1])
         assert streamed.stats().passes == 6
 
@@ -346,10 +346,10 @@ def test_cuda_streamed_forward_does_no_hidden_synchronization():
         model = Model(MODEL, globals_, target)
         cache = KVCache.for_model(MODEL, 16, torch.float32, device)
         passes = steps(device)
-        model.forward(*passes[0], cache)            # warm-up outside: first-call library set-up may synchronize
+        model.forward_one(*passes[0], cache)        # warm-up outside: first-call library set-up may synchronize
         with sync_debug_error():
             for tokens, positions, slots, mask in passes:
-                logits = model.forward(tokens, positions, slots, mask, cache)
+                logits = model.forward_one(tokens, positions, slots, mask, cache)
         assert torch.isfinite(logits).all().item()
 
 

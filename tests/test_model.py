@@ -5,6 +5,7 @@ import torch
 from offspec.checkpoint import Checkpoint
 from offspec.draft import load_resident
 from offspec.kv_cache import KVCache
+from offspec.model import RowSpan
 from tiny import hf_config, make_model, save_checkpoint
 
 CPU = torch.device("cpu")
@@ -21,11 +22,11 @@ CONFIGS = {
 
 
 def causal(n_new: int, start: int) -> torch.Tensor:
-    """(1, n_new, start + n_new) mask: new token t sees every cached column and new tokens ≤ t."""
+    """(n_new, start + n_new) mask: new token t sees every cached column and new tokens ≤ t."""
     S = start + n_new
     cols = torch.arange(S)
     rows = torch.arange(start, S)
-    return (cols[None, :] <= rows[:, None])[None]
+    return cols[None, :] <= rows[:, None]
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
@@ -41,12 +42,12 @@ def test_logits_match_transformers(tmp_path, name):
         ref_prompt = hf(tokens[:, :9]).logits
         ref_full = hf(tokens).logits
     cache = KVCache.for_model(ckpt.config, 32, torch.float32, CPU)
-    pos = torch.arange(9)[None]
-    got = ours.forward(tokens[:, :9], pos, torch.arange(9), causal(9, 0), cache)
-    torch.testing.assert_close(got, ref_prompt, rtol=1e-4, atol=1e-4)
+    pos = torch.arange(9)
+    got = ours.forward_one(tokens[0, :9], pos, pos, causal(9, 0), cache)
+    torch.testing.assert_close(got, ref_prompt[0], rtol=1e-4, atol=1e-4)
     for t in range(9, 12):  # token by token through the cache
-        got = ours.forward(tokens[:, t:t + 1], torch.tensor([[t]]), torch.tensor([t]), causal(1, t), cache)
-        torch.testing.assert_close(got[:, 0], ref_full[:, t], rtol=1e-4, atol=1e-4)
+        got = ours.forward_one(tokens[0, t:t + 1], torch.tensor([t]), torch.tensor([t]), causal(1, t), cache)
+        torch.testing.assert_close(got[0], ref_full[0, t], rtol=1e-4, atol=1e-4)
 
 
 def test_logit_rows_and_batch(tmp_path):
@@ -56,11 +57,14 @@ def test_logit_rows_and_batch(tmp_path):
     tokens = torch.randint(0, 128, (2, 6), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         ref = hf(tokens).logits
+    # Two sequences packed in one forward, each in its own cache row; their lengths differ (6 and 4 tokens).
     cache = KVCache.for_model(ckpt.config, 8, torch.float32, CPU, batch=2)
-    mask = causal(6, 0).expand(2, -1, -1)
-    got = ours.forward(tokens, torch.arange(6)[None].expand(2, -1), torch.arange(6), mask, cache,
-                       logit_rows=torch.tensor([5]))
-    torch.testing.assert_close(got[:, 0], ref[:, 5], rtol=1e-4, atol=1e-4)
+    rows = [RowSpan(0, 6, 0, torch.arange(6), causal(6, 0)), RowSpan(6, 10, 1, torch.arange(4), causal(4, 0))]
+    got = ours.forward(torch.cat([tokens[0], tokens[1, :4]]), torch.cat([torch.arange(6), torch.arange(4)]), rows,
+                       cache, logit_rows=torch.tensor([5, 9]))
+    torch.testing.assert_close(got[0], ref[0, 5], rtol=1e-4, atol=1e-4)
+    with torch.no_grad():
+        torch.testing.assert_close(got[1], hf(tokens[1:, :4]).logits[0, 3], rtol=1e-4, atol=1e-4)
 
 
 def test_kv_compact_equals_recompute(tmp_path):
@@ -71,17 +75,16 @@ def test_kv_compact_equals_recompute(tmp_path):
     prefix = torch.randint(0, 128, (1, 5), generator=torch.Generator().manual_seed(2))
     a, b, c, d = 10, 11, 12, 13
     cache = KVCache.for_model(ckpt.config, 16, torch.float32, CPU)
-    ours.forward(prefix, torch.arange(5)[None], torch.arange(5), causal(5, 0), cache)
+    ours.forward_one(prefix[0], torch.arange(5), torch.arange(5), causal(5, 0), cache)
     # tree: a(depth1) -> b(depth2); a -> c(depth2); d(depth1); slots 5..8
-    tree_tokens = torch.tensor([[a, b, c, d]])
+    tree_tokens = torch.tensor([a, b, c, d])
     depth = torch.tensor([1, 2, 2, 1]) - 1
     tree_mask = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [0, 0, 0, 1]], dtype=torch.bool)
-    mask = torch.cat([torch.ones(4, 5, dtype=torch.bool), tree_mask], 1)[None]
-    ours.forward(tree_tokens, (5 + depth)[None], torch.arange(5, 9), mask, cache)
+    mask = torch.cat([torch.ones(4, 5, dtype=torch.bool), tree_mask], 1)
+    ours.forward_one(tree_tokens, 5 + depth, torch.arange(5, 9), mask, cache)
     cache.compact(torch.tensor([5, 7]), 5)   # keep a, c
     assert cache.length == 7
     ref = KVCache.for_model(ckpt.config, 16, torch.float32, CPU)
-    ours.forward(torch.cat([prefix, torch.tensor([[a, c]])], 1), torch.arange(7)[None], torch.arange(7),
-                 causal(7, 0), ref)
+    ours.forward_one(torch.cat([prefix[0], torch.tensor([a, c])]), torch.arange(7), torch.arange(7), causal(7, 0), ref)
     torch.testing.assert_close(cache.k[:, :, :, :7], ref.k[:, :, :, :7], rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(cache.v[:, :, :, :7], ref.v[:, :, :, :7], rtol=1e-5, atol=1e-5)

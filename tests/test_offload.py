@@ -269,13 +269,12 @@ def test_streamed_model_logits_equal_resident_bitwise(tmp_path):
                                   torch.float32, store_dir=str(tmp_path), progress=False)
     models = [Model(TINY, globals_, resident), Model(TINY, globals_, streamed)]   # TargetLayers is a LayerSource
     caches = [KVCache.for_model(TINY, 16, torch.float32, CPU) for _ in models]
-    tokens = torch.randint(0, TINY.vocab_size, (1, 8), generator=g)
+    tokens = torch.randint(0, TINY.vocab_size, (8,), generator=g)
     with streamed:
         for start, end in [(0, 5), (5, 8)]:                 # prefill, then a continuation over the cache
-            positions = torch.arange(start, end)[None]      # (1, T)
-            slots = torch.arange(start, end)                # (T,)
-            mask = torch.arange(end)[None, :] <= positions[0, :, None]   # (T, end) causal
-            logits = [m.forward(tokens[:, start:end], positions, slots, mask[None], c) for m, c in zip(models, caches)]
+            positions = torch.arange(start, end)            # (T,)
+            mask = torch.arange(end)[None, :] <= positions[:, None]      # (T, end) causal
+            logits = [m.forward_one(tokens[start:end], positions, positions, mask, c) for m, c in zip(models, caches)]
             assert torch.equal(logits[0], logits[1])
 
 

@@ -1,0 +1,240 @@
+"""Batched speculation (Engine.run_batch): many requests share every pass, each row exactly as if alone.
+
+Rows share the passes (one packed target forward, one draft forward per growth step) but nothing else: own
+cache row, generator, tree and stop state; attention never crosses rows. So in fp32 a request's tokens in a
+batch equal its tokens alone, greedy and sampled (with a fixed tree budget its random draws do not depend on
+its neighbours), whatever policy, whenever it joins and whichever rows finish first."""
+import pytest
+import torch
+
+from offspec.config import OffloadConfig, RunLimits, RuntimeConfig, SamplingConfig, TreeConfig
+from offspec.generate import GenerationRequest
+from offspec.load import load_engine
+from tiny import hf_config, make_model, perturbed_copy, save_checkpoint
+
+RUNTIME = RuntimeConfig(device=torch.device("cpu"), dtype=torch.float32)
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    root = tmp_path_factory.mktemp("batch")
+    target = make_model(hf_config("qwen2", n_layers=3), seed=7, scale=3.0)
+    draft = perturbed_copy(target, noise=0.02)
+    return save_checkpoint(target, root / "target"), save_checkpoint(draft, root / "draft")
+
+
+@pytest.fixture(scope="module")
+def engine(pair):
+    return load_engine(pair[0], pair[1], OffloadConfig(), RUNTIME, progress=False, limits=LIMITS).engine
+
+
+LIMITS = RunLimits(concurrency=5)
+
+
+def prompts(n):
+    g = torch.Generator().manual_seed(3)
+    return [tuple(torch.randint(5, 120, (int(torch.randint(3, 30, (1,), generator=g)),), generator=g).tolist())
+            for _ in range(n)]
+
+
+def alone(engine, request):
+    steps = list(engine.generate(request))
+    return [t for s in steps for t in s.tokens], steps[-1].finish_reason
+
+
+def batched(engine, requests, concurrency):
+    tokens = {i: [] for i in range(len(requests))}
+    reasons, rows_seen = {}, []
+    for event in engine.run_batch(requests, concurrency=concurrency):
+        assert event.error is None, event.error
+        tokens[event.request] += event.step.tokens
+        rows_seen.append(event.step.rows_in_pass)
+        if event.step.finish_reason is not None:
+            reasons[event.request] = event.step.finish_reason
+    return tokens, reasons, rows_seen
+
+
+@pytest.mark.parametrize("tree", [TreeConfig(policy="dyspec", budget=16), TreeConfig(policy="heap", budget=12),
+                                  TreeConfig(policy="chain", budget=4), TreeConfig(policy="static", budget=10),
+                                  TreeConfig(policy="none"), TreeConfig(policy="dyspec", budget=24, threshold=0.05)])
+def test_each_row_in_a_batch_equals_its_run_alone(engine, tree):
+    # Different prompt lengths and max_new_tokens: rows finish at different passes, and with 7 requests through
+    # 3 rows, later requests take the rows that free up (refill).
+    requests = [GenerationRequest(prompt_ids=p, max_new_tokens=n, tree=tree, ignore_eos=True)
+                for p, n in zip(prompts(7), [5, 17, 9, 30, 3, 12, 21])]
+    tokens, reasons, rows_seen = batched(engine, requests, concurrency=3)
+    assert max(rows_seen) == 3 and min(rows_seen) < 3
+    for i, request in enumerate(requests):
+        assert (tokens[i], reasons[i]) == alone(engine, request), i
+
+
+def test_sampled_rows_have_their_own_randomness(engine):
+    """T > 0, fixed budgets: each row draws from its own generator (seeded by its own seed), so a row's
+    tokens are the same alone or in any batch, and rows with different seeds differ."""
+    sampling = [SamplingConfig(temperature=0.9, top_p=0.95, seed=s) for s in (1, 2, 3, 4, 5)]
+    requests = [GenerationRequest(prompt_ids=p, max_new_tokens=12, tree=TreeConfig(policy="dyspec", budget=8),
+                                  sampling=s, ignore_eos=True) for p, s in zip(prompts(5), sampling)]
+    tokens, _, _ = batched(engine, requests, concurrency=5)
+    for i, request in enumerate(requests):
+        assert tokens[i] == alone(engine, request)[0]
+    same_prompt = [GenerationRequest(prompt_ids=prompts(1)[0], max_new_tokens=12, sampling=s, ignore_eos=True,
+                                     tree=TreeConfig(policy="dyspec", budget=8)) for s in sampling[:2]]
+    t2, _, _ = batched(engine, same_prompt, concurrency=2)
+    assert t2[0] != t2[1]
+
+
+def test_stops_inside_a_batch(engine):
+    """EOS, a stop string and max tokens, each inside an accepted block, in rows that share passes."""
+    base = [GenerationRequest(prompt_ids=p, max_new_tokens=30, tree=TreeConfig(policy="dyspec", budget=16),
+                              ignore_eos=True) for p in prompts(3)]
+    free_run = [alone(engine, r)[0] for r in base]
+    eos = free_run[0][7]
+    text = engine.tokenizer.decode(free_run[1], skip_special_tokens=True)
+    stop = text[10:12]
+    engine.eos_ids = (eos,)
+    try:
+        requests = [GenerationRequest(prompt_ids=base[0].prompt_ids, max_new_tokens=30, tree=base[0].tree),
+                    GenerationRequest(prompt_ids=base[1].prompt_ids, max_new_tokens=30, tree=base[1].tree,
+                                      stop_strings=(stop,), ignore_eos=True),
+                    GenerationRequest(prompt_ids=base[2].prompt_ids, max_new_tokens=13, tree=base[2].tree,
+                                      ignore_eos=True)]
+        tokens, reasons, _ = batched(engine, requests, concurrency=3)
+        for i, request in enumerate(requests):
+            assert (tokens[i], reasons[i]) == alone(engine, request)
+        assert reasons == {0: "eos", 1: "stop", 2: "length"}
+        assert tokens[0] == free_run[0][:free_run[0].index(eos)]
+    finally:
+        engine.eos_ids = ()
+
+
+def test_a_row_at_the_context_end_beside_others(engine):
+    long = tuple((7 * i) % 110 + 5 for i in range(490))           # 22 short of the 512-token context
+    requests = [GenerationRequest(prompt_ids=long, max_new_tokens=100, tree=TreeConfig(policy="dyspec", budget=32),
+                                  ignore_eos=True),
+                *[GenerationRequest(prompt_ids=p, max_new_tokens=40, tree=TreeConfig(policy="dyspec", budget=32),
+                                    ignore_eos=True) for p in prompts(2)]]
+    tokens, reasons, _ = batched(engine, requests, concurrency=3)
+    assert reasons[0] == "context" and len(tokens[0]) == 512 - 1 - len(long)
+    for i, request in enumerate(requests):
+        assert (tokens[i], reasons[i]) == alone(engine, request)
+
+
+def test_concurrency_above_the_plan_is_refused(engine):
+    from offspec.errors import InputError
+    with pytest.raises(InputError, match="concurrency 6 is more than the engine was planned for"):
+        next(engine.run_batch([GenerationRequest(prompt_ids=(5, 6))] * 6, concurrency=6))
+
+
+def test_a_bad_request_is_refused_and_the_others_run(engine):
+    requests = [GenerationRequest(prompt_ids=p, max_new_tokens=6, ignore_eos=True) for p in prompts(2)]
+    requests.insert(1, GenerationRequest(prompt_ids=tuple(range(5, 600)), max_new_tokens=4))   # longer than the context
+    errors, done = {}, set()
+    for event in engine.run_batch(requests, concurrency=2):
+        if event.error is not None:
+            errors[event.request] = str(event.error)
+        elif event.step.finish_reason:
+            done.add(event.request)
+    assert list(errors) == [1] and "context holds only 512" in errors[1] and done == {0, 2}
+
+
+def test_streamed_batch_equals_resident_alone(pair, engine, tmp_path):
+    streamed = load_engine(pair[0], pair[1], OffloadConfig(mode="disk", n_slots=2, store_dir=str(tmp_path / "s")),
+                           RUNTIME, progress=False, limits=LIMITS).engine
+    try:
+        requests = [GenerationRequest(prompt_ids=p, max_new_tokens=n, tree=TreeConfig(policy="dyspec", budget=16),
+                                      ignore_eos=True) for p, n in zip(prompts(4), [8, 14, 5, 11])]
+        tokens, _, _ = batched(streamed, requests, concurrency=4)
+        for i, request in enumerate(requests):
+            assert tokens[i] == alone(engine, request)[0]
+    finally:
+        streamed.close()
+
+
+# ---------------------------------------------------------------- caches after every round, and negative controls
+
+def fresh_prefill(model, tokens):
+    """(k, v) of `tokens` run from scratch through `model`, each (L, H_kv, T, hd)."""
+    from offspec.kv_cache import KVCache
+    T = len(tokens)
+    cache = KVCache.for_model(model.cfg, T, torch.float32, torch.device("cpu"))
+    positions = torch.arange(T)
+    model.forward_one(torch.tensor(tokens), positions, positions, positions[None, :] <= positions[:, None], cache)
+    return cache.k[:, 0], cache.v[:, 0]
+
+
+def caches_match_fresh_prefill(engine):
+    """after_round hook: each row's target and draft cache rows hold exactly what a fresh prefill of its committed
+    tokens gives (fp32, up to matmul rounding), so no rejected token, sibling or other row left a trace."""
+    def check(rows, t_cache, d_cache):
+        for row in rows:
+            for model, cache in ((engine.target, t_cache), (engine.draft, d_cache)):
+                L = cache.lengths[row.cache_row]
+                k, v = fresh_prefill(model, row.seq[:L])
+                torch.testing.assert_close(cache.k[:, row.cache_row, :, :L], k, rtol=1e-4, atol=1e-4)
+                torch.testing.assert_close(cache.v[:, row.cache_row, :, :L], v, rtol=1e-4, atol=1e-4)
+    return check
+
+
+def requests_for_checks():
+    return [GenerationRequest(prompt_ids=p, max_new_tokens=n, tree=TreeConfig(policy="dyspec", budget=16),
+                              ignore_eos=True) for p, n in zip(prompts(4), [9, 14, 6, 11])]
+
+
+def run_checked(engine, requests, concurrency=3):
+    tokens = {i: [] for i in range(len(requests))}
+    for event in engine.run_batch(requests, concurrency=concurrency, after_round=caches_match_fresh_prefill(engine)):
+        tokens[event.request] += event.step.tokens
+    return tokens
+
+
+def test_after_every_round_each_rows_caches_equal_a_fresh_prefill(engine):
+    requests = requests_for_checks()
+    tokens = run_checked(engine, requests)
+    assert all(tokens[i] == alone(engine, r)[0] for i, r in enumerate(requests))
+
+
+class _TreeView:
+    """A working tree as the draft sees it, with one thing wrong (for the negative controls)."""
+
+    def __init__(self, tree, mask=None, depths=None):
+        self._tree, self._mask, self._depths = tree, mask, depths
+
+    def __getattr__(self, name):
+        return getattr(self._tree, name)
+
+    @property
+    def mask(self):
+        return self._mask if self._mask is not None else self._tree.mask
+
+    @property
+    def depths(self):
+        return self._depths if self._depths is not None else self._tree.depths
+
+
+@pytest.mark.parametrize("broken", ["sibling visible in a draft mask row", "draft positions off by one",
+                                    "another row's cache visible"])
+def test_negative_controls_are_caught(engine, monkeypatch, broken):
+    from offspec.generate import Engine
+    from offspec.kv_cache import KVCache
+    if broken == "another row's cache visible":
+        real_write = KVCache.write
+
+        def leaky_write(self, layer, row, slots, k, v):
+            real_write(self, layer, row, slots, k, v)
+            if self.k.shape[1] > 1:                      # ... and into the next row too
+                real_write(self, layer, (row + 1) % self.k.shape[1], slots, k, v)
+        monkeypatch.setattr(KVCache, "write", leaky_write)
+    else:
+        real_step = Engine._draft_step_all
+
+        def broken_step(self, rows, requests, cache):
+            views = {}
+            for i, (tree, frontier) in requests.items():
+                if broken.startswith("sibling"):
+                    views[i] = (_TreeView(tree, mask=torch.ones_like(tree.mask)), frontier)
+                else:
+                    views[i] = (_TreeView(tree, depths=tree.depths + 1), frontier)
+            return real_step(self, rows, views, cache)
+        monkeypatch.setattr(Engine, "_draft_step_all", broken_step)
+    with pytest.raises(AssertionError):
+        run_checked(engine, requests_for_checks())

@@ -21,6 +21,7 @@ class PromptItem:
     prompt: Union[str, list]                  # text, or chat messages [{"role", "content"}]
     max_new_tokens: Optional[int]             # per-prompt override
     line: int                                 # 1-based line number in the prompt file
+    openai: bool = False                      # an OpenAI batch line: the id is its custom_id, and results say so
 
 
 @dataclass(frozen=True)
@@ -71,6 +72,8 @@ def _parse_json_line(line: str, number: int, bad: list) -> Optional[PromptItem]:
     if not isinstance(obj, dict):
         bad.append(BadLine(number, "expected a JSON object"))
         return None
+    if "custom_id" in obj:
+        return _parse_openai_line(obj, number, bad)
     item_id = obj.get("id", f"line-{number}")
     if not isinstance(item_id, (str, int)) or isinstance(item_id, bool):
         bad.append(BadLine(number, "id must be a string or an integer"))
@@ -96,6 +99,29 @@ def _parse_json_line(line: str, number: int, bad: list) -> Optional[PromptItem]:
         bad.append(BadLine(number, "max_new_tokens must be a positive integer"))
         return None
     return PromptItem(id=str(item_id), prompt=prompt, max_new_tokens=max_new, line=number)
+
+
+def _parse_openai_line(obj: dict, number: int, bad: list) -> Optional[PromptItem]:
+    """A line of the OpenAI batch format, as vLLM's run-batch reads it:
+    {"custom_id": "...", "method": "POST", "url": "/v1/chat/completions",
+     "body": {"model": "...", "messages": [...], "max_tokens": 256}}  (max_completion_tokens also read)."""
+    custom_id, body = obj.get("custom_id"), obj.get("body")
+    if not isinstance(custom_id, str) or not custom_id:
+        bad.append(BadLine(number, "custom_id must be a non-empty string"))
+        return None
+    if not isinstance(body, dict):
+        bad.append(BadLine(number, "an OpenAI batch line needs a 'body' object"))
+        return None
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages or not all(
+            isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in messages):
+        bad.append(BadLine(number, "body.messages must be a non-empty list of {role, content} objects"))
+        return None
+    max_new = body.get("max_completion_tokens", body.get("max_tokens"))
+    if max_new is not None and (not isinstance(max_new, int) or isinstance(max_new, bool) or max_new < 1):
+        bad.append(BadLine(number, "body.max_tokens must be a positive integer"))
+        return None
+    return PromptItem(id=custom_id, prompt=messages, max_new_tokens=max_new, line=number, openai=True)
 
 
 class ResultFile:
@@ -149,6 +175,7 @@ class ResultFile:
 
 def result_record(item: PromptItem, report) -> dict:
     return {
+        **({"custom_id": item.id} if item.openai else {}),
         "id": item.id,
         "text": report.text,
         "tokens": report.tokens,

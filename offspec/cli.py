@@ -48,6 +48,36 @@ def parse_context(text: str) -> Optional[int]:
     return value
 
 
+AUTO_CONCURRENCY = 8     # batch --concurrency auto tries this many prompts in flight first, then halves
+
+
+def parse_concurrency(text: str) -> Optional[int]:
+    """--concurrency: 'auto' -> None, else a whole number >= 1."""
+    if text == "auto":
+        return None
+    try:
+        value = int(text)
+    except ValueError:
+        raise InputError(f"--concurrency must be 'auto' or a whole number, not {text!r}") from None
+    if value < 1:
+        raise InputError("--concurrency must be at least 1")
+    return value
+
+
+def auto_concurrency(models, offload: OffloadConfig, runtime: RuntimeConfig, limits_for, n_prompts: int) -> int:
+    """The most prompts in flight, up to AUTO_CONCURRENCY and the number of prompts, whose memory plan fits
+    (each adds KV-cache rows, a tree's logits and activations); halving from there."""
+    from .errors import BudgetError
+    b = min(AUTO_CONCURRENCY, n_prompts)
+    while b > 1:
+        try:
+            models.plan(offload, runtime, limits_for(b))
+            return b
+        except BudgetError:
+            b //= 2
+    return 1
+
+
 def parse_budget(text: str) -> Optional[int]:
     if text == "auto":
         return None
@@ -339,17 +369,20 @@ def write_json(path: str, data: dict) -> None:
 @click.option("--stop", multiple=True, help="Stop string (repeatable); generation ends before it. Default: none.")
 @click.option("--raw", is_flag=True, help="Send prompts as is, without the chat template.")
 @click.option("--strict", is_flag=True, help="Stop at the first malformed line instead of skipping it.")
-@click.option("--concurrency", type=int, default=1, show_default=True,
+@click.option("--concurrency", default="auto", show_default=True,
               help="Prompts in flight at once: every target pass streams the layers once for all of them (each "
-                   "with its own tree, KV-cache rows and randomness; outputs are the same as one at a time).")
+                   "with its own tree, KV-cache rows and randomness; outputs are the same as one at a time). "
+                   f"auto = the most, up to {AUTO_CONCURRENCY}, that the memory plan fits; 1 = one prompt at a time.")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None,
               help="Write the job's totals (tokens/s, passes, prompts per pass, GB per token) here. Default: none.")
 @model_options
 def batch(prompt_file, output, max_new_tokens, stop, raw, strict, concurrency, json_path, **o):
-    """Run every prompt of PROMPT_FILE (.txt: one per line; .jsonl: {id, prompt | messages, max_new_tokens?}).
+    """Run every prompt of PROMPT_FILE (.txt: one per line; .jsonl: {id, prompt | messages, max_new_tokens?},
+    or OpenAI batch lines {custom_id, body: {messages, max_tokens}}, whose results keep custom_id).
 
-    Each finished prompt is one complete line in OUTPUT; Ctrl-C (exit 130) or a kill loses no finished
-    line, and rerunning the same command continues where it stopped."""
+    --concurrency prompts are in flight at once, sharing every target pass; each prompt's output is what it
+    would be alone. Each finished prompt is one complete line in OUTPUT; Ctrl-C (exit 130) or a kill loses
+    no finished line, and rerunning the same command continues where it stopped."""
     from tqdm import tqdm
 
     from .batch import ResultFile, read_prompt_file, result_record
@@ -359,8 +392,7 @@ def batch(prompt_file, output, max_new_tokens, stop, raw, strict, concurrency, j
 
     if max_new_tokens < 1:
         raise InputError("--max-new-tokens must be at least 1")
-    if concurrency < 1:
-        raise InputError("--concurrency must be at least 1")
+    concurrency = parse_concurrency(concurrency)
     if json_path:
         check_writable(json_path)
     items, bad = read_prompt_file(prompt_file)
@@ -399,6 +431,9 @@ def batch(prompt_file, output, max_new_tokens, stop, raw, strict, concurrency, j
         if not requests:
             raise InputError(f"{prompt_file}: no prompt could be encoded")
         longest = max(len(r.prompt_ids) + r.max_new_tokens for _, r in requests)
+        if concurrency is None:
+            concurrency = auto_concurrency(models, offload, runtime,
+                                           lambda b: run_limits(o, tree, not sampling.greedy, longest, b), len(requests))
         loaded = models.load(offload, runtime, run_limits(o, tree, not sampling.greedy, longest, concurrency))
         job = JobReport(concurrency=concurrency)
         steps: dict[int, list] = {}

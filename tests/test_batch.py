@@ -60,3 +60,31 @@ def test_result_file_resume_and_torn_line(tmp_path):
     r.close()
     lines = out.read_text().splitlines()
     assert [json.loads(l)["id"] for l in lines] == ["a", "b", "c"]
+
+
+def test_openai_batch_format(tmp_path):
+    """Lines of the OpenAI batch format (as vLLM's run-batch reads them) beside offspec's own; results keep custom_id."""
+    from types import SimpleNamespace
+
+    from offspec.batch import result_record
+    f = tmp_path / "p.jsonl"
+    line = {"custom_id": "req-1", "method": "POST", "url": "/v1/chat/completions",
+            "body": {"model": "x", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 7}}
+    f.write_text("\n".join([
+        json.dumps(line),
+        json.dumps({**line, "custom_id": "req-2", "body": {**line["body"], "max_tokens": None,
+                                                            "max_completion_tokens": 9}}),
+        json.dumps({**line, "custom_id": "req-3", "body": {"messages": []}}),
+        json.dumps({**line, "custom_id": 4}),
+        json.dumps({"custom_id": "req-5"}),
+        json.dumps({"id": "own", "prompt": "plain"}),
+    ]))
+    items, bad = read_prompt_file(f)
+    assert [(i.id, i.max_new_tokens, i.openai) for i in items] == [("req-1", 7, True), ("req-2", 9, True),
+                                                                    ("own", None, False)]
+    assert items[0].prompt == [{"role": "user", "content": "hi"}]
+    assert [b.line for b in bad] == [3, 4, 5] and "body.messages" in bad[0].reason
+    report = SimpleNamespace(text="t", tokens=[1], seconds_per_token=0.1, tokens_per_pass=1.0, passes=1,
+                             prompt_tokens=3, finish_reason="eos")
+    assert result_record(items[0], report)["custom_id"] == "req-1"
+    assert "custom_id" not in result_record(items[2], report)

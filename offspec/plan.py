@@ -157,10 +157,14 @@ def kv_bytes_per_token(cfg: ModelConfig, dtype: torch.dtype) -> int:
     return 2 * cfg.n_layers * cfg.n_kv_heads * cfg.head_dim * itemsize(dtype)
 
 
-def activation_nbytes(cfg: ModelConfig, dtype: torch.dtype, rows: int, chunk: int, context: int) -> int:
+def activation_nbytes(cfg: ModelConfig, dtype: torch.dtype, rows: int, chunk: int, context: int,
+                      fused_attention: bool = False) -> int:
     """The largest forward of `rows` new tokens attending to `context` cache columns, each layer run over
     chunks of `chunk` rows: hidden states of every row, plus one chunk's intermediates, mask and attention
-    scores (counted as the math kernel materializes them, float32 scores + probabilities: an upper bound)."""
+    scores. On a GPU the scores are counted as the math kernel materializes them (float32 scores +
+    probabilities), an upper bound, since which kernel runs a masked grouped-query attention varies with the
+    build; fused_attention (the CPU: its kernel works in blocks, measured to add ~0.1 GB for 12 heads x 1024
+    rows x 32768 columns) counts one float copy of the mask instead."""
     s = itemsize(dtype)
     c = max(1, min(rows, chunk))
     D, F_, hd = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
@@ -168,7 +172,7 @@ def activation_nbytes(cfg: ModelConfig, dtype: torch.dtype, rows: int, chunk: in
     hidden = 2 * rows * D * s + 2 * rows * hd * (s + 4)                    # x + residual; RoPE cos/sin
     chunk_work = c * (3 * D + 2 * (H + 2 * H_kv) * hd + 3 * F_) * s        # norms, q/k/v (+roped), attn out, MLP
     mask = c * context                                                      # bool
-    scores = H * c * context * (4 + s)
+    scores = c * context * 4 if fused_attention else H * c * context * (4 + s)
     return hidden + chunk_work + mask + scores
 
 
@@ -322,7 +326,7 @@ def _fixed_device_items(target: ModelSpec, draft: Optional[ModelSpec], runtime: 
     fixed.append(PlanItem("device", "tree logits", B * logits_nbytes(target.cfg, draft.cfg if draft else None, dtype,
                                                                      tree_budget, sampling),
                           f"{tree_budget + 1} rows{per}" + (", T>0 draft distributions" if sampling else "")))
-    act = max(activation_nbytes(m.cfg, dtype, B * context, limits.prefill_chunk, context)
+    act = max(activation_nbytes(m.cfg, dtype, B * context, limits.prefill_chunk, context, machine.kind == "cpu")
               for m in ([target] + ([draft] if draft else [])))
     fixed.append(PlanItem("device", "activations of the largest forward", act,
                           f"{B * context} rows in chunks of {min(B * context, limits.prefill_chunk)}"))

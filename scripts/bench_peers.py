@@ -3,7 +3,11 @@
 
 Systems per regime, run interleaved prompt by prompt in one process:
   hf-plain           transformers generate, target offloaded by accelerate
-  hf-assisted        the same with assistant_model = the draft (tuned: 5 draft tokens, confidence threshold 0)
+  hf-assisted        the same with assistant_model = the draft; --assist-tokens/-schedule/-threshold go on the
+                     ASSISTANT's generation_config, where transformers reads them, and each row stores what
+                     transformers used (peer_settings, read back after the call) and the target passes a hook
+                     counted (peer_passes). Rows from before issue #13 have neither: they ran transformers'
+                     defaults (20 tokens, constant, threshold 0.4), not the 5 tokens / threshold 0 they recorded.
   offspec-none       offspec, --tree none (plain autoregressive on offspec's streaming engine)
   offspec-tree       offspec, --tree dyspec (same bf16 models as the peer: the issue's goals are measured on it)
   offspec-tree-int8  offspec-tree with a weight-only int8 copy of the draft, sharing the same target (a labeled
@@ -18,7 +22,8 @@ Regimes:
 Resume: with --rows FILE every measured (regime, prompt) row is appended to FILE as it is made, and a rerun of
 the same command measures only the prompts FILE lacks (the report covers old and new rows; a regime whose
 prompts are all in FILE does not even load its models). Rows measured with other settings (tokens, dtype,
-tree, slots, ...) stop the run; --fresh moves FILE aside to FILE.bak and starts over.
+tree, slots, hf-assisted's, ...) stop the run, and so do rows from before issue #13, which do not record what
+hf-assisted ran; --fresh moves FILE aside to FILE.bak and starts over.
 
 Identity: every system is greedy and lossless, so all must produce hf-plain's tokens. In float32 any
 difference fails the run (exit 1). In bfloat16 a many-token pass and a one-token pass can round a near-tie
@@ -34,6 +39,7 @@ Example (the docs' run):
 from __future__ import annotations
 
 import argparse
+import copy
 import gc
 import inspect
 import json
@@ -43,6 +49,7 @@ import statistics
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
@@ -65,6 +72,27 @@ INT8 = "offspec-tree-int8"
 FP32_CHECK = "fp32_check"    # the "kind" of the rows-file lines that hold a float32 recheck
 GPU_LINK_GB_PER_S = 24.0     # PREDICTION inputs: PCIe 4.0 x16 from pinned memory
 GPU_DRAFT_CALL_S = 0.008     # one batched forward of the 0.5B draft on a GPU (latency-bound), assumed
+
+
+@dataclass(frozen=True)
+class AssistSettings:
+    """What hf-assisted asks transformers for. transformers reads all three from the ASSISTANT's generation_config
+    (generation/candidate_generator.py, AssistedCandidateGenerator.__init__), not from the config passed to the
+    target's generate, so hf_generate sets them there."""
+    num_assistant_tokens: int      # draft tokens per target pass (the start value under the heuristic schedule)
+    schedule: str                  # num_assistant_tokens_schedule: "constant", or "heuristic" (+2 after a round
+                                   # that accepted every draft token, -1 otherwise)
+    confidence_threshold: float    # assistant_confidence_threshold: drafting stops after a token the draft gives
+                                   # less than this probability; 0 = never
+
+
+# The label of hf-assisted rows without peer_settings: measured before issue #13, when the settings went on the
+# target's generation_config, so the assistant ran transformers' defaults (see DEFAULTS_TEXT).
+UNAPPLIED_LABEL = "transformers defaults (settings were not applied: see issue #13)"
+DEFAULTS_TEXT = ("transformers 5.23's assistant defaults: num_assistant_tokens 20, schedule constant, "
+                 "assistant_confidence_threshold 0.4 (up to 20 draft tokens a pass, a draft cut short after a token "
+                 "the draft gives less than 0.4 probability; transformers re-fits that threshold each round only "
+                 "when scikit-learn is installed)")
 
 
 # ------------------------------------------------------------------ the rows file (resume)
@@ -126,20 +154,44 @@ def rows_by_id(rows: list[dict], regime: str, ids) -> dict[str, dict]:
     return {r["id"]: r for r in rows if r["regime"] == regime and r["id"] in wanted}
 
 
+def assist_settings(args) -> Optional[AssistSettings]:
+    """hf-assisted's settings from the command line; None with --assist-defaults (transformers' own)."""
+    if args.assist_defaults:
+        return None
+    return AssistSettings(num_assistant_tokens=args.assist_tokens, schedule=args.assist_schedule,
+                          confidence_threshold=args.assist_threshold)
+
+
 def run_settings(args, dtype) -> dict:
-    """Everything that changes what a row measures; stored in each row so a resume cannot mix settings."""
+    """Everything that changes what a row measures; stored in each row so a resume cannot mix settings.
+
+    "assist" replaced "assist_tokens" (issue #13): rows with only the latter asked for 5 tokens but ran
+    transformers' defaults, so they must not be resumed into a run that applies its settings."""
+    assist = assist_settings(args)
     return {"new_tokens": args.new_tokens, "dtype": str(dtype).replace("torch.", ""), "policy": args.policy,
-            "budget": args.budget, "assist_tokens": args.assist_tokens, "slots": args.slots, "cold": args.cold}
+            "budget": args.budget, "slots": args.slots, "cold": args.cold,
+            "assist": "transformers defaults" if assist is None else
+            {"num_assistant_tokens": assist.num_assistant_tokens, "schedule": assist.schedule,
+             "confidence_threshold": assist.confidence_threshold}}
+
+
+MISSING = "<not recorded>"   # a setting a row's settings lack: measured before that setting was recorded
 
 
 def settings_mismatches(rows: list[dict], settings: dict) -> list[str]:
-    """'key: file has X, this run Y' for each setting where a row differs (rows without settings predate them)."""
+    """'key: file has X, this run Y' for each setting where a row differs. Rows without settings predate them and
+    pass; a row WITH settings that lacks one of `settings` differs on it (it was measured before that setting was
+    recorded, so what it ran is unknown)."""
     found = {}
     for row in rows:
-        for key, value in row.get("settings", {}).items():
-            if key in settings and value != settings[key]:
+        if "settings" not in row:
+            continue
+        for key in settings:
+            value = row["settings"].get(key, MISSING)
+            if value != settings[key]:
                 found.setdefault(key, value)
-    return [f"{key}: the file has {value!r}, this run {settings[key]!r}" for key, value in found.items()]
+    return [f"{key}: the file has {'rows that do not record it' if value == MISSING else repr(value)}, "
+            f"this run {settings[key]!r}" for key, value in found.items()]
 
 
 # ------------------------------------------------------------------ identity
@@ -243,27 +295,116 @@ def drop_page_cache(paths) -> None:
             os.close(fd)
 
 
-def hf_generate(target, ids, new_tokens: int, assistant=None, assist_tokens: int = 5) -> tuple[list[int], float]:
-    """Greedy transformers generate of up to `new_tokens` -> (tokens, seconds). It may stop early at EOS: with
-    eos_token_id=None transformers still takes the model's EOS from its generation_config (see row_divergences)."""
-    from transformers import GenerationConfig
+@dataclass
+class PeerRun:
+    """One transformers generate call, as it ran."""
+    tokens: list[int]
+    seconds: float
+    passes: int                    # forward passes of the target (a pre-hook counts them)
+    max_draft_tokens: int          # the most draft tokens one target pass verified (0 without an assistant)
+    settings: Optional[dict]       # with an assistant: peer_settings(), read back after the call; else None
 
-    config = GenerationConfig(max_new_tokens=new_tokens, min_new_tokens=0, do_sample=False, eos_token_id=None,
-                              pad_token_id=0, num_assistant_tokens=assist_tokens,
-                              num_assistant_tokens_schedule="constant", assistant_confidence_threshold=0.0)
+
+class PeerWatch:
+    """Counts the target's forward passes and keeps the candidate generator transformers builds for an assisted
+    call, so what it actually used can be read back after generate returns (see peer_settings)."""
+
+    def __init__(self, target):
+        self.fed: list[int] = []   # tokens fed to each target pass, in order
+        self.generators = []       # the candidate generators generate built (one per assisted call)
+        self._target = target
+        self._build = target._get_candidate_generator
+
+    def _count(self, module, args, kwargs) -> None:
+        self.fed.append(kwargs["input_ids"].shape[1])   # generate calls the target as self(**model_inputs)
+
+    def _keep(self, *args, **kwargs):
+        generator = self._build(*args, **kwargs)
+        self.generators.append(generator)
+        return generator
+
+    def __enter__(self) -> "PeerWatch":
+        self._hook = self._target.register_forward_pre_hook(self._count, with_kwargs=True)
+        self._target._get_candidate_generator = self._keep   # an instance attribute shadows the method
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._hook.remove()
+        del self._target._get_candidate_generator
+
+    def draft_tokens(self, prompt_len: int) -> list[int]:
+        """Draft tokens verified by each pass: the first pass takes the prompt plus the first draft, every later
+        one the last accepted token plus the draft (e.g. fed [9, 5, 2] for a 7-token prompt: [2, 4, 1]).
+        Without an assistant every entry is 0."""
+        return [n - (prompt_len if i == 0 else 1) for i, n in enumerate(self.fed)]
+
+
+def peer_settings(generator) -> dict:
+    """The assistant settings a finished assisted call used, read from transformers' candidate generator: its copy
+    of the assistant's generation_config with the global defaults filled in where unset (the values every round
+    read), and where the run left the two that can move (the heuristic schedule's token count; the confidence
+    threshold, which transformers re-fits each round when scikit-learn is installed)."""
+    import transformers
+
+    used = generator.assistant_generation_config
+    return {"num_assistant_tokens": int(used.num_assistant_tokens),
+            "num_assistant_tokens_schedule": used.num_assistant_tokens_schedule,
+            "assistant_confidence_threshold": float(generator.assistant_confidence_threshold),
+            "num_assistant_tokens_final": int(generator.num_assistant_tokens),
+            "assistant_confidence_threshold_final": float(generator.generation_config.assistant_confidence_threshold),
+            "transformers": transformers.__version__}
+
+
+def hf_generate(target, ids, new_tokens: int, assistant=None, assist: Optional[AssistSettings] = None) -> PeerRun:
+    """Greedy transformers generate of up to `new_tokens`. It may stop early at EOS: with eos_token_id=None
+    transformers still takes the model's EOS from its generation_config (see row_divergences).
+
+    With an assistant, `assist` goes on the assistant's generation_config (None: leave transformers' defaults);
+    the call runs on a copy of that config, restored afterwards, because transformers writes the heuristic
+    schedule's last token count back into it and the next call would start from there."""
+    import transformers
+
+    config = transformers.GenerationConfig(max_new_tokens=new_tokens, min_new_tokens=0, do_sample=False,
+                                           eos_token_id=None, pad_token_id=0)
     inputs = torch.tensor([ids])
-    start = time.perf_counter()
-    with torch.no_grad():
-        out = target.generate(inputs, attention_mask=torch.ones_like(inputs), generation_config=config,
-                              assistant_model=assistant)
-    seconds = time.perf_counter() - start
-    return out[0, len(ids):].tolist(), seconds
+    saved = None if assistant is None else assistant.generation_config
+    if assistant is not None:
+        assistant.generation_config = copy.deepcopy(saved)
+        if assist is not None:
+            assistant.generation_config.num_assistant_tokens = assist.num_assistant_tokens
+            assistant.generation_config.num_assistant_tokens_schedule = assist.schedule
+            assistant.generation_config.assistant_confidence_threshold = assist.confidence_threshold
+    try:
+        with PeerWatch(target) as watch, torch.no_grad():
+            start = time.perf_counter()
+            out = target.generate(inputs, attention_mask=torch.ones_like(inputs), generation_config=config,
+                                  assistant_model=assistant)
+            seconds = time.perf_counter() - start
+    finally:
+        if assistant is not None:
+            assistant.generation_config = saved
+    if assistant is not None and len(watch.generators) != 1:
+        raise RuntimeError(f"expected one candidate generator from an assisted generate, caught "
+                           f"{len(watch.generators)}: this transformers ({transformers.__version__}) "
+                           "builds it elsewhere, so its settings cannot be read back")
+    return PeerRun(tokens=out[0, len(ids):].tolist(), seconds=seconds, passes=len(watch.fed),
+                   max_draft_tokens=max(watch.draft_tokens(len(ids)), default=0),
+                   settings=peer_settings(watch.generators[0]) if assistant is not None else None)
+
+
+def peer_cell(run: PeerRun) -> dict:
+    """The peer's counters for its cell of a row: passes, tokens per pass and, when assisted, its settings."""
+    cell = {"peer_passes": run.passes, "tokens_per_pass": len(run.tokens) / max(run.passes, 1),
+            "peer_max_draft_tokens": run.max_draft_tokens}
+    if run.settings is not None:
+        cell["peer_settings"] = run.settings
+    return cell
 
 
 class HfSystems:
     """The target offloaded by accelerate, and the draft as a plain resident assistant."""
 
-    def __init__(self, target_dir, draft_dir, dtype, regime, offload_folder, cold, assist_tokens):
+    def __init__(self, target_dir, draft_dir, dtype, regime, offload_folder, cold, assist: Optional[AssistSettings]):
         from transformers import AutoConfig, AutoModelForCausalLM
 
         n_layers = AutoConfig.from_pretrained(target_dir).num_hidden_layers
@@ -286,10 +427,10 @@ class HfSystems:
             self.weight_files = []
         self.target.eval()
         self.draft = AutoModelForCausalLM.from_pretrained(draft_dir, dtype=dtype).eval()
-        self.assist_tokens = assist_tokens
+        self.assist = assist      # None: the assistant runs transformers' defaults
 
-    def generate(self, ids, new_tokens, assisted: bool) -> tuple[list[int], float]:
-        return hf_generate(self.target, ids, new_tokens, self.draft if assisted else None, self.assist_tokens)
+    def generate(self, ids, new_tokens, assisted: bool) -> PeerRun:
+        return hf_generate(self.target, ids, new_tokens, self.draft if assisted else None, self.assist)
 
 
 def run_offspec(engine, ids, new_tokens, tree: TreeConfig, offload: str):
@@ -335,7 +476,8 @@ def measure_regime(args, regime: str, prompts, target_dir, draft_dir, dtype, set
 
     tmp = tempfile.mkdtemp(prefix=f"bench-peers-{regime}-")
     print(f"\n== regime {regime}: loading transformers + accelerate ...", file=sys.stderr)
-    hf = HfSystems(target_dir, draft_dir, dtype, regime, os.path.join(tmp, "hf-offload"), args.cold, args.assist_tokens)
+    hf = HfSystems(target_dir, draft_dir, dtype, regime, os.path.join(tmp, "hf-offload"), args.cold,
+                   assist_settings(args))
     print(f"== regime {regime}: loading offspec ...", file=sys.stderr)
     offload = OffloadConfig(mode=regime, store_dir=os.path.join(tmp, "offspec-store") if regime == "disk" else None,
                             drop_page_cache=args.cold, n_slots=args.slots)
@@ -343,9 +485,14 @@ def measure_regime(args, regime: str, prompts, target_dir, draft_dir, dtype, set
     engine_q = int8_draft_engine(loaded.engine, draft_dir, dtype) if args.int8_draft else None
     plain, tree = TreeConfig(policy="none"), TreeConfig(policy=args.policy,
                                                         budget=None if args.budget == "auto" else int(args.budget))
-    # In interleaving order: (system, how to run it) -> (tokens, seconds, RunReport or None, steps or None).
-    runners = [("hf-plain", lambda ids, n: (*hf.generate(ids, n, False), None, None)),
-               ("hf-assisted", lambda ids, n: (*hf.generate(ids, n, True), None, None)),
+    # In interleaving order: (system, how to run it) -> (tokens, seconds, RunReport or PeerRun, steps or None).
+    def peer(assisted: bool):
+        def measure(ids, n):
+            result = hf.generate(ids, n, assisted)
+            return result.tokens, result.seconds, result, None
+        return measure
+
+    runners = [("hf-plain", peer(False)), ("hf-assisted", peer(True)),
                ("offspec-none", lambda ids, n: run_offspec(loaded.engine, ids, n, plain, regime)),
                ("offspec-tree", lambda ids, n: run_offspec(loaded.engine, ids, n, tree, regime))]
     if engine_q is not None:
@@ -371,7 +518,7 @@ def measure_regime(args, regime: str, prompts, target_dir, draft_dir, dtype, set
 
 
 def make_row(regime, pid, ids, out: dict, settings: dict) -> dict:
-    """One (regime, prompt) row from {system: (tokens, seconds, report, steps)}."""
+    """One (regime, prompt) row from {system: (tokens, seconds, RunReport or PeerRun, steps)}."""
     ref = out[REFERENCE][0]
     row = {"regime": regime, "id": pid, "prompt_tokens": len(ids), "settings": settings, "first_divergence": {}}
     for system, (toks, secs, report, steps) in out.items():
@@ -385,6 +532,8 @@ def make_row(regime, pid, ids, out: dict, settings: dict) -> dict:
         elif system == "offspec-none":
             row[system].update(target_seconds=report.target_seconds, passes=report.passes,
                                gb_streamed=report.gb_streamed, transfer_seconds=report.transfer_seconds)
+        else:
+            row[system].update(peer_cell(report))
     return row
 
 
@@ -412,7 +561,7 @@ def fp32_check(todo: dict[str, int], prompt_ids: dict[str, list[int]], target_di
 
     print(f"\n== fp32 check of {len(todo)} prompt(s) that differ in bf16: loading transformers ...", file=sys.stderr)
     model = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32, device_map={"": "cpu"}).eval()
-    hf_tokens = {pid: hf_generate(model, prompt_ids[pid], n)[0] for pid, n in todo.items()}
+    hf_tokens = {pid: hf_generate(model, prompt_ids[pid], n).tokens for pid, n in todo.items()}
     del model
     gc.collect()
     print("== fp32 check: loading offspec ...", file=sys.stderr)
@@ -447,6 +596,15 @@ def ratio(numerator: Optional[float], denominator: Optional[float]) -> Optional[
     return None if numerator is None or not denominator else numerator / denominator
 
 
+def peer_label(cell: dict) -> str:
+    """hf-assisted's settings in words, from what its cell read back; UNAPPLIED_LABEL for cells from before #13."""
+    used = cell.get("peer_settings")
+    if used is None:
+        return UNAPPLIED_LABEL
+    return (f"{used['num_assistant_tokens']} draft tokens per pass, {used['num_assistant_tokens_schedule']} schedule, "
+            f"confidence threshold {used['assistant_confidence_threshold']:g}")
+
+
 def summarize_regime(regime: str, rows: list[dict]) -> dict:
     """Medians per system over the rows that have it: a system a row lacks (older runs, --no-int8-draft) is
     absent there, and None in the summary when no row has it."""
@@ -455,6 +613,10 @@ def summarize_regime(regime: str, rows: list[dict]) -> dict:
     identical = {s: sum(s in r and r[s]["agreement_with_hf_plain"] == 1.0 for r in rows) for s in SYSTEMS}
     tree_rows = [r["offspec-tree"] for r in rows]
     int8_rows = [r[INT8] for r in rows if INT8 in r]
+    assisted = [r["hf-assisted"] for r in rows if "hf-assisted" in r]
+    peer_labels = {}                       # {label: rows}, in row order
+    for cell in assisted:
+        peer_labels[peer_label(cell)] = peer_labels.get(peer_label(cell), 0) + 1
     tokens_per_pass = statistics.median(t["tokens_per_pass"] for t in tree_rows)
     draft_per_round = statistics.median(t["draft_seconds"] / t["passes"] for t in tree_rows)
     # Cost-model check on this machine: "link" = the measured streaming rate, compute from offspec-none passes.
@@ -477,6 +639,9 @@ def summarize_regime(regime: str, rows: list[dict]) -> dict:
             "speedup_int8_tree_vs_hf_assisted": ratio(med["hf-assisted"], med[INT8]),
             "tokens_per_pass": tokens_per_pass,
             "tokens_per_pass_int8": median_or_none(t["tokens_per_pass"] for t in int8_rows),
+            # hf-assisted as it ran: rows from before issue #13 counted no passes and read nothing back
+            "tokens_per_pass_hf_assisted": median_or_none(c["tokens_per_pass"] for c in assisted if "peer_passes" in c),
+            "hf_assisted_settings": peer_labels,
             "draft_seconds_per_round": draft_per_round,
             "draft_seconds_per_round_int8": median_or_none(t["draft_seconds"] / t["passes"] for t in int8_rows),
             "streamed_gb_per_pass": bytes_per_pass / 1e9, "measured_gb_per_s": gbps,
@@ -495,6 +660,28 @@ def systems_present(results: list[dict]) -> list[str]:
     return [s for s in SYSTEMS if any(r["median_seconds_per_token"][s] is not None for r in results)]
 
 
+def peer_text(results: list[dict]) -> str:
+    """What hf-assisted ran, by each row's read-back settings (per regime when they differ), and what the rows
+    from before issue #13 ran instead of what they asked for."""
+    labels = [r["hf_assisted_settings"] for r in results]
+    if all(list(l) == list(labels[0]) for l in labels) and len(labels[0]) == 1:
+        text = f"hf-assisted settings, as each row stores them: {next(iter(labels[0]))} (every row)."
+    else:
+        text = "hf-assisted settings, as each row stores them: " + "; ".join(
+            f"{r['regime']}: " + ", ".join(f"{label} ({n} rows)" for label, n in r["hf_assisted_settings"].items())
+            for r in results) + "."
+    unapplied = [row for r in results for row in r["rows"]
+                 if "hf-assisted" in row and "peer_settings" not in row["hf-assisted"]]
+    if unapplied:
+        asked = sorted({row.get("settings", {}).get("assist_tokens") for row in unapplied} - {None})
+        text += (f" Rows without peer_settings (read back from transformers after each run) ran {DEFAULTS_TEXT}; "
+                 "not the "
+                 + (f"{'/'.join(map(str, asked))} draft tokens, " if asked else "")
+                 + "confidence threshold 0, constant schedule the script then set on the target's generation_config, "
+                 "where transformers does not read them. Not a tuned peer.")
+    return text
+
+
 def markdown(results: list[dict], args, dtype, started: float, load_at_start: str) -> str:
     systems = systems_present(results)
     lines = ["## offspec vs transformers + accelerate (`scripts/bench_peers.py`)", "",
@@ -503,7 +690,7 @@ def markdown(results: list[dict], args, dtype, started: float, load_at_start: st
                 "(interleaved prompt by prompt, one process per regime).", ""] if args.report_only else []),
              f"dtype {str(dtype).replace('torch.', '')}, greedy, {args.new_tokens} new tokens, "
              f"HumanEval prompts (chat template), page cache {'dropped before every pass' if args.cold else 'warm'} "
-             f"in the disk regime. hf-assisted: {args.assist_tokens} draft tokens, confidence threshold 0, constant schedule. "
+             f"in the disk regime. {peer_text(results)} "
              f"offspec: {args.slots} ring slots, tree {args.policy}, budget {args.budget}."
              + (f" {INT8}: offspec-tree with a weight-only int8 draft (same target); an extra, the goals are "
                 "measured with offspec-tree (the peer's bf16 models)." if INT8 in systems else ""),
@@ -517,20 +704,24 @@ def markdown(results: list[dict], args, dtype, started: float, load_at_start: st
     lines += ["", "Outputs of all systems vs hf-plain, per prompt: "
               + "; ".join(f"{r['regime']}: {identity_text(r['identity'])}" for r in results) + "."]
     lines += ["", "| regime | offspec-tree vs hf-assisted | int8-draft tree vs hf-assisted | vs offspec-none | "
-              "tokens/pass (bf16 / int8 draft) | cost model: predicted / measured s/token here | PREDICTED on a GPU, 24 GB/s |",
-              "|---|---|---|---|---|---|---|"]
+              "tokens/pass (bf16 / int8 draft) | hf-assisted tokens/pass | "
+              "cost model: predicted / measured s/token here | PREDICTED on a GPU, 24 GB/s |",
+              "|---|---|---|---|---|---|---|---|"]
     for r in results:
         lines.append(f"| {r['regime']} | {fmt(r['speedup_tree_vs_hf_assisted'], '.2f', 'x')} | "
                      f"{fmt(r['speedup_int8_tree_vs_hf_assisted'], '.2f', 'x')} | "
                      f"{fmt(r['speedup_tree_vs_offspec_none'], '.2f', 'x')} | "
                      f"{r['tokens_per_pass']:.2f} / {fmt(r['tokens_per_pass_int8'], '.2f')} | "
+                     f"{fmt(r['tokens_per_pass_hf_assisted'], '.2f')} | "
                      f"{r['costmodel_predicted_here']:.3f} / {r['costmodel_measured_here']:.3f} | "
                      f"{r['costmodel_gpu_24gbps']:.3f} |")
     lines += ["", "Cost model (`offspec/costmodel.py`, a prediction): s/token = (max(streamed bytes / link, compute) + "
               "draft per round) / tokens per pass. 'Here' uses this run's measured streaming rate, target pass time "
               "and draft time, and is checked against the measured s/token. 'On a GPU' assumes "
               f"{GPU_LINK_GB_PER_S:g} GB/s pinned PCIe, {GPU_DRAFT_CALL_S * 1000:g} ms per batched draft call, one call "
-              "per tree depth plus one, and this run's tokens per pass; it is not a measurement."]
+              "per tree depth plus one, and this run's tokens per pass; it is not a measurement. hf-assisted "
+              "tokens/pass: its new tokens over the target forward passes a hook counted ('-': rows from before "
+              "issue #13, which counted none)."]
     return "\n".join(lines)
 
 
@@ -563,7 +754,19 @@ def parse_args():
                    help="bfloat16 (a difference must be explained by an fp32 recheck) or float32 (identity enforced)")
     p.add_argument("--policy", default="dyspec", help="offspec tree policy")
     p.add_argument("--budget", default="auto", help="offspec tree budget (a number or auto)")
-    p.add_argument("--assist-tokens", type=int, default=5, help="hf-assisted: draft tokens per step")
+    p.add_argument("--assist-tokens", type=int, default=5,
+                   help="hf-assisted: draft tokens per target pass (transformers' num_assistant_tokens; the start "
+                        "value under --assist-schedule heuristic)")
+    p.add_argument("--assist-schedule", choices=("constant", "heuristic"), default="constant",
+                   help="hf-assisted: num_assistant_tokens_schedule. heuristic: +2 tokens after a pass that accepted "
+                        "every draft token, -1 otherwise (restarting from --assist-tokens on every prompt)")
+    p.add_argument("--assist-threshold", type=float, default=0.0,
+                   help="hf-assisted: assistant_confidence_threshold: drafting stops after a token the draft gives "
+                        "less than this probability; 0 = never")
+    p.add_argument("--assist-defaults", action="store_true",
+                   help="hf-assisted: ignore the three --assist-* options and run transformers' own defaults "
+                        "(5.23: 20 tokens, constant, threshold 0.4; what the rows before issue #13 ran). Either way "
+                        "the settings transformers used are read back into each row as peer_settings")
     p.add_argument("--slots", type=int, default=8,
                    help="offspec ring slots: while the draft grows a tree, the loader prefetches this many layers of "
                         "the next pass (each slot holds one layer: 93 MB for the 1.5B target in bf16)")
@@ -603,7 +806,9 @@ def main() -> int:
     if args.fresh:
         move_aside(args.rows)
     old_rows, checks = read_rows_file(args.rows)
-    mismatches = settings_mismatches(old_rows, settings)
+    # --report-only labels hf-assisted by what each row read back (peer_settings), not by the --assist-* options.
+    compared = {k: v for k, v in settings.items() if not (args.report_only and k == "assist")}
+    mismatches = settings_mismatches(old_rows, compared)
     if mismatches:
         p.error(f"{args.rows} holds rows measured with other settings ({'; '.join(mismatches)}): "
                 "pass the same settings, --fresh, or another --rows file")

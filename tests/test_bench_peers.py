@@ -2,6 +2,7 @@
 and the summary of rows that lack a system. No models are loaded."""
 import importlib.util
 import json
+import sys
 from pathlib import Path
 
 import pytest
@@ -13,6 +14,7 @@ SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "bench_peers.py"
 def bp():
     spec = importlib.util.spec_from_file_location("bench_peers", SCRIPT)
     module = importlib.util.module_from_spec(spec)
+    sys.modules["bench_peers"] = module                # its dataclasses look their module up there
     spec.loader.exec_module(module)
     return module
 
@@ -139,3 +141,42 @@ def test_summary_and_markdown_with_a_missing_system(bp, tmp_path, monkeypatch):
     assert "cpu: identical 2/2" in text
     assert bp.fmt(None, ".2f") == "-"
     bp.plot([summary, mixed], str(tmp_path / "plot.png"))
+
+
+def test_markdown_labels_hf_assisted_by_what_each_row_read_back(bp, monkeypatch):
+    """Rows from before issue #13 (no peer_settings) are labelled as transformers' defaults, never as the settings
+    they recorded; newer rows by the settings transformers reported using, with their counted tokens per pass."""
+    monkeypatch.setattr(bp._common, "run_header", lambda *a: "header")
+    args = type("Args", (), dict(rows=None, report_only=False, new_tokens=8, cold=True, slots=8, policy="dyspec",
+                                 budget="auto"))()
+    old = [row(bp, "p0"), row(bp, "p1")]
+    for r in old:
+        r["settings"] = {"assist_tokens": 5}
+    used = {"num_assistant_tokens": 4, "num_assistant_tokens_schedule": "constant",
+            "assistant_confidence_threshold": 0.0, "num_assistant_tokens_final": 4,
+            "assistant_confidence_threshold_final": 0.0, "transformers": "5.23.0"}
+    new = [row(bp, "p0", regime="disk"), row(bp, "p1", regime="disk")]
+    for r, passes in zip(new, (2, 4)):
+        r["hf-assisted"].update(peer_passes=passes, tokens_per_pass=8 / passes, peer_max_draft_tokens=4,
+                                peer_settings=used)
+
+    def render(*summaries):
+        for s in summaries:
+            s["identity"] = bp.identity_summary(s["rows"], {}, fp32_run=False)
+        return bp.markdown(list(summaries), args, bp.torch.bfloat16, 0.0, "n/a")
+
+    text = render(bp.summarize_regime("cpu", old))
+    assert f"hf-assisted settings, as each row stores them: {bp.UNAPPLIED_LABEL} (every row)." in text
+    assert "num_assistant_tokens 20, schedule constant, assistant_confidence_threshold 0.4" in text
+    assert "not the 5 draft tokens, confidence threshold 0" in text and "Not a tuned peer." in text
+    assert "| cpu | 2.00x | 2.50x | 5.00x | 4.00 / 4.00 | - |" in text    # no passes were counted
+
+    text = render(bp.summarize_regime("disk", new))
+    assert ("hf-assisted settings, as each row stores them: 4 draft tokens per pass, constant schedule, "
+            "confidence threshold 0 (every row).") in text
+    assert bp.UNAPPLIED_LABEL not in text and "Not a tuned peer." not in text
+    assert "| disk | 2.00x | 2.50x | 5.00x | 4.00 / 4.00 | 3.00 |" in text    # median of 4 and 2 tokens a pass
+
+    text = render(bp.summarize_regime("cpu", old), bp.summarize_regime("disk", new))
+    assert (f"cpu: {bp.UNAPPLIED_LABEL} (2 rows); disk: 4 draft tokens per pass, constant schedule, "
+            "confidence threshold 0 (2 rows).") in text

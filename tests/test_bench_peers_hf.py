@@ -1,0 +1,124 @@
+"""scripts/bench_peers.py's transformers peer on tiny random models (CPU, seconds): the assisted settings reach
+transformers (read back from the candidate generator it built), the target's passes are counted, and the old way
+of passing them (on the target's generation_config, issue #13) is shown to leave transformers' defaults in force."""
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from tiny import hf_config, make_model, perturbed_copy
+
+SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "bench_peers.py"
+PROMPT = [1, 10, 11, 12, 13, 14, 15]
+NEW_TOKENS = 40
+
+
+@pytest.fixture(scope="module")
+def bp():
+    spec = importlib.util.spec_from_file_location("bench_peers", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["bench_peers"] = module                # its dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def models():
+    """A target with peaked logits and a draft that mostly agrees with it (as the demo 0.5B does with the 1.5B)."""
+    target = make_model(hf_config("llama", n_layers=2), scale=4.0)
+    return target, perturbed_copy(target, noise=0.01)
+
+
+@pytest.fixture(scope="module")
+def plain(bp, models):
+    return bp.hf_generate(models[0], PROMPT, NEW_TOKENS)
+
+
+def test_plain_generate_counts_one_pass_per_token(bp, plain):
+    run = plain
+    assert 0 < len(run.tokens) <= NEW_TOKENS
+    assert run.passes == len(run.tokens) and run.max_draft_tokens == 0 and run.settings is None
+    cell = bp.peer_cell(run)
+    assert cell["peer_passes"] == run.passes and cell["tokens_per_pass"] == 1.0 and "peer_settings" not in cell
+
+
+@pytest.mark.parametrize("k, threshold", [(2, 0.0), (4, 0.0), (8, 0.25)])
+def test_assisted_settings_reach_transformers_and_are_read_back(bp, models, plain, k, threshold):
+    target, draft = models
+    asked = bp.AssistSettings(num_assistant_tokens=k, schedule="constant", confidence_threshold=threshold)
+    run = bp.hf_generate(target, PROMPT, NEW_TOKENS, draft, asked)
+    assert run.tokens == plain.tokens                  # greedy and lossless, in float32
+    used = run.settings
+    assert (used["num_assistant_tokens"], used["num_assistant_tokens_schedule"],
+            used["assistant_confidence_threshold"]) == (k, "constant", threshold)
+    assert used["num_assistant_tokens_final"] == k
+    # Passes: at least one, fewer than tokens (the draft helps), and never more than k + 1 tokens a pass.
+    assert 0 < run.passes < len(run.tokens)
+    assert len(run.tokens) <= run.passes * (k + 1)
+    assert 0 < run.max_draft_tokens <= k
+    if threshold == 0.0:                               # nothing cuts a draft short of k (nor re-fits a threshold)
+        assert run.max_draft_tokens == k and used["assistant_confidence_threshold_final"] == 0.0
+    cell = bp.peer_cell(run)
+    assert cell["peer_settings"] == used and cell["peer_passes"] == run.passes
+    assert cell["tokens_per_pass"] == pytest.approx(len(run.tokens) / run.passes) and cell["tokens_per_pass"] <= k + 1
+    assert draft.generation_config.num_assistant_tokens is None     # the assistant's own config is left as it was
+    assert draft.generation_config.assistant_confidence_threshold is None
+
+
+def test_heuristic_schedule_is_read_back_and_does_not_leak_into_the_next_call(bp, models):
+    target, draft = models
+    asked = bp.AssistSettings(num_assistant_tokens=3, schedule="heuristic", confidence_threshold=0.0)
+    first = bp.hf_generate(target, PROMPT, NEW_TOKENS, draft, asked)
+    assert first.settings["num_assistant_tokens_schedule"] == "heuristic"
+    assert first.settings["num_assistant_tokens"] == 3
+    assert first.settings["num_assistant_tokens_final"] != 3     # the schedule moved it during the run
+    # transformers writes the final count back into the assistant's config (persistent "heuristic"); hf_generate
+    # ran on a copy, so the next call starts from 3 again.
+    second = bp.hf_generate(target, PROMPT, NEW_TOKENS, draft, asked)
+    assert second.settings["num_assistant_tokens"] == 3
+    assert second.tokens == first.tokens and second.passes == first.passes
+
+
+def test_transformers_defaults_when_nothing_is_applied(bp, models):
+    target, draft = models
+    run = bp.hf_generate(target, PROMPT, NEW_TOKENS, draft, None)
+    used = run.settings
+    assert (used["num_assistant_tokens"], used["num_assistant_tokens_schedule"],
+            used["assistant_confidence_threshold"]) == (20, "constant", 0.4)
+
+
+def test_negative_control_settings_on_the_targets_config_are_not_used(bp, models, plain):
+    """The code before issue #13 put the settings on the config passed to the TARGET's generate. transformers reads
+    them from the assistant's generation_config, so the assistant ran its defaults: 20 tokens, threshold 0.4."""
+    from transformers import GenerationConfig
+
+    target, draft = models
+    old_config = GenerationConfig(max_new_tokens=NEW_TOKENS, min_new_tokens=0, do_sample=False, eos_token_id=None,
+                                  pad_token_id=0, num_assistant_tokens=4, num_assistant_tokens_schedule="constant",
+                                  assistant_confidence_threshold=0.0)
+    inputs = torch.tensor([PROMPT])
+    with bp.PeerWatch(target) as watch, torch.no_grad():
+        out = target.generate(inputs, attention_mask=torch.ones_like(inputs), generation_config=old_config,
+                              assistant_model=draft)
+    used = bp.peer_settings(watch.generators[0])
+    assert (used["num_assistant_tokens"], used["assistant_confidence_threshold"]) == (20, 0.4)
+    assert (used["num_assistant_tokens"], used["assistant_confidence_threshold"]) != (4, 0.0)
+    # What the audit saw in the timings: passes that verified more draft tokens than the 4 asked for.
+    assert max(watch.draft_tokens(len(PROMPT))) > 4
+    assert out[0, len(PROMPT):].tolist() == plain.tokens
+
+
+def test_settings_change_with_the_assist_options_and_old_rows_do_not_resume(bp):
+    args = type("Args", (), dict(new_tokens=8, policy="dyspec", budget="auto", slots=8, cold=True, assist_tokens=4,
+                                 assist_schedule="constant", assist_threshold=0.0, assist_defaults=False))()
+    settings = bp.run_settings(args, torch.bfloat16)
+    assert settings["assist"] == {"num_assistant_tokens": 4, "schedule": "constant", "confidence_threshold": 0.0}
+    args.assist_defaults = True
+    assert bp.run_settings(args, torch.bfloat16)["assist"] == "transformers defaults"
+    # A row from before issue #13 records assist_tokens but not what the assistant ran: it must not be resumed.
+    old = {k: v for k, v in settings.items() if k != "assist"} | {"assist_tokens": 4}
+    assert bp.settings_mismatches([{"settings": old}], settings) == [
+        "assist: the file has rows that do not record it, this run "
+        "{'num_assistant_tokens': 4, 'schedule': 'constant', 'confidence_threshold': 0.0}"]

@@ -1,18 +1,22 @@
 """Seconds per token: choosing the tree budget on the running hardware, and predicting other hardware.
 
-A round costs  t_round(B) = t_draft(depth(B)) + t_target(B)  and yields  E(B) = 1 + sum of the B best node
-values  tokens, because a DySpec node's value estimates the probability that it is reached and accepted
-(and the expected accepted length is the sum of those probabilities over the tree). The best budget
-minimizes t_round(B) / E(B). All three ingredients are measured while generating:
-  t_target(n) = a + b * n     least squares over the passes seen (n = tokens in the pass)
-  t_draft(d)  = c * (d + 1)   one catch-up call plus one batched call per depth
-  E(B)        from the values of the last tree (sorted, cumulative)
+A round costs  t_round(N) = t_draft(depth(N)) + t_target(N)  and yields  E(N) = R + (sum of the N best node
+values)  tokens for R rows in the pass, because a DySpec node's value estimates the probability that it is
+reached and accepted (the expected accepted length of a tree is the sum of those probabilities over it) and
+every row adds its bonus token. The best budget minimizes t_round(N) / E(N). All three ingredients are
+measured while generating:
+  t_target(n) = a + b * n     least squares over the passes seen (n = tokens in the pass, every row's)
+  t_draft(d)  = c * (d + 1)   one catch-up call plus one batched call per depth (rows grow in lockstep)
+  E(N)        from the values of each row's last tree, merged and sorted (cumulative)
+With several rows in a pass, the N best nodes over ALL rows' candidates are the pass's node budget shared by
+value: row r's budget is the number of its nodes among them, so rows whose drafts do well get more of the
+pass. With one row this is the single-sequence planner.
 """
 from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
-from typing import Optional
+from typing import Hashable, Optional
 
 import torch
 
@@ -20,25 +24,37 @@ from .config import AUTO_MAX_TREE_BUDGET
 
 
 class BudgetPlanner:
-    """Picks each round's tree budget ("auto") from measured draft and target costs."""
+    """Picks each round's tree budgets ("auto") from measured draft and target costs, for the rows in flight."""
 
     def __init__(self, start: int = 32, max_budget: int = AUTO_MAX_TREE_BUDGET, max_depth: int = 32):
-        self.budget = min(start, max_budget)
-        self.max_budget = max_budget
-        self.max_depth = max_depth       # TreeConfig.max_depth: trees that reach it can only grow wider
+        self.start = min(start, max_budget)   # a row's budget before any tree of it was seen
+        self.max_budget = max_budget          # per row: the plan counted logits for trees this big
+        self.max_depth = max_depth            # TreeConfig.max_depth: trees that reach it can only grow wider
         self.passes: deque[tuple[int, float]] = deque(maxlen=32)   # (tokens in pass, seconds)
         self.draft_per_call: Optional[float] = None
         self.explored_low = False
+        self.trees: dict[Hashable, object] = {}       # row -> its last tree (TokenTree)
+        self.alloc: dict[Hashable, int] = {}          # row -> its budget for the next round
 
-    def next_budget(self) -> int:
-        return self.budget
+    def budget(self, row: Hashable) -> int:
+        """Row's tree budget for this round (a new row starts at `start`)."""
+        return self.alloc.setdefault(row, self.start)
 
-    def observe(self, tree, draft_seconds: float, target_seconds: float, pass_tokens: int) -> None:
+    def forget(self, row: Hashable) -> None:
+        """Row finished: its tree no longer counts."""
+        self.trees.pop(row, None)
+        self.alloc.pop(row, None)
+
+    def observe(self, trees: dict, draft_seconds: float, target_seconds: float, pass_tokens: int) -> None:
+        """trees: this round's tree of each planned row; the seconds and the tokens (every row's) of the round."""
         self.passes.append((pass_tokens, target_seconds))
-        if tree.size > 0:
-            per_call = draft_seconds / (tree.depth + 1)
-            self.draft_per_call = per_call if self.draft_per_call is None else 0.7 * self.draft_per_call + 0.3 * per_call
-            self.budget = self._choose(tree)
+        grown = {row: t for row, t in trees.items() if t.size > 0}
+        if not grown:
+            return
+        per_call = draft_seconds / (max(t.depth for t in grown.values()) + 1)
+        self.draft_per_call = per_call if self.draft_per_call is None else 0.7 * self.draft_per_call + 0.3 * per_call
+        self.trees.update(grown)
+        self._choose()
 
     def target_fit(self) -> tuple[float, float]:
         """(a, b) of t_target(n) = a + b n; b >= 0. Needs passes of at least two sizes."""
@@ -51,25 +67,36 @@ class BudgetPlanner:
         b = max(b, 0.0)
         return max(float((ts - b * ns).mean()), 0.0), b
 
-    def _choose(self, tree) -> int:
-        values = tree.values[1:].double()
-        depths = tree.depths[1:]
+    def _choose(self) -> None:
+        rows = [r for r in self.alloc if r in self.trees]
+        if not rows:
+            return
+        values = torch.cat([self.trees[r].values[1:].double() for r in rows])
+        depths = torch.cat([self.trees[r].depths[1:] for r in rows])
+        owner = torch.cat([torch.full((self.trees[r].size,), k) for k, r in enumerate(rows)])
         order = torch.argsort(values, descending=True)
-        expected = 1.0 + torch.cumsum(values[order], 0)                              # E(B), B = 1..size
-        depth_of = torch.cummax(depths[order], 0).values.double()                    # depth(B)
+        R, total = len(rows), values.numel()
+        expected = R + torch.cumsum(values[order], 0)                                  # E(N), N = 1..total
+        depth_of = torch.cummax(depths[order], 0).values.double()                      # depth(N)
         a, b = self.target_fit()
-        B = torch.arange(1, values.numel() + 1, dtype=torch.float64)
-        seconds = self.draft_per_call * (depth_of + 1) + a + b * (B + 1)
+        N = torch.arange(1, total + 1, dtype=torch.float64)
+        seconds = self.draft_per_call * (depth_of + 1) + a + b * (N + R)
         best = int(torch.argmin(seconds / expected)) + 1
         if len({n for n, _ in self.passes}) < 3 and not self.explored_low:
-            # Too few distinct pass sizes to know b: try a small tree once to measure the slope.
+            # Too few distinct pass sizes to know b: try small trees once to measure the slope.
             self.explored_low = True
-            return max(1, tree.size // 4)
-        if best >= tree.size and tree.depth < self.max_depth:
-            # The optimum is at the edge of what we explored: look further. (A tree already as deep as allowed
-            # would only get wider, at values below everything it holds: the edge is where it stops.)
-            return min(self.max_budget, max(2 * tree.size, 2))
-        return max(1, best)
+            for r in rows:
+                self.alloc[r] = max(1, self.trees[r].size // 4)
+            return
+        mine = torch.bincount(owner[order[:best]], minlength=R).tolist()               # row r's nodes in the best N
+        for k, r in enumerate(rows):
+            tree = self.trees[r]
+            if mine[k] >= tree.size and tree.depth < self.max_depth:
+                # The optimum takes all of this row's tree: look further. (A tree already as deep as allowed
+                # would only get wider, at values below everything it holds: the edge is where it stops.)
+                self.alloc[r] = min(self.max_budget, max(2 * tree.size, 2))
+            else:
+                self.alloc[r] = min(self.max_budget, max(1, mine[k]))
 
 
 @dataclass(frozen=True)

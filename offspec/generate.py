@@ -100,7 +100,7 @@ class _Row:
     stops: StopChecker
     seed_gen: torch.Generator           # seeds a fresh generator every round, from request.sampling.seed
     speculative: bool
-    planner: Optional[BudgetPlanner]    # auto budget; None for a fixed one
+    auto: bool                          # the tree budget is chosen each round by the run's BudgetPlanner
     budget: int                         # the most tree nodes a round may have (0: plain decoding)
     generated: list[int] = field(default_factory=list)   # emitted tokens (seq minus the prompt, cut at a stop)
     floor: float = 0.0                  # TreeConfig.prune: last round's C, when that tree filled its budget
@@ -109,10 +109,10 @@ class _Row:
     round_budget: int = 0               # this round's tree budget
     round_floor: float = 0.0            # this round's expand floor
 
-    def start_round(self, engine: "Engine") -> None:
+    def start_round(self, engine: "Engine", planner: "BudgetPlanner") -> None:
         self.generator = make_generator(int(torch.randint(0, 2**62, (1,), generator=self.seed_gen)), engine.device)
         room = engine.max_context - len(self.seq) - 1        # near the end of the context the tree shrinks to fit
-        wanted = self.planner.next_budget() if self.planner else self.budget
+        wanted = planner.budget(self.index) if self.auto else self.budget
         self.round_budget = max(0, min(wanted, room)) if self.speculative else 0
         # A round with a larger budget than the floor's (the auto planner probing) must reach below it: no floor.
         self.round_floor = self.floor if self.round_budget <= self.floor_budget else 0.0
@@ -133,8 +133,6 @@ class _Row:
             seen = list(itertools.takewhile(lambda n: origin[n] >= 0, verdict.nodes))
             d_cache.compact(torch.tensor([start + origin[n] - 1 for n in seen], dtype=torch.long, device=dev), start,
                             self.cache_row)
-        if self.planner is not None:
-            self.planner.observe(tree, draft_s, target_s, pass_tokens)
         full = tree.size > 0 and tree.size >= self.round_budget
         self.floor = float(tree.values[1:].min()) if self.request.tree.prune and full else 0.0
         self.floor_budget = self.round_budget
@@ -233,6 +231,9 @@ class Engine:
                    if any(self.speculative(r) for r in requests) else None)
         free = list(range(B))[::-1]
         rows: list[_Row] = []
+        # One planner for every auto-budget row: it shares each pass's node budget among them by node value.
+        planner = BudgetPlanner(start=128 if self.device.type == "cuda" else 32, max_budget=self.max_tree_budget,
+                                max_depth=max((r.tree.max_depth for r in requests), default=32))
         while rows or queue:
             while free and queue:                                # refill: the next prompts take free rows
                 index, request = queue.pop()
@@ -244,13 +245,15 @@ class Engine:
             if not rows:
                 continue
             for row in rows:
-                row.start_round(self)
+                row.start_round(self, planner)
             with Timer(self.device) as draft_timer:
                 trees = self._grow_all(rows, d_cache)
             stream_before = self._stream_stats()
             with Timer(self.device) as target_timer:
                 q_logits, pass_tokens = self._verify_pass(rows, trees, t_cache)          # [(N_r, V)]
             stream = self._stream_delta(stream_before)
+            planner.observe({row.index: tree for row, tree in zip(rows, trees) if row.auto}, draft_timer.seconds,
+                            target_timer.seconds, sum(pass_tokens))
             finished = []
             for row, tree, q, n_tokens in zip(rows, trees, q_logits, pass_tokens):
                 verdict = self._accept(tree, q, row.request.sampling, row.generator)
@@ -264,6 +267,7 @@ class Engine:
             for row in finished:
                 rows.remove(row)
                 free.append(row.cache_row)
+                planner.forget(row.index)
 
     def _tree_room(self, request: GenerationRequest) -> int:
         """The most tree nodes a round of `request` may hold (what its cache row needs beyond its tokens)."""
@@ -282,10 +286,6 @@ class Engine:
                              f"({self.max_tree_budget}); load it with a larger tree budget")
         if len(prompt) + 1 >= self.max_context:
             raise InputError(f"the prompt has {len(prompt)} tokens but the context holds only {self.max_context}")
-        planner = None
-        if speculative and request.tree.budget is None:
-            planner = BudgetPlanner(start=128 if self.device.type == "cuda" else 32, max_budget=self.max_tree_budget,
-                                    max_depth=request.tree.max_depth)
         t_cache.set_length(0, cache_row)
         if d_cache is not None:
             d_cache.set_length(0, cache_row)
@@ -293,7 +293,7 @@ class Engine:
                             request.max_new_tokens, context_tokens=self.max_context - 1 - len(prompt))
         return _Row(index=index, request=request, cache_row=cache_row, seq=prompt, stops=stops,
                     seed_gen=torch.Generator().manual_seed(request.sampling.seed), speculative=speculative,
-                    planner=planner, budget=self._tree_room(request))
+                    auto=speculative and request.tree.budget is None, budget=self._tree_room(request))
 
     # ------------------------------------------------------------ draft
     def _grow_all(self, rows: list["_Row"], cache: Optional[KVCache]) -> list[TokenTree]:

@@ -1,0 +1,58 @@
+"""The auto budget planner: one node budget per pass, shared by node value among the rows in flight."""
+from offspec.costmodel import BudgetPlanner
+from offspec.tree import TokenTree
+
+
+def chain(values):
+    """A chain of nodes with the given values (root excluded)."""
+    tree = TokenTree(0, capacity=len(values) + 1)
+    parent = 0
+    for i, v in enumerate(values):
+        parent = tree.add(parent, i + 1, v)
+    return tree
+
+
+def wide(values):
+    tree = TokenTree(0, capacity=len(values) + 1)
+    for i, v in enumerate(values):
+        tree.add(0, i + 1, v)
+    return tree
+
+
+def planner_after(trees, passes=((10, 1.0), (40, 1.3), (80, 1.7))):
+    p = BudgetPlanner(start=16, max_budget=64, max_depth=4)
+    for row in trees:
+        p.budget(row)
+    for n, t in passes:                          # three pass sizes: the slope of t_target is known
+        p.passes.append((n, t))
+    p.explored_low = True
+    p.observe(trees, draft_seconds=0.05, target_seconds=1.0, pass_tokens=40)
+    return p
+
+
+def test_rows_whose_drafts_do_well_get_more_of_the_pass():
+    good = wide([0.9 ** k for k in range(1, 17)])          # values 0.9, 0.81, ...: many likely nodes
+    poor = wide([0.05 / k for k in range(1, 17)])          # unlikely nodes only
+    p = planner_after({"good": good, "poor": poor})
+    assert p.budget("good") > 4 * p.budget("poor") and p.budget("poor") >= 1
+
+
+def test_one_row_is_the_single_sequence_planner():
+    """With one row the shared planner picks what minimizes (draft + target seconds) / (1 + sum of values)."""
+    values = [0.6 ** k for k in range(1, 17)]      # falling fast: the optimum lies inside the tree
+    p = planner_after({"only": wide(values)})
+    b = p.budget("only")
+    a, slope = p.target_fit()
+
+    def cost(n):
+        return (p.draft_per_call * 2 + a + slope * (n + 1)) / (1 + sum(values[:n]))
+    assert 1 <= b <= 16 and cost(b) == min(cost(n) for n in range(1, 17))
+
+
+def test_a_row_at_the_edge_of_its_tree_gets_a_larger_tree_and_finished_rows_are_forgotten():
+    sure = chain([0.99 ** k for k in range(1, 5)])        # every node worth taking, depth 4 = max_depth: no deeper
+    shallow = wide([0.99] * 4)                            # depth 1 < max_depth: may grow
+    p = planner_after({"sure": sure, "shallow": shallow})
+    assert p.budget("shallow") == 8 and p.budget("sure") == 4
+    p.forget("sure")
+    assert "sure" not in p.trees and p.budget("new row") == 16

@@ -238,3 +238,48 @@ def test_negative_controls_are_caught(engine, monkeypatch, broken):
         monkeypatch.setattr(Engine, "_draft_step_all", broken_step)
     with pytest.raises(AssertionError):
         run_checked(engine, requests_for_checks())
+
+
+def test_sampling_is_lossless_with_several_rows_in_flight(tmp_path):
+    """The engine-level chi-square test of tests/test_generate.py, with 8 rows in flight: each request's second
+    token (through an accepted draft token or a residual sample) follows the target's own law. A near
+    context-free target (attention and MLP outputs zeroed) makes that law a matrix product. 2400 requests over
+    3 prompts, so 800 samples a law; alpha = 0.001, <= 20 support tokens: by Cauchy-Schwarz a total-variation
+    error of 0.15 is caught with power > 0.998 (one of 0.1 with power >= 0.69)."""
+    import numpy as np
+    from scipy.stats import chisquare
+
+    from offspec.sampling import process_logits
+    from tiny import make_tokenizer
+
+    target = make_model(hf_config("llama", n_layers=2, vocab=24), seed=11, scale=3.0)
+    with torch.no_grad():
+        for layer in target.model.layers:
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+    draft = perturbed_copy(target, noise=0.3)
+    tok = make_tokenizer(n_tokens=24)
+    t_dir, d_dir = save_checkpoint(target, tmp_path / "t", tok), save_checkpoint(draft, tmp_path / "d", tok)
+    eng = load_engine(t_dir, d_dir, OffloadConfig(), RUNTIME, progress=False, limits=RunLimits(concurrency=8)).engine
+    sampling = SamplingConfig(temperature=1.0, top_p=0.95)
+    with torch.no_grad():
+        Q = process_logits(target(torch.arange(24)[:, None]).logits[:, 0], sampling).double()   # (V, V)
+    prompts_ = [(5, 9, 7), (3, 4), (11, 2, 8, 6)]                     # rows with different prompts share passes
+    requests = [GenerationRequest(prompt_ids=prompts_[i % 3], max_new_tokens=2, ignore_eos=True,
+                                  sampling=SamplingConfig(temperature=1.0, top_p=0.95, seed=i),
+                                  tree=TreeConfig(policy="dyspec", budget=6, branching=3, max_depth=3))
+                for i in range(2400)]
+    tokens = {i: [] for i in range(len(requests))}
+    widest = 0
+    for event in eng.run_batch(requests, concurrency=8):
+        tokens[event.request] += event.step.tokens
+        widest = max(widest, event.step.rows_in_pass)
+    assert widest == 8
+    for k, prompt in enumerate(prompts_):
+        law2 = (Q[prompt[-1]] @ Q).numpy()
+        second = [tokens[i][1] for i in range(k, len(requests), 3)]
+        counts = np.bincount(second, minlength=24)
+        support = law2 > 0
+        assert counts[~support].sum() == 0
+        expected = law2[support] / law2[support].sum() * len(second)
+        assert chisquare(counts[support], expected).pvalue > 1e-3, prompt

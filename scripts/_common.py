@@ -15,11 +15,12 @@ import argparse
 import os
 import platform
 import shlex
+import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Sequence
+from typing import Optional, Sequence
 
 import psutil
 import torch
@@ -53,6 +54,19 @@ def command_line() -> str:
     except ValueError:
         script_name = str(script)
     return " ".join(shlex.quote(a) for a in ["python", script_name, *sys.argv[1:]])
+
+
+def git_commit() -> Optional[str]:
+    """HEAD's short hash, with '+changes' when the working tree differs from it; None outside a checkout."""
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True)
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO,
+                               capture_output=True, text=True)
+    except OSError:
+        return None
+    if head.returncode != 0:
+        return None
+    return head.stdout.strip() + ("+changes" if dirty.stdout.strip() else "")
 
 
 def cpu_model() -> str:

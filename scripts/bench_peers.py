@@ -426,7 +426,7 @@ class HfSystems:
             self.target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=dtype, device_map={"": "cpu"})
             self.weight_files = []
         self.target.eval()
-        self.draft = AutoModelForCausalLM.from_pretrained(draft_dir, dtype=dtype).eval()
+        self.draft = AutoModelForCausalLM.from_pretrained(draft_dir, dtype=dtype).eval() if draft_dir else None
         self.assist = assist      # None: the assistant runs transformers' defaults
 
     def generate(self, ids, new_tokens, assisted: bool) -> PeerRun:

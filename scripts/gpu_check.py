@@ -394,7 +394,7 @@ def environment(device: torch.device) -> dict:
         "capability": f"{props.major}.{props.minor}", "gpu_count": torch.cuda.device_count(),
         "driver": nvidia_smi_field("driver_version"), "torch": torch.__version__, "cuda": torch.version.cuda,
         "python": platform.python_version(), "platform": platform.platform(), "cpu": _common.cpu_model(),
-        "commit": git_commit(),
+        "commit": _common.git_commit(),
     }
 
 
@@ -406,19 +406,6 @@ def nvidia_smi_field(field: str) -> Optional[str]:
     except (OSError, subprocess.TimeoutExpired):
         return None
     return out.stdout.strip().splitlines()[0] if out.returncode == 0 and out.stdout.strip() else None
-
-
-def git_commit() -> Optional[str]:
-    """HEAD's short hash, with '+changes' when the working tree differs from it; None outside a checkout."""
-    try:
-        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True)
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO,
-                               capture_output=True, text=True)
-    except OSError:
-        return None
-    if head.returncode != 0:
-        return None
-    return head.stdout.strip() + ("+changes" if dirty.stdout.strip() else "")
 
 
 def write_text(path: Path, text: str) -> None:

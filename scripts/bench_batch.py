@@ -1,0 +1,215 @@
+#!/usr/bin/env python
+"""Batched speculation: throughput of `offspec batch` by prompts in flight (B), and the batched peer.
+
+For each regime and each B in --concurrency, offspec runs the same prompts (HumanEval with the chat template,
+--new-tokens each, EOS ignored so every prompt makes the same count) through Engine.run_batch, the loop
+`offspec batch` runs, and records the job's totals (metrics.JobReport): tokens/s, passes, prompts and tokens
+per pass, GB streamed per token, and each prompt's latency (s/token over its own passes).
+
+  regimes   disk   the target's layers streamed from its packed store, every read cold (--disk-io; pages
+                   dropped behind each read), resident draft
+            cpu    the CPU user's default: both models resident (--offload none); a pass is compute
+  peer      transformers + accelerate, the same prompts left-padded into batches of B, greedy generate()
+            (disk: device_map layers -> "disk", pages of the weight files dropped before every forward;
+            cpu: weights in host RAM). Its tokens are checked against offspec's (bf16: agreement, not identity).
+
+Rows are appended to --rows as they finish, one per (regime, system, B), so an interrupted run resumes.
+
+Examples:
+  python scripts/bench_batch.py --prompts 4 --new-tokens 8 --concurrency 1,2 --regimes cpu --no-peer   # smoke
+  python scripts/bench_batch.py --prompts 16 --new-tokens 64 --concurrency 1,2,4,8,16 --peer-concurrency 8 \\
+      --rows docs/bench_batch_rows.jsonl --write-docs
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _common  # noqa: E402
+from offspec.config import OffloadConfig, RunLimits, RuntimeConfig, TreeConfig  # noqa: E402
+from offspec.demo import ensure_demo_models, humaneval_prompts  # noqa: E402
+from offspec.generate import GenerationRequest  # noqa: E402
+from offspec.load import Models, parse_dtype  # noqa: E402
+from offspec.metrics import JobReport  # noqa: E402
+from offspec.prompt import encode_prompt  # noqa: E402
+
+SECTION = "bench_batch"
+CPU = torch.device("cpu")
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=_common.HelpFormatter)
+    p.add_argument("--prompts", type=int, default=16, help="HumanEval prompts (the first N)")
+    p.add_argument("--new-tokens", type=int, default=64, help="tokens per prompt (EOS ignored)")
+    p.add_argument("--concurrency", default="1,2,4,8", help="offspec B values, comma separated")
+    p.add_argument("--peer-concurrency", default="8", help="B values of the transformers peer, comma separated")
+    p.add_argument("--no-peer", dest="peer", action="store_false", help="skip the transformers peer")
+    p.add_argument("--regimes", default="disk,cpu", help="disk, cpu (comma separated)")
+    p.add_argument("--tree-budget", default="auto", help="offspec tree budget (auto or a number)")
+    p.add_argument("--disk-io", default="direct", choices=["direct", "buffered"], help="disk regime reads")
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--rows", default=None, help="JSONL file the rows are appended to (resume: done cells are skipped)")
+    p.add_argument("--write-docs", action="store_true", help="replace the bench_batch section of docs/benchmarks.md")
+    return p.parse_args(argv)
+
+
+def load_rows(path) -> list[dict]:
+    if path is None or not os.path.exists(path):
+        return []
+    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+
+
+def append_row(path, row: dict) -> None:
+    if path is not None:
+        with open(path, "a") as f:
+            f.write(json.dumps(row) + "\n")
+
+
+def offspec_cell(models: Models, regime: str, requests: list[GenerationRequest], B: int, args, store_dir) -> dict:
+    """One job of every request at B in flight -> the row (JobReport totals, latencies, tokens)."""
+    mode = "disk" if regime == "disk" else "none"
+    offload = OffloadConfig(mode=mode, store_dir=store_dir, disk_io=args.disk_io)
+    runtime = RuntimeConfig(device=CPU, dtype=parse_dtype(args.dtype), draft_quant="int8")
+    longest = max(len(r.prompt_ids) for r in requests) + args.new_tokens
+    tree = requests[0].tree
+    limits = RunLimits(context=longest + (tree.budget or 1024) + 2, tree_budget=tree.budget, sampling=False,
+                       concurrency=B)
+    loaded = models.load(offload, runtime, limits, progress=False)
+    job, steps = JobReport(concurrency=B), {}
+    started = time.perf_counter()
+    try:
+        for event in loaded.engine.run_batch(requests, concurrency=B):
+            if event.error is not None:
+                raise event.error
+            job.add(event.step)
+            steps.setdefault(event.request, []).append(event.step)
+            if event.step.finish_reason is not None:
+                job.prompts += 1
+    finally:
+        job.wall_seconds = time.perf_counter() - started
+        loaded.engine.close()
+    latency = [sum(s.draft_seconds + s.target_seconds for s in st) / sum(len(s.tokens) for s in st)
+               for st in steps.values()]
+    return {**job.to_dict(), "median_prompt_seconds_per_token": statistics.median(latency),
+            "tokens": {str(i): [t for s in st for t in s.tokens] for i, st in steps.items()},
+            "offload": loaded.plan.mode, "weights_source": loaded.engine.weights_source()}
+
+
+def peer_cell(target_dir, regime: str, prompt_ids: list[list[int]], B: int, args, offload_folder) -> dict:
+    """transformers generate over left-padded batches of B prompts (greedy, exactly --new-tokens each)."""
+    from bench_peers import HfSystems, drop_page_cache
+    hf = HfSystems(target_dir, None, parse_dtype(args.dtype), regime, offload_folder, cold=True, assist=None)
+    passes = [0]
+    hook = hf.target.register_forward_pre_hook(lambda module, a: passes.__setitem__(0, passes[0] + 1))
+    tokens, latency = {}, []
+    started = time.perf_counter()
+    for first in range(0, len(prompt_ids), B):
+        batch = prompt_ids[first: first + B]
+        width = max(len(ids) for ids in batch)
+        ids = torch.tensor([[0] * (width - len(x)) + x for x in batch])                  # (b, width) left-padded
+        mask = torch.tensor([[0] * (width - len(x)) + [1] * len(x) for x in batch])
+        drop_page_cache(hf.weight_files)
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            out = hf.target.generate(ids, attention_mask=mask, max_new_tokens=args.new_tokens,
+                                     min_new_tokens=args.new_tokens, do_sample=False, pad_token_id=0)
+        seconds = time.perf_counter() - t0
+        for k, row in enumerate(out[:, width:].tolist()):
+            tokens[str(first + k)] = row
+            latency.append(seconds / args.new_tokens)
+    hook.remove()
+    wall = time.perf_counter() - started
+    generated = sum(len(t) for t in tokens.values())
+    return {"concurrency": B, "prompts": len(prompt_ids), "generated_tokens": generated, "wall_seconds": wall,
+            "tokens_per_second": generated / wall, "passes": passes[0], "rows_per_pass": None,
+            "tokens_per_pass": generated / max(passes[0], 1), "median_prompt_seconds_per_token": statistics.median(latency),
+            "tokens": tokens}
+
+
+def agreement(a: list[int], b: list[int]) -> float:
+    n = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+    return n / max(len(a), 1)
+
+
+def report(rows: list[dict], args) -> tuple[list[str], list[list[str]]]:
+    headers = ["regime", "system", "B", "tokens/s", "× B=1", "passes", "prompts/pass", "tokens/pass",
+               "GB/token", "prompt s/token (median)", "agrees with offspec B=1"]
+    out = []
+    for regime in [r for r in ("disk", "cpu") if any(x["regime"] == r for x in rows)]:
+        here = [r for r in rows if r["regime"] == regime]
+        base = next((r for r in here if r["system"] == "offspec" and r["concurrency"] == 1), None)
+        for r in sorted(here, key=lambda r: (r["system"] != "offspec", r["concurrency"])):
+            speedup = r["tokens_per_second"] / base["tokens_per_second"] if base else None
+            agree = (statistics.mean(agreement(base["tokens"][i], r["tokens"][i]) for i in base["tokens"])
+                     if base else None)
+            f = _common.fmt
+            out.append([regime, r["system"], str(r["concurrency"]), f(r["tokens_per_second"]),
+                        f"{speedup:.2f}×" if speedup else "–", str(round(r["passes"])),
+                        f(r["rows_per_pass"]) if r.get("rows_per_pass") else "–", f(r["tokens_per_pass"]),
+                        f(r.get("gb_streamed_per_token") or 0.0), f(r["median_prompt_seconds_per_token"]),
+                        f"{agree:.0%}" if agree is not None else "–"])
+    return headers, out
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    started, load_at_start = time.time(), _common.load_average()
+    target_dir, draft_dir = ensure_demo_models()
+    models = Models.open(target_dir, draft_dir)
+    prompt_ids = [encode_prompt(models.tokenizer, p["prompt"]) for p in humaneval_prompts(args.prompts)]
+    budget = None if args.tree_budget == "auto" else int(args.tree_budget)
+    requests = [GenerationRequest(prompt_ids=tuple(ids), max_new_tokens=args.new_tokens, ignore_eos=True,
+                                  tree=TreeConfig(budget=budget)) for ids in prompt_ids]
+    rows = load_rows(args.rows)
+    settings = {"prompts": args.prompts, "new_tokens": args.new_tokens, "tree_budget": args.tree_budget,
+                "dtype": args.dtype, "disk_io": args.disk_io}
+    done = {(r["regime"], r["system"], r["concurrency"]) for r in rows if r.get("settings") == settings}
+    rows = [r for r in rows if r.get("settings") == settings]
+    with tempfile.TemporaryDirectory(prefix="offspec-bench-batch-") as tmp:
+        for regime in args.regimes.split(","):
+            cells = [("offspec", int(b)) for b in args.concurrency.split(",")]
+            if args.peer:
+                cells += [("transformers", int(b)) for b in args.peer_concurrency.split(",")]
+            for system, B in cells:
+                if (regime, system, B) in done:
+                    continue
+                print(f"[{regime}] {system} B={B} ...", file=sys.stderr)
+                cell = (offspec_cell(models, regime, requests, B, args, os.path.join(tmp, "store"))
+                        if system == "offspec" else
+                        peer_cell(target_dir, regime, prompt_ids, B, args, os.path.join(tmp, "hf-offload")))
+                row = {"regime": regime, "system": system, **cell, "settings": settings,
+                       "commit": _common.git_commit(),
+                       "time": time.strftime("%Y-%m-%d %H:%M:%S"), "load_average": _common.load_average()}
+                rows.append(row)
+                append_row(args.rows, row)
+                print(f"[{regime}] {system} B={B}: {cell['tokens_per_second']:.3f} tokens/s", file=sys.stderr)
+    headers, table = report(rows, args)
+    print(_common.text_table(headers, table))
+    if args.write_docs:
+        body = "\n".join([
+            "## Batched speculation: prompts in flight (`scripts/bench_batch.py`)", "",
+            _common.run_header(CPU, started, load_at_start), "",
+            f"Command: `{_common.command_line()}`", "",
+            f"{args.prompts} HumanEval prompts (chat template), {args.new_tokens} new tokens each (EOS ignored), "
+            f"{args.dtype}, greedy, tree budget {args.tree_budget}; demo pair (1.5B target, 0.5B draft, int8 draft "
+            "copy). tokens/s = all prompts' tokens / the job's wall time; a pass streams every target layer once "
+            "for all prompts in flight. Prompt s/token = each prompt's own passes' time over its tokens (the "
+            "latency a prompt sees), median over prompts. Agreement: the share of each prompt's tokens before the "
+            "first difference from offspec at B=1, mean over prompts (bf16: batched matmuls round differently).",
+            "", _common.markdown_table(headers, table)])
+        _common.write_doc_section(SECTION, body)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -2,7 +2,8 @@
 
   weight stores   HostArenaStore: the streamed layers packed into ONE host arena (pinned on CUDA), one
                   contiguous block per layer. DiskStore: offspec's packed store on disk (layers.bin with
-                  4096-aligned blocks + manifest.json), read into pinned staging buffers.
+                  4096-aligned blocks + manifest.json), read into pinned staging buffers: O_DIRECT where
+                  the filesystem allows it, each block in pieces read by several threads at once.
   LayerStreamer   a LayerSource: a ring of n_slots device slots that the streamed layers rotate through,
                   prefetching ahead and wrapping into the next pass; permanently resident layers are
                   interleaved in layer order.
@@ -28,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import errno
 import hashlib
 import json
 import os
@@ -35,6 +37,7 @@ import threading
 import time
 import zlib
 from collections import deque
+from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import Callable, Iterator, Optional, Sequence, Union
 
@@ -51,8 +54,10 @@ from .transfer import (PAGE_BYTES, HostBuffer, TransferBackend, TransferEvent, f
 LayerTensorsFn = Callable[[int], dict[str, torch.Tensor]]   # layer index -> tensors keyed by LayerWeights fields
 
 MODES = ("none", "cpu", "disk")
-BLOCK_ALIGN = 4096            # bytes; disk blocks start and end on this boundary (page cache, O_DIRECT-ready)
+BLOCK_ALIGN = 4096            # bytes; disk blocks start and end on this boundary (page cache, O_DIRECT)
 N_STAGING = 2                 # disk staging buffers: one being read while the other is copied out
+READ_PIECE_BYTES = 16 << 20   # bytes; a disk block is read in pieces of at most this (a multiple of BLOCK_ALIGN)
+READS_IN_FLIGHT = 4           # pieces of a block read at once, one reader thread each (docs/benchmarks.md)
 STORE_FORMAT = "offspec-layer-store"
 STORE_VERSION = 1
 MANIFEST = "manifest.json"
@@ -96,6 +101,7 @@ class StoreInfo:
     pinned: bool       # copies start from pinned memory (arena, or the disk staging buffers)
     reason: str        # why not pinned ("" when pinned)
     path: str = ""     # disk store directory
+    io: str = ""       # disk store: how layers.bin is read, e.g. "O_DIRECT, 4 reads of ≤ 16.0 MiB in flight"
 
 
 @dataclass
@@ -232,65 +238,150 @@ class DiskStore:
 
     Opening validates the manifest against the requested model and layout and the file size against the
     manifest; each layer's crc32 is checked the first time this store reads it (checking every pass would
-    cost a full extra read of the model per pass). With drop_page_cache, each read range is dropped from
-    the page cache right away, so host memory stays bounded by the ring, not the model.
+    cost a full extra read of the model per pass).
+
+    How layers.bin is read (info().io says which ran):
+      O_DIRECT   with drop_page_cache, when the filesystem takes it (probed once at open): the drive
+                 writes into the staging buffer, with no page-cache copy (CPU time compute needs) and
+                 nothing cached. CUDA.md §5's rules hold by construction: staging buffers are page-aligned
+                 mmaps, block offsets and piece lengths are multiples of BLOCK_ALIGN.
+      buffered   otherwise (or direct_io=False): plain preadv; with drop_page_cache each piece is dropped
+                 from the page cache right after it is read, so either way host memory stays bounded by
+                 the ring, not the model. drop_page_cache=False keeps the file cached (a model that fits
+                 in RAM is then read from the drive once).
+    Each block is read in pieces of piece_nbytes, reads_in_flight at once (one reader thread each; preadv
+    releases the GIL), so the drive always has several requests queued.
 
     On a CPU device the layer is still read into a staging buffer and then copied into the slot (one
     extra host memcpy instead of reading into the slot directly), so the CUDA path's staging gates are what
     the tests exercise."""
 
     def __init__(self, directory: str, layout: LayerLayout, n_layers: int, backend: TransferBackend, *,
-                 source_id: str = "", drop_page_cache: bool = True, n_staging: int = N_STAGING):
+                 source_id: str = "", drop_page_cache: bool = True, n_staging: int = N_STAGING,
+                 direct_io: bool = True, reads_in_flight: int = READS_IN_FLIGHT,
+                 piece_nbytes: int = READ_PIECE_BYTES):
+        if reads_in_flight < 1:
+            raise ValueError(f"reads_in_flight={reads_in_flight}: at least 1")
+        if piece_nbytes <= 0 or piece_nbytes % BLOCK_ALIGN:
+            raise ValueError(f"piece_nbytes={piece_nbytes}: a positive multiple of {BLOCK_ALIGN}")
         self.directory = directory
         self.layout = layout
         manifest = _read_manifest(directory)
         self.block_nbytes, self._offsets, self._crc32 = _check_manifest(manifest, directory, layout, n_layers,
                                                                         source_id)
-        path = os.path.join(directory, LAYERS_BIN)
+        self._path = os.path.join(directory, LAYERS_BIN)
         try:
-            size = os.stat(path).st_size
+            size = os.stat(self._path).st_size
         except FileNotFoundError:
-            raise StoreError(f"{path} is missing: delete {directory} to rebuild the store") from None
+            raise StoreError(f"{self._path} is missing: delete {directory} to rebuild the store") from None
         if size != manifest["file_size"]:
-            raise StoreError(f"{path} is {size} bytes but its manifest says {manifest['file_size']}: "
+            raise StoreError(f"{self._path} is {size} bytes but its manifest says {manifest['file_size']}: "
                              f"the store is truncated or was modified; delete {directory} to rebuild it")
         self.file_size = size
         self._drop_page_cache = drop_page_cache
         self._verified: set[int] = set()          # layers whose crc32 this process has checked
-        self._fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        # (start, end) byte ranges of a block, read concurrently; each length a multiple of BLOCK_ALIGN
+        # (block_nbytes is one), e.g. the demo target's 89.3 MiB block in 16 MiB pieces: 5 whole and a 9.3 MiB one.
+        self._pieces = [(start, min(start + piece_nbytes, self.block_nbytes))
+                        for start in range(0, self.block_nbytes, piece_nbytes)]
+        self._pool: Optional[ThreadPoolExecutor] = None
         self._stages: list[HostBuffer] = []
+        self._fd = os.open(self._path, os.O_RDONLY | os.O_CLOEXEC)
+        self._direct = False                      # self._fd was opened with O_DIRECT
         with contextlib.ExitStack() as on_error:
             on_error.callback(self.close)
             for _ in range(n_staging):
                 self._stages.append(backend.host_buffer(self.block_nbytes))
+            if not direct_io:
+                how = "buffered: direct_io=False"
+            elif not drop_page_cache:   # O_DIRECT would bypass the page cache the caller wants to keep
+                how = "buffered: page cache kept (drop_page_cache=False)"
+            else:
+                how = self._try_direct()
+            if reads_in_flight > 1 and len(self._pieces) > 1:
+                self._pool = ThreadPoolExecutor(reads_in_flight, thread_name_prefix="offspec-reader")
             on_error.pop_all()
-        self._stage_bytes = [memoryview(stage.tensor.numpy()) for stage in self._stages]   # preadv targets
+        if not self._direct and drop_page_cache:
+            how += "; page cache dropped after each read"
+        n_in_flight = min(reads_in_flight, len(self._pieces))
+        self.io = f"{how}, {n_in_flight} read{'s' * (n_in_flight > 1)} of ≤ {format_bytes(piece_nbytes)} in flight"
         self._gates = [backend.new_event() for _ in self._stages]   # gate[j]: the copy out of stage j is done
         self._next_stage = 0
 
-    def _read(self, layer: int, out: memoryview) -> None:
-        """Layer `layer`'s padded block -> out[:block_nbytes], crc-checked on its first read."""
-        offset, n, got = self._offsets[layer], self.block_nbytes, 0
-        while got < n:
-            count = os.preadv(self._fd, [out[got:n]], offset + got)
-            if count == 0:
-                raise StoreError(f"{self.directory}/{LAYERS_BIN} ends inside layer {layer}: "
-                                 f"delete {self.directory} to rebuild the store")
-            got += count
-        if self._drop_page_cache:
-            os.posix_fadvise(self._fd, offset, n, os.POSIX_FADV_DONTNEED)
+    def _try_direct(self) -> str:
+        """Switch self._fd to an O_DIRECT descriptor if the filesystem takes one; -> how reads are done.
+
+        A filesystem refuses O_DIRECT with EINVAL (or EOPNOTSUPP) at open, or accepts the open and refuses
+        the first read (e.g. a block size above BLOCK_ALIGN): one aligned read into a staging buffer finds out."""
+        if not hasattr(os, "O_DIRECT"):
+            return "buffered: no O_DIRECT on this platform"
+        refused = (errno.EINVAL, errno.EOPNOTSUPP)
+        try:
+            fd = os.open(self._path, os.O_RDONLY | os.O_CLOEXEC | os.O_DIRECT)
+        except OSError as err:
+            if err.errno not in refused:
+                raise StoreError(f"cannot open {self._path}: {err.strerror}") from err
+            return f"buffered: O_DIRECT refused by the filesystem ({errno.errorcode[err.errno]})"
+        try:
+            stage = self._stages[0].tensor
+            assert stage.data_ptr() % BLOCK_ALIGN == 0    # page-aligned mmap
+            os.preadv(fd, [memoryview(stage.numpy())[:BLOCK_ALIGN]], 0)
+        except OSError as err:
+            os.close(fd)
+            if err.errno not in refused:
+                raise StoreError(f"reading {self._path} failed: {err.strerror}") from err
+            return f"buffered: O_DIRECT reads refused by the filesystem ({errno.errorcode[err.errno]})"
+        os.close(self._fd)
+        self._fd, self._direct = fd, True
+        return "O_DIRECT"
+
+    def _read(self, layer: int, out: torch.Tensor) -> None:
+        """Layer `layer`'s padded block -> out[:block_nbytes] ((≥ block_nbytes,) uint8, page-aligned),
+        crc-checked on its first read. When this returns or raises, no read into `out` is still running."""
+        offset = self._offsets[layer]
+        # O_DIRECT's rules (CUDA.md §5); _check_manifest checked the offsets, the pieces are whole blocks.
+        assert offset % BLOCK_ALIGN == 0 and out.data_ptr() % BLOCK_ALIGN == 0, (offset, out.data_ptr())
+        assert out.numel() >= self.block_nbytes, (out.numel(), self.block_nbytes)
+        view = memoryview(out.numpy())
+        if self._pool is None:
+            for start, end in self._pieces:
+                self._read_piece(layer, view[start:end], offset + start)
+        else:
+            pieces = [self._pool.submit(self._read_piece, layer, view[start:end], offset + start)
+                      for start, end in self._pieces]
+            wait(pieces)            # every piece, even after one failed: none may write into `out` later
+            for piece in pieces:
+                piece.result()      # re-raises the first failure (in block order) on this thread
         if layer not in self._verified:
-            crc = zlib.crc32(out[:n])
+            crc = zlib.crc32(view[: self.block_nbytes])
             if crc != self._crc32[layer]:
                 raise StoreError(f"layer {layer} of the store at {self.directory} fails its checksum "
                                  f"(crc32 {crc:08x}, manifest {self._crc32[layer]:08x}): the file is corrupt; "
                                  f"delete {self.directory} to rebuild the store")
             self._verified.add(layer)
 
+    def _read_piece(self, layer: int, out: memoryview, offset: int) -> None:
+        """out <- layers.bin[offset : offset + len(out)], on a reader thread (or the caller's without a pool)."""
+        got, n = 0, len(out)
+        try:
+            while got < n:
+                count = os.preadv(self._fd, [out[got:]], offset + got)
+                # End of file. With O_DIRECT a read short of a whole block only happens there (and a next
+                # read from that unaligned offset would be refused rather than return 0).
+                if count == 0 or (self._direct and count % BLOCK_ALIGN):
+                    raise StoreError(f"{self._path} ends inside layer {layer}: "
+                                     f"delete {self.directory} to rebuild the store")
+                got += count
+            if self._drop_page_cache and not self._direct:
+                os.posix_fadvise(self._fd, offset, n, os.POSIX_FADV_DONTNEED)
+        except OSError as err:
+            raise StoreError(f"reading layer {layer} from {self._path} failed: {err.strerror or repr(err)}") from err
+
     def read_layer(self, layer: int) -> torch.Tensor:
-        """A fresh (layout.nbytes,) uint8 host tensor holding the layer (start-up, for resident layers)."""
-        buffer = torch.empty(self.block_nbytes, dtype=torch.uint8)
-        self._read(layer, memoryview(buffer.numpy()))
+        """A fresh (layout.nbytes,) uint8 host tensor holding the layer (start-up, for resident layers), read
+        the same way as streamed layers, so into page-aligned memory (torch.empty aligns to 64 bytes only)."""
+        buffer = torch.frombuffer(HostBuffer.map(self.block_nbytes), dtype=torch.uint8)   # keeps the mapping
+        self._read(layer, buffer)
         return buffer[: self.layout.nbytes]
 
     def acquire(self, layer: int) -> Staged:
@@ -299,16 +390,20 @@ class DiskStore:
         self._next_stage = (j + 1) % len(self._stages)
         self._gates[j].synchronize()      # CUDA.md §2 host-side WAR: the copy out of stage j has completed
         start = time.perf_counter()
-        self._read(layer, self._stage_bytes[j])
+        self._read(layer, self._stages[j].tensor)
         read_s = time.perf_counter() - start
         stage = self._stages[j]
         return Staged(stage.tensor[: self.layout.nbytes], stage.pinned, gate=self._gates[j], read_s=read_s)
 
     def info(self) -> StoreInfo:
         stage = self._stages[0]
-        return StoreInfo("disk store", self.file_size, stage.pinned, stage.reason, path=self.directory)
+        return StoreInfo("disk store", self.file_size, stage.pinned, stage.reason, path=self.directory, io=self.io)
 
     def close(self) -> None:
+        """Stop the reader threads (after the reads in flight, if any), then unpin and close the file."""
+        if self._pool is not None:
+            self._pool.shutdown(wait=True, cancel_futures=True)
+            self._pool = None
         for stage in self._stages:
             stage.close()
         if self._fd >= 0:

@@ -56,8 +56,7 @@ LayerTensorsFn = Callable[[int], dict[str, torch.Tensor]]   # layer index -> ten
 MODES = ("none", "cpu", "disk")
 BLOCK_ALIGN = 4096            # bytes; disk blocks start and end on this boundary (page cache, O_DIRECT)
 N_STAGING = 2                 # disk staging buffers: one being read while the other is copied out
-READ_PIECE_BYTES = 16 << 20   # bytes; a disk block is read in pieces of at most this (a multiple of BLOCK_ALIGN)
-READS_IN_FLIGHT = 4           # pieces of a block read at once, one reader thread each (docs/benchmarks.md)
+READS_IN_FLIGHT = 4           # a disk block is read in this many pieces at once, one thread each (docs/benchmarks.md)
 STORE_FORMAT = "offspec-layer-store"
 STORE_VERSION = 1
 MANIFEST = "manifest.json"
@@ -101,7 +100,7 @@ class StoreInfo:
     pinned: bool       # copies start from pinned memory (arena, or the disk staging buffers)
     reason: str        # why not pinned ("" when pinned)
     path: str = ""     # disk store directory
-    io: str = ""       # disk store: how layers.bin is read, e.g. "O_DIRECT, 4 reads of ≤ 16.0 MiB in flight"
+    io: str = ""       # disk store: how layers.bin is read, e.g. "O_DIRECT, 4 reads in flight (≤ 22.3 MiB each)"
 
 
 @dataclass
@@ -249,8 +248,10 @@ class DiskStore:
                  from the page cache right after it is read, so either way host memory stays bounded by
                  the ring, not the model. drop_page_cache=False keeps the file cached (a model that fits
                  in RAM is then read from the drive once).
-    Each block is read in pieces of piece_nbytes, reads_in_flight at once (one reader thread each; preadv
-    releases the GIL), so the drive always has several requests queued.
+    Each block is split into reads_in_flight pieces of whole BLOCK_ALIGN blocks, all read at once (one
+    reader thread each; preadv releases the GIL), so the drive has several requests queued. All at once,
+    not a queue of smaller pieces: the next block's reads start only when this one's are done, and a
+    last round of fewer pieces left the drive idle at each block's tail (measured: docs/benchmarks.md).
 
     On a CPU device the layer is still read into a staging buffer and then copied into the slot (one
     extra host memcpy instead of reading into the slot directly), so the CUDA path's staging gates are what
@@ -258,12 +259,9 @@ class DiskStore:
 
     def __init__(self, directory: str, layout: LayerLayout, n_layers: int, backend: TransferBackend, *,
                  source_id: str = "", drop_page_cache: bool = True, n_staging: int = N_STAGING,
-                 direct_io: bool = True, reads_in_flight: int = READS_IN_FLIGHT,
-                 piece_nbytes: int = READ_PIECE_BYTES):
+                 direct_io: bool = True, reads_in_flight: int = READS_IN_FLIGHT):
         if reads_in_flight < 1:
             raise ValueError(f"reads_in_flight={reads_in_flight}: at least 1")
-        if piece_nbytes <= 0 or piece_nbytes % BLOCK_ALIGN:
-            raise ValueError(f"piece_nbytes={piece_nbytes}: a positive multiple of {BLOCK_ALIGN}")
         self.directory = directory
         self.layout = layout
         manifest = _read_manifest(directory)
@@ -280,8 +278,10 @@ class DiskStore:
         self.file_size = size
         self._drop_page_cache = drop_page_cache
         self._verified: set[int] = set()          # layers whose crc32 this process has checked
-        # (start, end) byte ranges of a block, read concurrently; each length a multiple of BLOCK_ALIGN
-        # (block_nbytes is one), e.g. the demo target's 89.3 MiB block in 16 MiB pieces: 5 whole and a 9.3 MiB one.
+        # (start, end) byte ranges of a block, read at once; whole BLOCK_ALIGN blocks each, e.g. the demo
+        # target's block of 22851 blocks (89.3 MiB) in 4: three pieces of 5713 blocks and one of 5712.
+        n_blocks = self.block_nbytes // BLOCK_ALIGN
+        piece_nbytes = -(-n_blocks // reads_in_flight) * BLOCK_ALIGN      # ceil(n_blocks / reads_in_flight) blocks
         self._pieces = [(start, min(start + piece_nbytes, self.block_nbytes))
                         for start in range(0, self.block_nbytes, piece_nbytes)]
         self._pool: Optional[ThreadPoolExecutor] = None
@@ -298,13 +298,13 @@ class DiskStore:
                 how = "buffered: page cache kept (drop_page_cache=False)"
             else:
                 how = self._try_direct()
-            if reads_in_flight > 1 and len(self._pieces) > 1:
-                self._pool = ThreadPoolExecutor(reads_in_flight, thread_name_prefix="offspec-reader")
+            if len(self._pieces) > 1:
+                self._pool = ThreadPoolExecutor(len(self._pieces), thread_name_prefix="offspec-reader")
             on_error.pop_all()
         if not self._direct and drop_page_cache:
             how += "; page cache dropped after each read"
-        n_in_flight = min(reads_in_flight, len(self._pieces))
-        self.io = f"{how}, {n_in_flight} read{'s' * (n_in_flight > 1)} of ≤ {format_bytes(piece_nbytes)} in flight"
+        n = len(self._pieces)
+        self.io = f"{how}, {n} read{'s' * (n > 1)} in flight (≤ {format_bytes(piece_nbytes)} each)"
         self._gates = [backend.new_event() for _ in self._stages]   # gate[j]: the copy out of stage j is done
         self._next_stage = 0
 

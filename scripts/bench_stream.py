@@ -24,7 +24,8 @@ On this CPU-only machine the "device" is host memory and the copies share the co
 bus) with compute, so the ideal of 1.0 is not reachable: the numbers say how far off it is.
 
 Disk mode then measures the read rate of layers.bin itself, cold, --read-reps times, every reader once
-per repetition (the drive is shared and its speed drifts; interleaving spreads that over all readers):
+per repetition, each repetition starting at another reader (the drive is shared: its speed drifts, and a
+read's speed also depends on what ran just before it):
 
   plain    the whole file front to back in 64 MiB reads, one at a time (like dd bs=64M): buffered;
            buffered with each range dropped from the page cache right after it is read; O_DIRECT (where
@@ -281,7 +282,7 @@ def plain_read(path: str, buffer: memoryview, *, direct: bool, drop_behind: bool
 def measure_read_rates(directory: str, layout: LayerLayout, n_layers: int, device: torch.device, source_id: str,
                        reads_in_flight: list[int], reps: int) -> list[ReadRow]:
     """Cold whole-file read rates of layers.bin: plain sequential reads and DiskStores, `reps` times each,
-    interleaved. A DiskStore's first read of each layer checks its crc32, so each store reads the file once
+    interleaved, each repetition in another order. A DiskStore's first read of each layer checks its crc32, so each store reads the file once
     before the timed repetitions."""
     path = os.path.join(directory, LAYERS_BIN)
     size = os.stat(path).st_size
@@ -308,7 +309,10 @@ def measure_read_rates(directory: str, layout: LayerLayout, n_layers: int, devic
             readers.append((ReadRow(f"DiskStore: {store.io}", n),
                             lambda store=store: [store.acquire(layer) for layer in range(n_layers)]))
         for rep in range(reps):
-            for row, read in readers:
+            # Each repetition starts at another reader: on a shared drive a read's speed also depends on
+            # what ran just before it (here the same reader varied by 25% between neighbouring slots).
+            first = rep * len(readers) // reps
+            for row, read in readers[first:] + readers[:first]:
                 if row.refused:
                     continue
                 drop_page_cache(path)
@@ -363,10 +367,11 @@ def read_verdict(rows: list[ReadRow]) -> tuple[str, int, float]:
 
 
 READ_NOTES = f"""Cold whole-file reads of the same `layers.bin` (the page cache dropped before each), every reader
-once per run, the runs in turn (the drive is shared and its speed drifts). **plain**: front to back in
-{PLAIN_READ_BYTES >> 20} MiB reads, one at a time (buffered; buffered with each range dropped right after it is read; O_DIRECT);
-**DiskStore**: every layer read into its staging buffers as the streamer's loader does, minus the copy.
-**store / fastest plain** = the store's median / the fastest plain median (per run in brackets); goal ≥ {READ_GOAL}."""
+once per run, each run starting at another reader (the drive is shared: its speed drifts, and a read's
+speed also depends on what ran just before it). **plain**: front to back in {PLAIN_READ_BYTES >> 20} MiB reads, one at a
+time (buffered; buffered with each range dropped right after it is read; O_DIRECT). **DiskStore**: every
+layer read into its staging buffers as the streamer's loader does, minus the copy. **store / fastest
+plain** = the store's median / the fastest plain median (per run in brackets); goal ≥ {READ_GOAL}."""
 
 
 # ---------------------------------------------------------------- the run

@@ -14,7 +14,7 @@ from offspec.offload import BLOCK_ALIGN, LAYERS_BIN, DiskStore, LayerStreamer, p
 from offspec.transfer import CpuBackend, HostBuffer
 from test_offload import N_LAYERS, REGIMES, TINY, TearingBackend, filled_layers, random_layers, run_protocol
 
-PIECE = 3 * BLOCK_ALIGN   # TINY's float32 block is 11 * BLOCK_ALIGN: 4 pieces, the last one 2 blocks long
+# TINY's float32 block is 11 * BLOCK_ALIGN: with 3 reads in flight, pieces of 4, 4 and 3 blocks.
 
 
 def o_direct_refusal(directory) -> str:
@@ -60,18 +60,24 @@ def file_block(directory, store, layer) -> bytes:
         return f.read(store.layout.nbytes)
 
 
-def test_piece_size_does_not_divide_the_block(store_dir):
-    store = open_store(store_dir, piece_nbytes=PIECE)
-    assert store.block_nbytes % PIECE and store.block_nbytes > 3 * PIECE
-    store.close()
+def test_pieces_cover_the_block_in_whole_blocks(store_dir):
+    for reads_in_flight, blocks in [(1, [11]), (3, [4, 4, 3]), (4, [3, 3, 3, 2]), (5, [3, 3, 3, 2]), (20, [1] * 11)]:
+        store = open_store(store_dir, reads_in_flight=reads_in_flight)
+        assert [(end - start) // BLOCK_ALIGN for start, end in store._pieces] == blocks
+        assert [start for start, _ in store._pieces[1:]] == [end for _, end in store._pieces[:-1]]
+        assert store._pieces[-1][1] == store.block_nbytes == 11 * BLOCK_ALIGN
+        n = len(blocks)
+        assert store.io.endswith(f", {n} read{'s' * (n > 1)} in flight (≤ {4 * blocks[0]}.0 KiB each)"), store.io
+        store.close()
 
 
 @pytest.mark.parametrize("direct_io", [True, False])
 @pytest.mark.parametrize("reads_in_flight", [1, 3])
 def test_reads_equal_the_store_bytes(store_dir, direct_io, reads_in_flight):
-    store = open_store(store_dir, direct_io=direct_io, reads_in_flight=reads_in_flight, piece_nbytes=PIECE)
+    store = open_store(store_dir, direct_io=direct_io, reads_in_flight=reads_in_flight)
     try:
-        assert store.io.endswith(f"{reads_in_flight} read{'s' * (reads_in_flight > 1)} of ≤ 12.0 KiB in flight")
+        assert store.io.endswith(f"{reads_in_flight} read{'s' * (reads_in_flight > 1)} in flight "
+                                 f"(≤ {44 if reads_in_flight == 1 else 16}.0 KiB each)")
         assert store.info().io == store.io
         for layer in (3, 0, 6, 3):    # twice for layer 3: the second read skips the crc check
             assert store.read_layer(layer).numpy().tobytes() == file_block(store_dir, store, layer)
@@ -97,8 +103,7 @@ def test_page_cache_dropping_on_each_read_path(store_dir, monkeypatch):
     monkeypatch.setattr(os, "posix_fadvise", spy)
     for direct_io, drop_page_cache in [(False, True), (True, False), (True, True)]:
         dropped.clear()
-        store = open_store(store_dir, direct_io=direct_io, drop_page_cache=drop_page_cache, reads_in_flight=2,
-                           piece_nbytes=PIECE)
+        store = open_store(store_dir, direct_io=direct_io, drop_page_cache=drop_page_cache, reads_in_flight=2)
         store.read_layer(2)
         store.close()
         if not drop_page_cache:                     # buffered, keeping the page cache: no O_DIRECT either
@@ -136,9 +141,9 @@ def refuse_o_direct(monkeypatch, at: str) -> list[int]:
                                         ("read", "buffered: O_DIRECT reads refused by the filesystem (EINVAL)")])
 def test_refused_o_direct_falls_back_to_buffered_reads(store_dir, monkeypatch, at, message):
     direct_fds = refuse_o_direct(monkeypatch, at)
-    store = open_store(store_dir, reads_in_flight=2, piece_nbytes=PIECE)
+    store = open_store(store_dir, reads_in_flight=2)
     try:
-        assert store.info().io == f"{message}; page cache dropped after each read, 2 reads of ≤ 12.0 KiB in flight"
+        assert store.info().io == f"{message}; page cache dropped after each read, 2 reads in flight (≤ 24.0 KiB each)"
         assert not store._direct
         for fd in direct_fds:          # the refused descriptor was closed again
             with pytest.raises(OSError):
@@ -164,8 +169,7 @@ def test_ring_protocol_with_reads_in_flight(tmp_path, direct_io, regime):
     layout = LayerLayout.of(TINY, torch.uint8)      # a 12 KiB block: 3 pieces of one BLOCK_ALIGN
     prepare_disk_store(filled_layers(TINY), N_LAYERS, layout, str(tmp_path), progress=False)
     backend = TearingBackend(5, REGIMES[regime]["copy_sleep"])
-    store = DiskStore(str(tmp_path), layout, N_LAYERS, backend, direct_io=direct_io, reads_in_flight=3,
-                      piece_nbytes=BLOCK_ALIGN)
+    store = DiskStore(str(tmp_path), layout, N_LAYERS, backend, direct_io=direct_io, reads_in_flight=3)
     assert len(store._pieces) == 3
     assert run_protocol(store, backend, 3, 3, REGIMES[regime]["kernel_sleep"]) == []
 
@@ -175,7 +179,7 @@ def test_streamed_layers_equal_checkpoint_bitwise_with_reads_in_flight(store_dir
     weights = random_layers(TINY)
     backend = CpuBackend()
     store = DiskStore(str(store_dir), LayerLayout.of(TINY, torch.float32), N_LAYERS, backend, direct_io=direct_io,
-                      reads_in_flight=3, piece_nbytes=PIECE)
+                      reads_in_flight=3)
     with LayerStreamer(store, backend, N_LAYERS, {}, n_slots=2) as streamer:
         for _ in range(2):
             for i, w in streamer.pass_layers():
@@ -206,7 +210,7 @@ def fail_piece(monkeypatch, store, layer, piece, err):
 
 @pytest.mark.parametrize("direct_io", [True, False])
 def test_reader_thread_errors_surface_as_one_line(store_dir, monkeypatch, direct_io):
-    store = open_store(store_dir, direct_io=direct_io, reads_in_flight=3, piece_nbytes=PIECE)
+    store = open_store(store_dir, direct_io=direct_io, reads_in_flight=3)
     slow_done = fail_piece(monkeypatch, store, layer=5, piece=1, err=OSError(errno.EIO, "Input/output error"))
     with pytest.raises(StoreError, match=f"^reading layer 5 from .*{LAYERS_BIN} failed: Input/output error$"):
         store.read_layer(5)
@@ -219,9 +223,8 @@ def test_reader_thread_errors_surface_as_one_line(store_dir, monkeypatch, direct
 
 def test_reader_thread_errors_surface_through_the_streamer(store_dir, monkeypatch):
     backend = CpuBackend()
-    store = DiskStore(str(store_dir), LayerLayout.of(TINY, torch.float32), N_LAYERS, backend, reads_in_flight=3,
-                      piece_nbytes=PIECE)
-    fail_piece(monkeypatch, store, layer=4, piece=2, err=OSError(errno.EIO, "Input/output error"))
+    store = DiskStore(str(store_dir), LayerLayout.of(TINY, torch.float32), N_LAYERS, backend, reads_in_flight=3)
+    fail_piece(monkeypatch, store, layer=4, piece=1, err=OSError(errno.EIO, "Input/output error"))
     streamer = LayerStreamer(store, backend, N_LAYERS, {}, n_slots=2)
     seen = []
     with pytest.raises(StoreError, match="reading layer 4 from .* failed: Input/output error"):
@@ -235,8 +238,7 @@ def test_reader_thread_errors_surface_through_the_streamer(store_dir, monkeypatc
 
 def test_unexpected_reader_thread_errors_are_not_swallowed(store_dir, monkeypatch):
     backend = CpuBackend()
-    store = DiskStore(str(store_dir), LayerLayout.of(TINY, torch.float32), N_LAYERS, backend, reads_in_flight=3,
-                      piece_nbytes=PIECE)
+    store = DiskStore(str(store_dir), LayerLayout.of(TINY, torch.float32), N_LAYERS, backend, reads_in_flight=3)
     fail_piece(monkeypatch, store, layer=2, piece=0, err=ValueError("a bug in a reader"))
     with LayerStreamer(store, backend, N_LAYERS, {}, n_slots=2) as streamer:
         with pytest.raises(RuntimeError, match="layer loader thread failed: ValueError..a bug in a reader"):
@@ -249,7 +251,7 @@ def test_unexpected_reader_thread_errors_are_not_swallowed(store_dir, monkeypatc
 @pytest.mark.parametrize("cut", [0, 1000], ids=["at-a-block", "mid-block"])
 def test_file_truncated_after_open(store_dir, direct_io, reads_in_flight, cut):
     """The size check at open cannot see a file cut later: the read must still say the file ends in the layer."""
-    store = open_store(store_dir, direct_io=direct_io, reads_in_flight=reads_in_flight, piece_nbytes=PIECE)
+    store = open_store(store_dir, direct_io=direct_io, reads_in_flight=reads_in_flight)
     try:
         os.truncate(store_dir / LAYERS_BIN, store._offsets[5] + 5 * BLOCK_ALIGN + cut)   # inside piece 1
         with pytest.raises(StoreError, match=f"{LAYERS_BIN} ends inside layer 5: delete .* to rebuild the store"):
@@ -260,7 +262,7 @@ def test_file_truncated_after_open(store_dir, direct_io, reads_in_flight, cut):
 
 
 def test_close_stops_the_reader_threads_and_is_idempotent(store_dir):
-    store = open_store(store_dir, reads_in_flight=4, piece_nbytes=PIECE)
+    store = open_store(store_dir, reads_in_flight=4)
     store.read_layer(0)
     threads = [t for t in threading.enumerate() if t.name.startswith("offspec-reader")]
     assert 1 <= len(threads) <= 4
@@ -269,8 +271,6 @@ def test_close_stops_the_reader_threads_and_is_idempotent(store_dir):
     assert not any(t.is_alive() for t in threads)
 
 
-def test_bad_read_parameters(store_dir):
+def test_reads_in_flight_must_be_positive(store_dir):
     with pytest.raises(ValueError, match="reads_in_flight=0"):
         open_store(store_dir, reads_in_flight=0)
-    with pytest.raises(ValueError, match="piece_nbytes=1000: a positive multiple of 4096"):
-        open_store(store_dir, piece_nbytes=1000)

@@ -249,9 +249,10 @@ class DiskStore:
                  the ring, not the model. drop_page_cache=False keeps the file cached (a model that fits
                  in RAM is then read from the drive once).
     Each block is split into reads_in_flight pieces of whole BLOCK_ALIGN blocks, all read at once (one
-    reader thread each; preadv releases the GIL), so the drive has several requests queued. All at once,
-    not a queue of smaller pieces: the next block's reads start only when this one's are done, and a
-    last round of fewer pieces left the drive idle at each block's tail (measured: docs/benchmarks.md).
+    reader thread each; preadv releases the GIL), so the drive has several requests queued. All at once
+    rather than a queue of smaller pieces: the next block's reads start only when this one's are done, so
+    a queue would end every block with fewer reads in flight. (On the 2-core VM's virtual drive where this
+    was built, 1 to 8 reads in flight and 16 MiB queued pieces all read at the same rate: docs/benchmarks.md.)
 
     On a CPU device the layer is still read into a staging buffer and then copied into the slot (one
     extra host memcpy instead of reading into the slot directly), so the CUDA path's staging gates are what

@@ -13,7 +13,8 @@ Every stream, event and pinned-memory call goes through a transfer backend (tran
 backend runs this exact code in the tests; CUDA.md is the checklist the ring protocol follows.
 
 The ring protocol, for the n-th layer copy ever issued (n counts across passes; slot k = n % n_slots):
-  loader thread    [disk: staging gate synchronize; preadv into staging]
+  loader thread    [disk: wait for the layer's read into staging (started one load earlier, each piece
+                    once that staging buffer's gate completed); start the next layer's read likewise]
                    free[k].wait(copy_q)     WAR: compute has finished reading slot k's previous layer
                    copy host block -> slot k on copy_q
                    [disk: gate.record(copy_q): the staging buffer may be refilled once this completes]
@@ -37,7 +38,7 @@ import threading
 import time
 import zlib
 from collections import deque
-from concurrent.futures import ThreadPoolExecutor, wait
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import Callable, Iterator, Optional, Sequence, Union
 
@@ -109,7 +110,7 @@ class Staged:
     block: torch.Tensor                # (layout.nbytes,) uint8 host memory
     pinned: bool                       # block is pinned: the copy may be asynchronous
     gate: Optional[TransferEvent]      # record on the copy queue after the copy (a staging buffer's reuse gate)
-    read_s: float                      # seconds spent reading it from disk (0 for the arena)
+    read_s: float                      # seconds its read from disk took (0 for the arena)
 
 
 # ---------------------------------------------------------------- host arena
@@ -150,8 +151,8 @@ class HostArenaStore:
         start = self._block_of[layer] * self._stride
         return self._arena.tensor[start: start + self.layout.nbytes]
 
-    def acquire(self, layer: int) -> Staged:
-        # The arena is never rewritten, so its blocks need no reuse gate.
+    def acquire(self, layer: int, next_layer: Optional[int] = None) -> Staged:
+        # The arena is never rewritten, so its blocks need no reuse gate (and nothing is read ahead).
         return Staged(self.block(layer), self._arena.pinned, gate=None, read_s=0.0)
 
     def info(self) -> StoreInfo:
@@ -286,6 +287,7 @@ class DiskStore:
         self._pieces = [(start, min(start + piece_nbytes, self.block_nbytes))
                         for start in range(0, self.block_nbytes, piece_nbytes)]
         self._pool: Optional[ThreadPoolExecutor] = None
+        self._ahead: Optional[tuple[int, list[Future]]] = None   # (layer, its pieces): the read started ahead
         self._stages: list[HostBuffer] = []
         self._fd = os.open(self._path, os.O_RDONLY | os.O_CLOEXEC)
         self._direct = False                      # self._fd was opened with O_DIRECT
@@ -299,8 +301,7 @@ class DiskStore:
                 how = "buffered: page cache kept (drop_page_cache=False)"
             else:
                 how = self._try_direct()
-            if len(self._pieces) > 1:
-                self._pool = ThreadPoolExecutor(len(self._pieces), thread_name_prefix="offspec-reader")
+            self._pool = ThreadPoolExecutor(len(self._pieces), thread_name_prefix="offspec-reader")
             on_error.pop_all()
         if not self._direct and drop_page_cache:
             how += "; page cache dropped after each read"
@@ -336,34 +337,38 @@ class DiskStore:
         self._fd, self._direct = fd, True
         return "O_DIRECT"
 
-    def _read(self, layer: int, out: torch.Tensor) -> None:
-        """Layer `layer`'s padded block -> out[:block_nbytes] ((≥ block_nbytes,) uint8, page-aligned),
-        crc-checked on its first read. When this returns or raises, no read into `out` is still running."""
+    def _start(self, layer: int, out: torch.Tensor, gate: Optional[TransferEvent] = None) -> list[Future]:
+        """Start reading layer `layer`'s padded block into out[:block_nbytes] ((≥ block_nbytes,) uint8,
+        page-aligned), one piece per reader thread; with a gate, each piece first waits for it."""
         offset = self._offsets[layer]
         # O_DIRECT's rules (CUDA.md §5); _check_manifest checked the offsets, the pieces are whole blocks.
         assert offset % BLOCK_ALIGN == 0 and out.data_ptr() % BLOCK_ALIGN == 0, (offset, out.data_ptr())
         assert out.numel() >= self.block_nbytes, (out.numel(), self.block_nbytes)
         view = memoryview(out.numpy())
-        if self._pool is None:
-            for start, end in self._pieces:
-                self._read_piece(layer, view[start:end], offset + start)
-        else:
-            pieces = [self._pool.submit(self._read_piece, layer, view[start:end], offset + start)
-                      for start, end in self._pieces]
-            wait(pieces)            # every piece, even after one failed: none may write into `out` later
-            for piece in pieces:
-                piece.result()      # re-raises the first failure (in block order) on this thread
+        return [self._pool.submit(self._read_piece, layer, view[start:end], offset + start, gate)
+                for start, end in self._pieces]
+
+    def _finish(self, layer: int, out: torch.Tensor, pieces: list[Future]) -> float:
+        """Wait for a read _start()ed into `out`, check the layer's crc32 on its first read; -> seconds the
+        read took (first piece's start to last piece's end). When this returns or raises, no read into
+        `out` is still running."""
+        wait(pieces)                                  # all of them, even after one failed
+        spans = [piece.result() for piece in pieces]  # re-raises the first failure (in block order) here
         if layer not in self._verified:
-            crc = zlib.crc32(view[: self.block_nbytes])
+            crc = zlib.crc32(memoryview(out.numpy())[: self.block_nbytes])
             if crc != self._crc32[layer]:
                 raise StoreError(f"layer {layer} of the store at {self.directory} fails its checksum "
                                  f"(crc32 {crc:08x}, manifest {self._crc32[layer]:08x}): the file is corrupt; "
                                  f"delete {self.directory} to rebuild the store")
             self._verified.add(layer)
+        return max(end for _, end in spans) - min(start for start, _ in spans)
 
-    def _read_piece(self, layer: int, out: memoryview, offset: int) -> None:
-        """out <- layers.bin[offset : offset + len(out)], on a reader thread (or the caller's without a pool)."""
-        got, n = 0, len(out)
+    def _read_piece(self, layer: int, out: memoryview, offset: int,
+                    gate: Optional[TransferEvent]) -> tuple[float, float]:
+        """out <- layers.bin[offset : offset + len(out)], on a reader thread; -> (start, end) perf_counter()."""
+        if gate is not None:
+            gate.synchronize()    # CUDA.md §2 host-side WAR: the copy out of this staging buffer has completed
+        start, got, n = time.perf_counter(), 0, len(out)
         try:
             while got < n:
                 count = os.preadv(self._fd, [out[got:]], offset + got)
@@ -377,23 +382,35 @@ class DiskStore:
                 os.posix_fadvise(self._fd, offset, n, os.POSIX_FADV_DONTNEED)
         except OSError as err:
             raise StoreError(f"reading layer {layer} from {self._path} failed: {err.strerror or repr(err)}") from err
+        return start, time.perf_counter()
 
     def read_layer(self, layer: int) -> torch.Tensor:
         """A fresh (layout.nbytes,) uint8 host tensor holding the layer (start-up, for resident layers), read
         the same way as streamed layers, so into page-aligned memory (torch.empty aligns to 64 bytes only)."""
         buffer = torch.frombuffer(HostBuffer.map(self.block_nbytes), dtype=torch.uint8)   # keeps the mapping
-        self._read(layer, buffer)
+        self._finish(layer, buffer, self._start(layer, buffer))
         return buffer[: self.layout.nbytes]
 
-    def acquire(self, layer: int) -> Staged:
-        """Read the layer into the next staging buffer (loader thread only)."""
+    def acquire(self, layer: int, next_layer: Optional[int] = None) -> Staged:
+        """The layer's bytes in the next staging buffer (loader thread only).
+
+        Reads run one layer ahead: with next_layer, its read into the following staging buffer starts
+        before this returns (each piece once that buffer's gate completes), so the drive keeps reading while
+        the loader issues this layer's copy and waits for the GIL and the consumer computes; acquire(
+        next_layer) then only waits for what is left. O_DIRECT has no kernel read-ahead to do this for it."""
         j = self._next_stage
         self._next_stage = (j + 1) % len(self._stages)
-        self._gates[j].synchronize()      # CUDA.md §2 host-side WAR: the copy out of stage j has completed
-        start = time.perf_counter()
-        self._read(layer, self._stages[j].tensor)
-        read_s = time.perf_counter() - start
         stage = self._stages[j]
+        ahead, self._ahead = self._ahead, None
+        if ahead is not None and ahead[0] != layer:
+            wait(ahead[1])     # read ahead for another layer (not how the streamer asks): unused, re-read
+            ahead = None
+        if ahead is None:
+            ahead = (layer, self._start(layer, stage.tensor, self._gates[j]))
+        read_s = self._finish(layer, stage.tensor, ahead[1])
+        if next_layer is not None:
+            k = self._next_stage
+            self._ahead = (next_layer, self._start(next_layer, self._stages[k].tensor, self._gates[k]))
         return Staged(stage.tensor[: self.layout.nbytes], stage.pinned, gate=self._gates[j], read_s=read_s)
 
     def info(self) -> StoreInfo:
@@ -404,7 +421,7 @@ class DiskStore:
         """Stop the reader threads (after the reads in flight, if any), then unpin and close the file."""
         if self._pool is not None:
             self._pool.shutdown(wait=True, cancel_futures=True)
-            self._pool = None
+            self._pool, self._ahead = None, None
         for stage in self._stages:
             stage.close()
         if self._fd >= 0:
@@ -472,7 +489,7 @@ class StreamStats:
     bytes: int = 0             # bytes those copies moved host -> device
     transfer_s: float = 0.0    # seconds those copies took on the copy queue (device-timed on CUDA)
     wait_s: float = 0.0        # seconds compute stood still waiting for a layer (device-timed on CUDA)
-    read_s: float = 0.0        # disk: seconds the loader spent reading layers.bin (host clock)
+    read_s: float = 0.0        # disk: seconds the layers' reads from layers.bin took (host clock)
 
     @property
     def gb_per_s(self) -> float:
@@ -642,7 +659,7 @@ class LayerStreamer:
 
     def _load(self, n: int) -> None:
         layer, k = self._layer_for(n), self._slot_for(n)
-        staged = self.store.acquire(layer)     # disk: waits for its staging buffer, then reads
+        staged = self.store.acquire(layer, next_layer=self._layer_for(n + 1))   # disk: waits for its read
         copy_q = self.backend.copy_queue
         copy_start, copy_end = self._timing_event(), self._timing_event()
         self._free[k].wait(copy_q)             # WAR: slot k's previous layer has been read

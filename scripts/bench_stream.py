@@ -240,7 +240,9 @@ def move_passes_disk(directory: str, layout: LayerLayout, n_layers: int, streame
             read_s = 0.0
             start = time.perf_counter()
             for k, layer in enumerate(streamed):
-                staged = store.acquire(layer)                # waits until its staging buffer is free, reads
+                # reads one layer ahead within the pass, as the streamer's loader does (not into the next pass:
+                # its first read comes after the page cache is dropped)
+                staged = store.acquire(layer, next_layer=streamed[k + 1] if k + 1 < len(streamed) else None)
                 backend.copy_async(slots[k % n_slots], staged.block, src_pinned=staged.pinned)
                 staged.gate.record(backend.copy_queue)       # the staging buffer may be refilled after this
                 read_s += staged.read_s
@@ -309,9 +311,10 @@ def measure_read_rates(directory: str, layout: LayerLayout, n_layers: int, devic
         if hasattr(os, "O_DIRECT"):
             readers.append((ReadRow(f"plain O_DIRECT, {plain}", store=False),
                             lambda: plain_read(path, stages, direct=True, drop_behind=False)))
-        # acquire() is the streamer's read; its staging gates are never recorded here, so it never waits
+        # acquire() is the streamer's read, one layer ahead; its staging gates are never recorded here
+        last = n_layers - 1
         readers.append((ReadRow(f"DiskStore: {store.io}", store=True),
-                        lambda: [store.acquire(layer) for layer in range(n_layers)]))
+                        lambda: [store.acquire(i, next_layer=i + 1 if i < last else None) for i in range(n_layers)]))
         for rep in range(reps):
             first = rep * len(readers) // reps        # the drive's speed drifts: vary who runs when
             for row, read in readers[first:] + readers[:first]:

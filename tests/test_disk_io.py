@@ -274,3 +274,47 @@ def test_close_stops_the_reader_threads_and_is_idempotent(store_dir):
 def test_reads_in_flight_must_be_positive(store_dir):
     with pytest.raises(ValueError, match="reads_in_flight=0"):
         open_store(store_dir, reads_in_flight=0)
+
+
+def test_reads_run_one_layer_ahead(store_dir, monkeypatch):
+    store = open_store(store_dir, reads_in_flight=3)
+    try:
+        assert store.acquire(2, next_layer=3).block.numpy().tobytes() == file_block(store_dir, store, 2)
+        layer, pieces = store._ahead
+        assert layer == 3 and len(pieces) == 3
+        wait_for = time.monotonic() + 10
+        while not all(p.done() for p in pieces) and time.monotonic() < wait_for:
+            time.sleep(0.001)
+        monkeypatch.setattr(os, "preadv", None)           # layer 3 must need no read any more
+        assert store.acquire(3).block.numpy().tobytes() == file_block(store_dir, store, 3)
+        monkeypatch.undo()
+        store.acquire(4, next_layer=5)
+        assert store.acquire(1).block.numpy().tobytes() == file_block(store_dir, store, 1)   # not the one ahead
+    finally:
+        store.close()
+
+
+def test_read_ahead_errors_surface_when_that_layer_is_asked_for(store_dir, monkeypatch):
+    store = open_store(store_dir, reads_in_flight=3)
+    fail_piece(monkeypatch, store, layer=3, piece=0, err=OSError(errno.EIO, "Input/output error"))
+    try:
+        store.acquire(2, next_layer=3)
+        with pytest.raises(StoreError, match="reading layer 3 from .* failed: Input/output error"):
+            store.acquire(3)
+    finally:
+        store.close()
+
+
+class GatelessReadAhead(DiskStore):
+    """The injected bug: reads ahead into a staging buffer without waiting for the copy out of it."""
+
+    def _start(self, layer, out, gate=None):
+        return super()._start(layer, out, gate=None)
+
+
+def test_protocol_test_catches_a_read_ahead_that_skips_the_staging_gate(tmp_path):
+    layout = LayerLayout.of(TINY, torch.uint8)
+    prepare_disk_store(filled_layers(TINY), N_LAYERS, layout, str(tmp_path), progress=False)
+    backend = TearingBackend(5, REGIMES["copy-bound"]["copy_sleep"])
+    store = GatelessReadAhead(str(tmp_path), layout, N_LAYERS, backend, reads_in_flight=3)
+    assert run_protocol(store, backend, 3, 3, REGIMES["copy-bound"]["kernel_sleep"]) != []

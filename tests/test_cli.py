@@ -360,11 +360,11 @@ def test_os_error_on_the_loader_thread_is_one_line(m, tmp_path, monkeypatch):
     import errno
     import offspec.offload
 
-    def failing_read(self, layer, out):
+    def failing_read(self, layer, out, offset, gate):   # a DiskStore reader thread's read of one piece
         raise OSError(errno.EIO, "Input/output error", "layers.bin")
     disk = ["--device", "cpu", "--dtype", "float32", "--offload", "disk", "--store-dir", tmp_path / "store"]
     ok(cli("models", "prepare", m.target, "--dtype", "float32", "--store-dir", tmp_path / "store"))
-    monkeypatch.setattr(offspec.offload.DiskStore, "_read", failing_read)
+    monkeypatch.setattr(offspec.offload.DiskStore, "_read_piece", failing_read)
     assert_clean_error(cli("generate", *m.models, *disk, PROMPT), "Input/output error: layers.bin")
 
 

@@ -57,7 +57,7 @@ LayerTensorsFn = Callable[[int], dict[str, torch.Tensor]]   # layer index -> ten
 MODES = ("none", "cpu", "disk")
 BLOCK_ALIGN = 4096            # bytes; disk blocks start and end on this boundary (page cache, O_DIRECT)
 N_STAGING = 2                 # disk staging buffers: one being read while the other is copied out
-READS_IN_FLIGHT = 4           # a disk block is read in this many pieces at once, one thread each (docs/benchmarks.md)
+READS_IN_FLIGHT = 4           # a disk block is read in this many pieces at once, one thread each (queue depth)
 STORE_FORMAT = "offspec-layer-store"
 STORE_VERSION = 1
 MANIFEST = "manifest.json"
@@ -253,7 +253,8 @@ class DiskStore:
     reader thread each; preadv releases the GIL), so the drive has several requests queued. All at once
     rather than a queue of smaller pieces: the next block's reads start only when this one's are done, so
     a queue would end every block with fewer reads in flight. (On the 2-core VM's virtual drive where this
-    was built, 1 to 8 reads in flight and 16 MiB queued pieces all read at the same rate: docs/benchmarks.md.)
+    was built, 1 to 8 reads in flight and queued 16 MiB pieces read at the same rate into the same buffers:
+    the queue depth is for faster drives.)
 
     On a CPU device the layer is still read into a staging buffer and then copied into the slot (one
     extra host memcpy instead of reading into the slot directly), so the CUDA path's staging gates are what

@@ -143,7 +143,8 @@ def test_refused_o_direct_falls_back_to_buffered_reads(store_dir, monkeypatch, a
     direct_fds = refuse_o_direct(monkeypatch, at)
     store = open_store(store_dir, reads_in_flight=2)
     try:
-        assert store.info().io == f"{message}; page cache dropped after each read, 2 reads in flight (≤ 24.0 KiB each)"
+        assert store.info().io == (f"{message}; page cache dropped after each read, "
+                                   f"2 reads in flight (≤ 24.0 KiB each)")
         assert not store._direct
         for fd in direct_fds:          # the refused descriptor was closed again
             with pytest.raises(OSError):

@@ -86,7 +86,7 @@ def test_reads_equal_the_store_bytes(store_dir, direct_io, reads_in_flight):
     finally:
         store.close()
     if not direct_io:
-        assert store.io.startswith("buffered: direct_io=False; page cache dropped after each read")
+        assert store.io.startswith("buffered (--disk-io buffered); page cache dropped after each read")
     else:
         refusal = o_direct_refusal(store_dir)
         if refusal:

@@ -139,6 +139,10 @@ def model_options(f):
         click.option("--prefill-chunk", type=int, default=DEFAULT_PREFILL_CHUNK, show_default=True,
                      help="Rows each layer processes at a time in one forward: a long prompt's activations stay this "
                           "size (a streamed target still moves each layer once)."),
+        click.option("--disk-io", type=click.Choice(["direct", "buffered"]), default="direct", show_default=True,
+                     help="Disk offload reads: direct = O_DIRECT where the filesystem allows it (falls back to buffered "
+                          "where it refuses, said in the report), several reads in flight; buffered = through the page "
+                          "cache, each range dropped after it is read. `offspec doctor` measures both on your drive."),
         click.option("--no-overlap", is_flag=True,
                      help="Debug: copy each layer, then compute (no prefetch). Default: overlap."),
         click.option("--tree", "policy", type=click.Choice(POLICIES), default="dyspec", show_default=True,
@@ -177,7 +181,7 @@ def build_configs(o: dict):
         raise InputError("--prefill-chunk must be at least 1")
     # "auto" stays: the memory plan resolves it from the sizes (plan.make_plan).
     offload = OffloadConfig(mode=o["offload"], gpu_budget=parse_bytes(o["gpu_budget"]), n_slots=o["n_slots"],
-                            store_dir=o["store_dir"], host_budget=parse_bytes(o["host_budget"]),
+                            store_dir=o["store_dir"], host_budget=parse_bytes(o["host_budget"]), disk_io=o["disk_io"],
                             overlap=not o["no_overlap"])
     if o["temperature"] < 0:
         raise InputError("--temperature must be >= 0")

@@ -46,6 +46,7 @@ class OffloadConfig:
     host_budget: Optional[int] = None           # bytes of host RAM the pinned arena may take; over it -> pageable fallback
     overlap: bool = True                        # prefetch the next layers while computing; False = copy then compute (debug)
     drop_page_cache: bool = True                # disk mode: posix_fadvise(DONTNEED) after each read, keeping host memory bounded
+    disk_io: str = "direct"                     # disk mode: "direct" = O_DIRECT where the filesystem allows it | "buffered"
 
 
 @dataclass(frozen=True)

@@ -194,6 +194,7 @@ def drive(store_dir: Optional[str], target_dir: Optional[str], quick: bool) -> d
     store = _target_store(target_dir) if target_dir is not None and not store_dir else None
     if store is not None:
         out.update(_read_store(*store))
+        out["disk_io"] = "direct" if out["direct_gbps"] >= out["buffered_gbps"] else "buffered"
         return out
     nbytes = (256 << 20) if quick else DRIVE_PROBE_BYTES
     with tempfile.NamedTemporaryFile(dir=folder, prefix=".offspec-doctor-", suffix=".bin") as f:
@@ -208,14 +209,15 @@ def drive(store_dir: Optional[str], target_dir: Optional[str], quick: bool) -> d
             _drop(f.name)
             start = time.perf_counter()
             try:
-                sequential_read(f.name, buffer, direct=direct, drop_behind=not direct)
+                sequential_read(f.name, [buffer], direct=direct, drop_behind=not direct)
             except OSError as err:
                 out[f"{name}_gbps"] = None
                 out[f"{name}_note"] = f"refused: {err.strerror}"
                 continue
             out[f"{name}_gbps"] = nbytes / (time.perf_counter() - start) / 1e9
-    rates = [r for r in (out.get("buffered_gbps"), out.get("direct_gbps")) if r]
-    out["read_gbps"] = max(rates) if rates else None
+    rates = {name: out.get(f"{name}_gbps") for name in ("direct", "buffered") if out.get(f"{name}_gbps")}
+    out["read_gbps"] = max(rates.values()) if rates else None
+    out["disk_io"] = max(rates, key=rates.get) if rates else "buffered"   # the faster way to read this drive
     return out
 
 
@@ -241,21 +243,28 @@ def _target_store(target_dir: str):
 
 
 def _read_store(folder: str, ckpt) -> dict:
+    """The target's store read cold, every layer, as the streamer reads it: once with O_DIRECT (where the
+    filesystem allows it) and once buffered with each range dropped behind (--disk-io direct / buffered)."""
     from .layout import LayerLayout
     from .offload import LAYERS_BIN, DiskStore
-    backend = make_backend(torch.device("cpu"))
     layout = LayerLayout.of(ckpt.config, torch.bfloat16)
-    with contextlib.ExitStack() as cleanup:
-        cleanup.callback(backend.close)
-        store = DiskStore(folder, layout, ckpt.config.n_layers, backend, source_id=ckpt.fingerprint())
-        cleanup.callback(store.close)
-        _drop(os.path.join(folder, LAYERS_BIN))
-        start = time.perf_counter()
-        for layer in range(ckpt.config.n_layers):
-            store.acquire(layer)
-        seconds = time.perf_counter() - start
-    return {"store": folder, "file_bytes": store.file_size, "read_gbps": store.file_size / seconds / 1e9,
-            "io": store.io, "note": "the target's packed store, read cold as the streamer reads it"}
+    out = {"store": folder, "note": "the target's packed store, read cold as the streamer reads it"}
+    for name, direct in (("direct", True), ("buffered", False)):
+        backend = make_backend(torch.device("cpu"))
+        with contextlib.ExitStack() as cleanup:
+            cleanup.callback(backend.close)
+            store = DiskStore(folder, layout, ckpt.config.n_layers, backend, source_id=ckpt.fingerprint(),
+                              direct_io=direct)
+            cleanup.callback(store.close)
+            _drop(os.path.join(folder, LAYERS_BIN))
+            start = time.perf_counter()
+            for layer in range(ckpt.config.n_layers):
+                store.acquire(layer)
+            out[f"{name}_gbps"] = store.file_size / (time.perf_counter() - start) / 1e9
+            out[f"{name}_io"] = store.io
+            out["file_bytes"] = store.file_size
+    out["read_gbps"] = max(out["direct_gbps"], out["buffered_gbps"])
+    return out
 
 
 def advice(target_dir: str, draft_dir: Optional[str], device: torch.device, report: dict) -> dict:
@@ -276,6 +285,8 @@ def advice(target_dir: str, draft_dir: Optional[str], device: torch.device, repo
     disk_gbps = report.get("drive", {}).get("read_gbps")
     out = {"plan": plan.to_dict(), "plan_text": plan.describe()}
     flags = [f"--offload {plan.mode}"]
+    if plan.mode == "disk" and report.get("drive", {}).get("disk_io"):
+        flags.append(f"--disk-io {report['drive']['disk_io']}")
     if plan.placement.streamed:
         pass_s = predicted_pass_seconds(plan, link_gbps or 24.0, disk_gbps)
         out["predicted_pass_seconds"] = pass_s
@@ -349,8 +360,8 @@ def summary(report: dict) -> str:
         elif name == "drive":
             rates = ", ".join(f"{k.removesuffix('_gbps')} {v:.2f} GB/s" for k, v in s.items()
                               if k.endswith("_gbps") and v is not None and k != "read_gbps")
-            what = s.get("io") or rates
-            lines.append(f"drive ({s['folder']}): cold read {s['read_gbps']:.2f} GB/s ({what})"
+            what = "the target's store as the streamer reads it" if s.get("store") else "a temporary file"
+            lines.append(f"drive ({s['folder']}): cold read of {what}: {rates}; faster: --disk-io {s['disk_io']}"
                          if s.get("read_gbps") else f"drive ({s['folder']}): no read rate ({rates})")
     a = report["advice"]
     if a.get("status") == "ok":

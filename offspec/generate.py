@@ -185,7 +185,8 @@ class Engine:
         host = getattr(self.target.layers, "host", None)
         if host is None:
             return "resident"
-        return f"{host.kind}, {'pinned' if host.pinned else 'pageable: ' + host.reason}"
+        return (f"{host.kind}, {'pinned' if host.pinned else 'pageable: ' + host.reason}"
+                + (f"; reads: {host.io}" if host.io else ""))
 
     def close(self) -> None:
         """Stop the streamer's threads (a no-op for resident models)."""

@@ -2,7 +2,8 @@
 
   weight stores   HostArenaStore: the streamed layers packed into ONE host arena (pinned on CUDA), one
                   contiguous block per layer. DiskStore: offspec's packed store on disk (layers.bin with
-                  4096-aligned blocks + manifest.json), read into pinned staging buffers.
+                  4096-aligned blocks + manifest.json), read into pinned staging buffers: O_DIRECT where
+                  the filesystem allows it, each block in pieces read by several threads at once.
   LayerStreamer   a LayerSource: a ring of n_slots device slots that the streamed layers rotate through,
                   prefetching ahead and wrapping into the next pass; permanently resident layers are
                   interleaved in layer order.
@@ -13,7 +14,8 @@ Every stream, event and pinned-memory call goes through a transfer backend (tran
 backend runs this exact code in the tests; CUDA.md is the checklist the ring protocol follows.
 
 The ring protocol, for the n-th layer copy ever issued (n counts across passes; slot k = n % n_slots):
-  loader thread    [disk: staging gate synchronize; preadv into staging]
+  loader thread    [disk: wait for the layer's read into staging (started one load earlier, each piece
+                    once that staging buffer's gate completed); start the next layer's read likewise]
                    free[k].wait(copy_q)     WAR: compute has finished reading slot k's previous layer
                    copy host block -> slot k on copy_q
                    [disk: gate.record(copy_q): the staging buffer may be refilled once this completes]
@@ -29,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import errno
 import hashlib
 import json
 import os
@@ -37,6 +40,7 @@ import threading
 import time
 import zlib
 from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import Callable, Iterator, Optional, Sequence, Union
 
@@ -53,8 +57,9 @@ from .transfer import (PAGE_BYTES, HostBuffer, TransferBackend, TransferEvent, f
 LayerTensorsFn = Callable[[int], dict[str, torch.Tensor]]   # layer index -> tensors keyed by LayerWeights fields
 
 MODES = ("none", "cpu", "disk")
-BLOCK_ALIGN = 4096            # bytes; disk blocks start and end on this boundary (page cache, O_DIRECT-ready)
+BLOCK_ALIGN = 4096            # bytes; disk blocks start and end on this boundary (page cache, O_DIRECT)
 N_STAGING = 2                 # disk staging buffers: one being read while the other is copied out
+READS_IN_FLIGHT = 4           # a disk block is read in this many pieces at once, one thread each (queue depth)
 STORE_FORMAT = "offspec-layer-store"
 STORE_VERSION = 1
 MANIFEST = "manifest.json"
@@ -97,6 +102,7 @@ class StoreInfo:
     pinned: bool       # copies start from pinned memory (arena, or the disk staging buffers)
     reason: str        # why not pinned ("" when pinned)
     path: str = ""     # disk store directory
+    io: str = ""       # disk store: how layers.bin is read, e.g. "O_DIRECT, 4 reads in flight (≤ 22.3 MiB each)"
 
 
 @dataclass
@@ -105,7 +111,7 @@ class Staged:
     block: torch.Tensor                # (layout.nbytes,) uint8 host memory
     pinned: bool                       # block is pinned: the copy may be asynchronous
     gate: Optional[TransferEvent]      # record on the copy queue after the copy (a staging buffer's reuse gate)
-    read_s: float                      # seconds spent reading it from disk (0 for the arena)
+    read_s: float                      # seconds its read from disk took (0 for the arena)
 
 
 # ---------------------------------------------------------------- host arena
@@ -142,8 +148,8 @@ class HostArenaStore:
         start = self._block_of[layer] * self._stride
         return self._arena.tensor[start: start + self.layout.nbytes]
 
-    def acquire(self, layer: int) -> Staged:
-        # The arena is never rewritten, so its blocks need no reuse gate.
+    def acquire(self, layer: int, next_layer: Optional[int] = None) -> Staged:
+        # The arena is never rewritten, so its blocks need no reuse gate (and nothing is read ahead).
         return Staged(self.block(layer), self._arena.pinned, gate=None, read_s=0.0)
 
     def info(self) -> StoreInfo:
@@ -230,18 +236,19 @@ def prepare_disk_store(layer_tensors_fn: LayerTensorsFn, n_layers: int, layout: 
                 os.unlink(path)
 
 
-def sequential_read(path: str, buffer: memoryview, *, direct: bool, drop_behind: bool) -> int:
-    """Read the whole file front to back, len(buffer) bytes per read, one read at a time (like dd): the
-    baseline a store's reader is measured against. O_DIRECT needs `buffer` page-aligned (an mmap) and the
-    file a whole number of BLOCK_ALIGN blocks; a filesystem that refuses it raises OSError (EINVAL).
-    drop_behind: drop each range from the page cache once read. -> bytes read."""
+def sequential_read(path: str, buffers: Sequence[memoryview], *, direct: bool, drop_behind: bool) -> int:
+    """Read the whole file front to back, one read at a time (like dd), each read filling the next of `buffers`
+    in turn: the baseline a store's reader is measured against (bench_stream, doctor). O_DIRECT needs
+    page-aligned buffers (mmaps) of whole BLOCK_ALIGN blocks and a file of whole blocks (a store is); a
+    filesystem that refuses it raises OSError (EINVAL). drop_behind: drop each range from the page cache
+    once read. -> bytes read."""
     fd = os.open(path, os.O_RDONLY | (os.O_DIRECT if direct else 0))
     try:
-        offset = 0
-        while n := os.preadv(fd, [buffer], offset):
+        offset, i = 0, 0
+        while n := os.preadv(fd, [buffers[i % len(buffers)]], offset):
             if drop_behind:
                 os.posix_fadvise(fd, offset, n, os.POSIX_FADV_DONTNEED)
-            offset += n
+            offset, i = offset + n, i + 1
         return offset
     finally:
         os.close(fd)
@@ -252,83 +259,191 @@ class DiskStore:
 
     Opening validates the manifest against the requested model and layout and the file size against the
     manifest; each layer's crc32 is checked the first time this store reads it (checking every pass would
-    cost a full extra read of the model per pass). With drop_page_cache, each read range is dropped from
-    the page cache right away, so host memory stays bounded by the ring, not the model.
+    cost a full extra read of the model per pass).
+
+    How layers.bin is read (info().io says which ran):
+      O_DIRECT   with drop_page_cache, when the filesystem takes it (probed once at open): the drive
+                 writes into the staging buffer, with no page-cache copy (CPU time compute needs) and
+                 nothing cached. CUDA.md §5's rules hold by construction: staging buffers are page-aligned
+                 mmaps, block offsets and piece lengths are multiples of BLOCK_ALIGN.
+      buffered   otherwise (or direct_io=False): plain preadv; with drop_page_cache each piece is dropped
+                 from the page cache right after it is read, so either way host memory stays bounded by
+                 the ring, not the model. drop_page_cache=False keeps the file cached (a model that fits
+                 in RAM is then read from the drive once).
+    Each block is split into reads_in_flight pieces of whole BLOCK_ALIGN blocks, all read at once (one
+    reader thread each; preadv releases the GIL), so the drive has several requests queued. All at once
+    rather than a queue of smaller pieces: the next block's reads start only when this one's are done, so
+    a queue would end every block with fewer reads in flight. (On the 2-core VM's virtual drive where this
+    was built, 1 to 8 reads in flight and queued 16 MiB pieces read at the same rate into the same buffers:
+    the queue depth is for faster drives.)
 
     On a CPU device the layer is still read into a staging buffer and then copied into the slot (one
     extra host memcpy instead of reading into the slot directly), so the CUDA path's staging gates are what
     the tests exercise."""
 
     def __init__(self, directory: str, layout: LayerLayout, n_layers: int, backend: TransferBackend, *,
-                 source_id: str = "", drop_page_cache: bool = True, n_staging: int = N_STAGING):
+                 source_id: str = "", drop_page_cache: bool = True, n_staging: int = N_STAGING,
+                 direct_io: bool = True, reads_in_flight: int = READS_IN_FLIGHT):
+        if reads_in_flight < 1:
+            raise ValueError(f"reads_in_flight={reads_in_flight}: at least 1")
         self.directory = directory
         self.layout = layout
         manifest = _read_manifest(directory)
         self.block_nbytes, self._offsets, self._crc32 = _check_manifest(manifest, directory, layout, n_layers,
                                                                         source_id)
-        path = os.path.join(directory, LAYERS_BIN)
+        self._path = os.path.join(directory, LAYERS_BIN)
         try:
-            size = os.stat(path).st_size
+            size = os.stat(self._path).st_size
         except FileNotFoundError:
-            raise StoreError(f"{path} is missing: delete {directory} to rebuild the store") from None
+            raise StoreError(f"{self._path} is missing: delete {directory} to rebuild the store") from None
         if size != manifest["file_size"]:
-            raise StoreError(f"{path} is {size} bytes but its manifest says {manifest['file_size']}: "
+            raise StoreError(f"{self._path} is {size} bytes but its manifest says {manifest['file_size']}: "
                              f"the store is truncated or was modified; delete {directory} to rebuild it")
         self.file_size = size
         self._drop_page_cache = drop_page_cache
         self._verified: set[int] = set()          # layers whose crc32 this process has checked
-        self._fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        # (start, end) byte ranges of a block, read at once; whole BLOCK_ALIGN blocks each, e.g. the demo
+        # target's block of 22851 blocks (89.3 MiB) in 4: three pieces of 5713 blocks and one of 5712.
+        n_blocks = self.block_nbytes // BLOCK_ALIGN
+        piece_nbytes = -(-n_blocks // reads_in_flight) * BLOCK_ALIGN      # ceil(n_blocks / reads_in_flight) blocks
+        self._pieces = [(start, min(start + piece_nbytes, self.block_nbytes))
+                        for start in range(0, self.block_nbytes, piece_nbytes)]
+        self._pool: Optional[ThreadPoolExecutor] = None
+        self._ahead: Optional[tuple[int, list[Future]]] = None   # (layer, its pieces): the read started ahead
         self._stages: list[HostBuffer] = []
+        self._fd = os.open(self._path, os.O_RDONLY | os.O_CLOEXEC)
+        self._direct = False                      # self._fd was opened with O_DIRECT
         with contextlib.ExitStack() as on_error:
             on_error.callback(self.close)
             for _ in range(n_staging):
                 self._stages.append(backend.host_buffer(self.block_nbytes))
+            if not direct_io:
+                how = "buffered (--disk-io buffered)"
+            elif not drop_page_cache:   # O_DIRECT would bypass the page cache the caller wants to keep
+                how = "buffered: page cache kept (drop_page_cache=False)"
+            else:
+                how = self._try_direct()
+            self._pool = ThreadPoolExecutor(len(self._pieces), thread_name_prefix="offspec-reader")
             on_error.pop_all()
-        self._stage_bytes = [memoryview(stage.tensor.numpy()) for stage in self._stages]   # preadv targets
+        if not self._direct and drop_page_cache:
+            how += "; page cache dropped after each read"
+        n = len(self._pieces)
+        self.io = f"{how}, {n} read{'s' * (n > 1)} in flight (≤ {format_bytes(piece_nbytes)} each)"
         self._gates = [backend.new_event() for _ in self._stages]   # gate[j]: the copy out of stage j is done
         self._next_stage = 0
 
-    def _read(self, layer: int, out: memoryview) -> None:
-        """Layer `layer`'s padded block -> out[:block_nbytes], crc-checked on its first read."""
-        offset, n, got = self._offsets[layer], self.block_nbytes, 0
-        while got < n:
-            count = os.preadv(self._fd, [out[got:n]], offset + got)
-            if count == 0:
-                raise StoreError(f"{self.directory}/{LAYERS_BIN} ends inside layer {layer}: "
-                                 f"delete {self.directory} to rebuild the store")
-            got += count
-        if self._drop_page_cache:
-            os.posix_fadvise(self._fd, offset, n, os.POSIX_FADV_DONTNEED)
+    def _try_direct(self) -> str:
+        """Switch self._fd to an O_DIRECT descriptor if the filesystem takes one; -> how reads are done.
+
+        A filesystem refuses O_DIRECT with EINVAL (or EOPNOTSUPP) at open, or accepts the open and refuses
+        the first read (e.g. a block size above BLOCK_ALIGN): one aligned read into a staging buffer finds out."""
+        if not hasattr(os, "O_DIRECT"):
+            return "buffered: no O_DIRECT on this platform"
+        refused = (errno.EINVAL, errno.EOPNOTSUPP)
+        try:
+            fd = os.open(self._path, os.O_RDONLY | os.O_CLOEXEC | os.O_DIRECT)
+        except OSError as err:
+            if err.errno not in refused:
+                raise StoreError(f"cannot open {self._path}: {err.strerror}") from err
+            return f"buffered: O_DIRECT refused by the filesystem ({errno.errorcode[err.errno]})"
+        try:
+            stage = self._stages[0].tensor
+            assert stage.data_ptr() % BLOCK_ALIGN == 0    # page-aligned mmap
+            os.preadv(fd, [memoryview(stage.numpy())[:BLOCK_ALIGN]], 0)
+        except OSError as err:
+            os.close(fd)
+            if err.errno not in refused:
+                raise StoreError(f"reading {self._path} failed: {err.strerror}") from err
+            return f"buffered: O_DIRECT reads refused by the filesystem ({errno.errorcode[err.errno]})"
+        os.close(self._fd)
+        self._fd, self._direct = fd, True
+        return "O_DIRECT"
+
+    def _start(self, layer: int, out: torch.Tensor, gate: Optional[TransferEvent] = None) -> list[Future]:
+        """Start reading layer `layer`'s padded block into out[:block_nbytes] ((≥ block_nbytes,) uint8,
+        page-aligned), one piece per reader thread; with a gate, each piece first waits for it."""
+        offset = self._offsets[layer]
+        # O_DIRECT's rules (CUDA.md §5); _check_manifest checked the offsets, the pieces are whole blocks.
+        assert offset % BLOCK_ALIGN == 0 and out.data_ptr() % BLOCK_ALIGN == 0, (offset, out.data_ptr())
+        assert out.numel() >= self.block_nbytes, (out.numel(), self.block_nbytes)
+        view = memoryview(out.numpy())
+        return [self._pool.submit(self._read_piece, layer, view[start:end], offset + start, gate)
+                for start, end in self._pieces]
+
+    def _finish(self, layer: int, out: torch.Tensor, pieces: list[Future]) -> float:
+        """Wait for a read _start()ed into `out`, check the layer's crc32 on its first read; -> seconds the
+        read took (first piece's start to last piece's end). When this returns or raises, no read into
+        `out` is still running."""
+        wait(pieces)                                  # all of them, even after one failed
+        spans = [piece.result() for piece in pieces]  # re-raises the first failure (in block order) here
         if layer not in self._verified:
-            crc = zlib.crc32(out[:n])
+            crc = zlib.crc32(memoryview(out.numpy())[: self.block_nbytes])
             if crc != self._crc32[layer]:
                 raise StoreError(f"layer {layer} of the store at {self.directory} fails its checksum "
                                  f"(crc32 {crc:08x}, manifest {self._crc32[layer]:08x}): the file is corrupt; "
                                  f"delete {self.directory} to rebuild the store")
             self._verified.add(layer)
+        return max(end for _, end in spans) - min(start for start, _ in spans)
+
+    def _read_piece(self, layer: int, out: memoryview, offset: int,
+                    gate: Optional[TransferEvent]) -> tuple[float, float]:
+        """out <- layers.bin[offset : offset + len(out)], on a reader thread; -> (start, end) perf_counter()."""
+        if gate is not None:
+            gate.synchronize()    # CUDA.md §2 host-side WAR: the copy out of this staging buffer has completed
+        start, got, n = time.perf_counter(), 0, len(out)
+        try:
+            while got < n:
+                count = os.preadv(self._fd, [out[got:]], offset + got)
+                # End of file. With O_DIRECT a read short of a whole block only happens there (and a next
+                # read from that unaligned offset would be refused rather than return 0).
+                if count == 0 or (self._direct and count % BLOCK_ALIGN):
+                    raise StoreError(f"{self._path} ends inside layer {layer}: "
+                                     f"delete {self.directory} to rebuild the store")
+                got += count
+            if self._drop_page_cache and not self._direct:
+                os.posix_fadvise(self._fd, offset, n, os.POSIX_FADV_DONTNEED)
+        except OSError as err:
+            raise StoreError(f"reading layer {layer} from {self._path} failed: {err.strerror or repr(err)}") from err
+        return start, time.perf_counter()
 
     def read_layer(self, layer: int) -> torch.Tensor:
-        """A fresh (layout.nbytes,) uint8 host tensor holding the layer (start-up, for resident layers)."""
-        buffer = torch.empty(self.block_nbytes, dtype=torch.uint8)
-        self._read(layer, memoryview(buffer.numpy()))
+        """A fresh (layout.nbytes,) uint8 host tensor holding the layer (start-up, for resident layers), read
+        the same way as streamed layers, so into page-aligned memory (torch.empty aligns to 64 bytes only)."""
+        buffer = torch.frombuffer(HostBuffer.map(self.block_nbytes), dtype=torch.uint8)   # keeps the mapping
+        self._finish(layer, buffer, self._start(layer, buffer))
         return buffer[: self.layout.nbytes]
 
-    def acquire(self, layer: int) -> Staged:
-        """Read the layer into the next staging buffer (loader thread only)."""
+    def acquire(self, layer: int, next_layer: Optional[int] = None) -> Staged:
+        """The layer's bytes in the next staging buffer (loader thread only).
+
+        Reads run one layer ahead: with next_layer, its read into the following staging buffer starts
+        before this returns (each piece once that buffer's gate completes), so the drive keeps reading while
+        the loader issues this layer's copy and waits for the GIL and the consumer computes; acquire(
+        next_layer) then only waits for what is left. O_DIRECT has no kernel read-ahead to do this for it."""
         j = self._next_stage
         self._next_stage = (j + 1) % len(self._stages)
-        self._gates[j].synchronize()      # CUDA.md §2 host-side WAR: the copy out of stage j has completed
-        start = time.perf_counter()
-        self._read(layer, self._stage_bytes[j])
-        read_s = time.perf_counter() - start
         stage = self._stages[j]
+        ahead, self._ahead = self._ahead, None
+        if ahead is not None and ahead[0] != layer:
+            wait(ahead[1])     # read ahead for another layer (not how the streamer asks): unused, re-read
+            ahead = None
+        if ahead is None:
+            ahead = (layer, self._start(layer, stage.tensor, self._gates[j]))
+        read_s = self._finish(layer, stage.tensor, ahead[1])
+        if next_layer is not None:
+            k = self._next_stage
+            self._ahead = (next_layer, self._start(next_layer, self._stages[k].tensor, self._gates[k]))
         return Staged(stage.tensor[: self.layout.nbytes], stage.pinned, gate=self._gates[j], read_s=read_s)
 
     def info(self) -> StoreInfo:
         stage = self._stages[0]
-        return StoreInfo("disk store", self.file_size, stage.pinned, stage.reason, path=self.directory)
+        return StoreInfo("disk store", self.file_size, stage.pinned, stage.reason, path=self.directory, io=self.io)
 
     def close(self) -> None:
+        """Stop the reader threads (after the reads in flight, if any), then unpin and close the file."""
+        if self._pool is not None:
+            self._pool.shutdown(wait=True, cancel_futures=True)
+            self._pool, self._ahead = None, None
         for stage in self._stages:
             stage.close()
         if self._fd >= 0:
@@ -396,7 +511,7 @@ class StreamStats:
     bytes: int = 0             # bytes those copies moved host -> device
     transfer_s: float = 0.0    # seconds those copies took on the copy queue (device-timed on CUDA)
     wait_s: float = 0.0        # seconds compute stood still waiting for a layer (device-timed on CUDA)
-    read_s: float = 0.0        # disk: seconds the loader spent reading layers.bin (host clock)
+    read_s: float = 0.0        # disk: seconds the layers' reads from layers.bin took (host clock)
     prefetched_layers: int = 0   # layers already in their slots when their pass began: copied while the
     prefetched_bytes: int = 0    # consumer was busy elsewhere (drafting), the wrap-around prefetch at work
 
@@ -581,7 +696,7 @@ class LayerStreamer:
 
     def _load(self, n: int) -> None:
         layer, k = self._layer_for(n), self._slot_for(n)
-        staged = self.store.acquire(layer)     # disk: waits for its staging buffer, then reads
+        staged = self.store.acquire(layer, next_layer=self._layer_for(n + 1))   # disk: waits for its read
         copy_q = self.backend.copy_queue
         copy_start, copy_end = self._timing_event(), self._timing_event()
         self._free[k].wait(copy_q)             # WAR: slot k's previous layer has been read
@@ -781,7 +896,7 @@ def open_target_layers(layer_tensors_fn: LayerTensorsFn, cfg: ModelConfig, offlo
             if not disk_store_exists(directory):
                 prepare_disk_store(layer_tensors_fn, cfg.n_layers, layout, directory, progress, source_id=source_id)
             store = DiskStore(directory, layout, cfg.n_layers, backend, source_id=source_id,
-                              drop_page_cache=offload.drop_page_cache)
+                              drop_page_cache=offload.drop_page_cache, direct_io=offload.disk_io == "direct")
             on_error.callback(store.close)
             resident = {}
             for i in placement.resident:

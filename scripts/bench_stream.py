@@ -11,8 +11,8 @@ a ring of --slots device slots, three things are timed in the same run, each ove
   move     the streamed bytes merely moved from the same source, with nothing computed:
              cpu   every layer block copied from the host arena into a slot buffer (the streamer's own
                    transfer backend: the copy worker thread on CPU, a side stream on CUDA);
-             disk  every layer read from layers.bin by a DiskStore (the same preadv into staging buffers,
-                   page-cache dropping after each read) and copied from staging into a slot buffer.
+             disk  every layer read from layers.bin by a DiskStore (the streamer's reads into staging
+                   buffers) and copied from staging into a slot buffer.
 
   overlap efficiency = max(move, compute) / pass    (1.0 = transfer completely hidden; goal >= 0.9)
 
@@ -23,15 +23,31 @@ every read is cold. Copy, read and wait seconds come from the streamer's own cou
 On this CPU-only machine the "device" is host memory and the copies share the cores (and the memory
 bus) with compute, so the ideal of 1.0 is not reachable: the numbers say how far off it is.
 
+Disk mode then measures the read rate of layers.bin itself, cold, --read-reps times, every reader once
+per repetition, each repetition starting at another reader (the drive is shared: its speed drifts, and a
+read's speed also depends on what ran just before it):
+
+  plain    the whole file front to back in 64 MiB reads, one at a time (like dd bs=64M): buffered;
+           buffered with each range dropped from the page cache right after it is read; O_DIRECT (where
+           the filesystem allows it)
+  store    a DiskStore (--reads-in-flight) reading every layer into its staging buffers, as the
+           streamer's loader does, minus the copy
+  All of them read into the same memory (the store's staging buffers), since the memory read into
+  changes the rate on this VM.
+
+  read ratio = store / the fastest plain read    (goal >= 0.9)
+
 Examples:
   python scripts/bench_stream.py --modes cpu --passes 1 --tokens 1 --layers 4 --context 32   # smoke
   python scripts/bench_stream.py --modes cpu,disk --passes 5 --tokens 1,64 --write-docs      # full
+  python scripts/bench_stream.py --modes disk --passes 1 --tokens 1 --reads-in-flight 8   # another read setting
 """
 from __future__ import annotations
 
 import argparse
 import contextlib
 import dataclasses
+import errno
 import os
 import shutil
 import statistics
@@ -40,7 +56,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -54,11 +70,14 @@ from offspec.load import parse_device, parse_dtype, store_dir_for
 from offspec.metrics import Timer
 from offspec.layout import LayerLayout
 from offspec.model import Model
-from offspec.offload import LAYERS_BIN, DiskStore, HostArenaStore, TargetLayers, open_target_layers
-from offspec.transfer import make_backend
+from offspec.offload import (LAYERS_BIN, READS_IN_FLIGHT, DiskStore, HostArenaStore, TargetLayers,
+                             open_target_layers, sequential_read)
+from offspec.transfer import format_bytes, make_backend
 
 SECTION = "bench_stream"
 SETTLE_TIMEOUT_S = 120.0   # the streamer's prefetch of the next pass must finish within this
+PLAIN_READ_BYTES = 64 << 20   # bytes per read of the plain sequential baselines (dd bs=64M)
+READ_GOAL = 0.9            # the store's read rate / the fastest plain read
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -82,6 +101,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                                                      "shared with `offspec generate --offload disk`; built once "
                                                      "when missing)")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    p.add_argument("--read-reps", type=int, default=3, help="disk mode: repetitions of the read-rate measurement")
+    p.add_argument("--reads-in-flight", type=int, default=READS_IN_FLIGHT,
+                   help="disk mode: the read-rate DiskStore's reads_in_flight (the streamer runs with the default)")
     p.add_argument("--quick", action="store_true", help="smoke-test sizes: 1 pass, 1 token, 4 layers, context 32 "
                                                         "(explicit flags win)")
     p.add_argument("--write-docs", action="store_true", help=f"write the table into docs/benchmarks.md "
@@ -98,6 +120,8 @@ def parse_args(argv=None) -> argparse.Namespace:
             p.error(f"--modes: unknown mode {m!r} (cpu, disk)")
     if args.passes < 1 or min(args.tokens) < 1 or args.context < 1 or args.slots < 2:
         p.error("--passes, --tokens and --context must be >= 1, --slots >= 2")
+    if args.read_reps < 1 or args.reads_in_flight < 1:
+        p.error("--read-reps and --reads-in-flight must be >= 1")
     return args
 
 
@@ -202,8 +226,8 @@ def move_passes_disk(directory: str, layout: LayerLayout, n_layers: int, streame
                      device: torch.device, n_slots: int, n: int, source_id: str) -> tuple[list[float], list[float]]:
     """n+1 times (the first, which also checks every layer's crc32, is dropped): drop layers.bin from the page
     cache, then read every streamed layer into a staging buffer of a second DiskStore on the same files (the
-    streamer's reader: preadv, fadvise DONTNEED after each read) and copy it into a ring of slot buffers, as
-    the streamer's loader does. -> (wall seconds, read seconds) of each."""
+    streamer's reader, DiskStore.io) and copy it into a ring of slot buffers, as the streamer's loader does.
+    -> (wall seconds, read seconds) of each."""
     backend = make_backend(device)
     store = None
     try:
@@ -217,7 +241,9 @@ def move_passes_disk(directory: str, layout: LayerLayout, n_layers: int, streame
             read_s = 0.0
             start = time.perf_counter()
             for k, layer in enumerate(streamed):
-                staged = store.acquire(layer)                # waits until its staging buffer is free, reads
+                # reads one layer ahead within the pass, as the streamer's loader does (not into the next pass:
+                # its first read comes after the page cache is dropped)
+                staged = store.acquire(layer, next_layer=streamed[k + 1] if k + 1 < len(streamed) else None)
                 backend.copy_async(slots[k % n_slots], staged.block, src_pinned=staged.pinned)
                 staged.gate.record(backend.copy_queue)       # the staging buffer may be refilled after this
                 read_s += staged.read_s
@@ -230,6 +256,101 @@ def move_passes_disk(directory: str, layout: LayerLayout, n_layers: int, streame
         backend.close()        # the copy queue first: no copy may still read a staging buffer
         if store is not None:
             store.close()
+
+
+# ---------------------------------------------------------------- read rate of layers.bin
+
+@dataclass
+class ReadRow:
+    reader: str                # what read the file
+    store: bool                # the DiskStore (compared with the plain reads)
+    gbps: list[float] = dataclasses.field(default_factory=list)   # GB/s of each repetition
+    refused: str = ""          # why this reader could not run here ("" when it ran)
+
+
+def measure_read_rates(directory: str, layout: LayerLayout, n_layers: int, device: torch.device, source_id: str,
+                       reads_in_flight: int, reps: int) -> list[ReadRow]:
+    """Cold whole-file read rates of layers.bin, plain sequential reads and a DiskStore's, `reps` times each,
+    interleaved, each repetition starting at another reader.
+
+    Every reader reads into the same memory, the DiskStore's two staging buffers: on this VM the rate of the
+    same reads into different buffers differed by up to 20%, steadily, so separate buffers would compare
+    memory, not readers. The store's first read of each layer checks its crc32, so it reads the file once
+    before the timed repetitions."""
+    path = os.path.join(directory, LAYERS_BIN)
+    size = os.stat(path).st_size
+    with contextlib.ExitStack() as cleanup:
+        backend = make_backend(device)
+        cleanup.callback(backend.close)
+        store = DiskStore(directory, layout, n_layers, backend, source_id=source_id, reads_in_flight=reads_in_flight)
+        cleanup.callback(store.close)
+        for layer in range(n_layers):
+            store.acquire(layer)                         # checks every crc32 (not timed)
+        chunk = min(PLAIN_READ_BYTES, store.block_nbytes)                 # a multiple of 4096
+        stages = [memoryview(stage.tensor.numpy())[:chunk] for stage in store._stages]   # page-aligned
+        plain = f"{format_bytes(chunk)} reads, one at a time"
+        readers: list[tuple[ReadRow, Callable[[], None]]] = [
+            (ReadRow(f"plain buffered, {plain}", store=False),
+             lambda: sequential_read(path, stages, direct=False, drop_behind=False)),
+            (ReadRow(f"plain buffered + DONTNEED behind, {plain}", store=False),
+             lambda: sequential_read(path, stages, direct=False, drop_behind=True)),
+        ]
+        if hasattr(os, "O_DIRECT"):
+            readers.append((ReadRow(f"plain O_DIRECT, {plain}", store=False),
+                            lambda: sequential_read(path, stages, direct=True, drop_behind=False)))
+        # acquire() is the streamer's read, one layer ahead; its staging gates are never recorded here
+        last = n_layers - 1
+        readers.append((ReadRow(f"DiskStore: {store.io}", store=True),
+                        lambda: [store.acquire(i, next_layer=i + 1 if i < last else None) for i in range(n_layers)]))
+        for rep in range(reps):
+            first = rep * len(readers) // reps        # the drive's speed drifts: vary who runs when
+            for row, read in readers[first:] + readers[:first]:
+                if row.refused:
+                    continue
+                drop_page_cache(path)
+                start = time.perf_counter()
+                try:
+                    read()
+                except OSError as err:
+                    if err.errno not in (errno.EINVAL, errno.EOPNOTSUPP):
+                        raise
+                    row.refused = f"refused by the filesystem ({errno.errorcode[err.errno]})"
+                    continue
+                row.gbps.append(size / (time.perf_counter() - start) / 1e9)
+                print(f"[read {rep + 1}/{reps}] {row.reader}: {row.gbps[-1]:.2f} GB/s", file=sys.stderr)
+    return [row for row, _ in readers]
+
+
+def read_ratio(rows: list[ReadRow]) -> tuple[float, list[float]]:
+    """The DiskStore's rate / the fastest plain rate: (of the medians, of each repetition)."""
+    plain = [r for r in rows if not r.store and r.gbps]
+    store = next(r for r in rows if r.store)
+    per_rep = [g / max(r.gbps[i] for r in plain) for i, g in enumerate(store.gbps)]
+    return statistics.median(store.gbps) / max(statistics.median(r.gbps) for r in plain), per_rep
+
+
+def read_table(rows: list[ReadRow]) -> tuple[list[str], list[list[str]]]:
+    """Columns: reader, GB/s of each repetition, median; the store's row also its read_ratio()."""
+    f = _common.fmt
+    reps = max(len(r.gbps) for r in rows)
+    ratio, per_rep = read_ratio(rows)
+    headers = ["reader"] + [f"run {i + 1} GB/s" for i in range(reps)] + ["median GB/s", "store / fastest plain"]
+    out = []
+    for r in rows:
+        if r.refused:
+            out.append([r.reader] + ["–"] * reps + [r.refused, "–"])
+            continue
+        cell = f"{f(ratio, 2)} (runs: {', '.join(f(x, 2) for x in per_rep)})" if r.store else "–"
+        out.append([r.reader] + [f(g, 2) for g in r.gbps] + [f(statistics.median(r.gbps), 2), cell])
+    return headers, out
+
+
+READ_NOTES = f"""Cold whole-file reads of the same `layers.bin` (the page cache dropped before each) into the same
+memory (the DiskStore's two staging buffers), every reader once per run, each run starting at another
+reader (the drive is shared and its speed drifts). **plain**: front to back, one read at a time
+(buffered; buffered with each range dropped right after it is read; O_DIRECT). **DiskStore**: every layer
+read as the streamer's loader does, minus the copy. **store / fastest plain** = the store's median / the
+fastest plain median (each run's own ratio in brackets); goal ≥ {READ_GOAL}."""
 
 
 # ---------------------------------------------------------------- the run
@@ -285,6 +406,8 @@ def measure_streamed(mode: str, ckpt: Checkpoint, cfg, globals_, inputs: Inputs,
         assert len(streamed) == cfg.n_layers and layers.placement.n_slots == args.slots, layers.placement
         host = layers.host
         where = f"{host.kind}, {'pinned' if host.pinned else 'pageable (' + host.reason + ')'}"
+        if host.io:
+            where += f", {host.io}"
         model = Model(cfg, globals_, layers)
         bin_path = os.path.join(store_dir, LAYERS_BIN) if mode == "disk" else None
         cold = (lambda: drop_page_cache(bin_path)) if bin_path else None
@@ -337,7 +460,7 @@ def table_rows(rows: list[Row]) -> list[list[str]]:
 COLUMN_NOTES = """Columns (seconds are per pass; medians over the timed passes, warm-up excluded):
 - **pass s**: one streamed target forward; **compute s**: the same forward with all layers resident;
   **move s**: moving the same bytes from the same source with no compute (cpu: arena → slot copies;
-  disk: cold `preadv` of `layers.bin` into staging + staging → slot copies).
+  disk: cold DiskStore reads of `layers.bin` into staging + staging → slot copies).
 - **efficiency** = max(move, compute) / pass: 1.0 means the transfer is fully hidden (goal ≥ 0.9).
 - **wait s**: compute stood still waiting for a layer; **copy s** / **read s**: the streamer's own copy and
   (disk) read time (`StreamStats`), overlapped with compute.
@@ -388,12 +511,22 @@ def main(argv=None) -> int:
             mode_rows, sources[mode] = measure_streamed(mode, ckpt, cfg, globals_, inputs, args, device, dtype,
                                                         capacity, store_dir if mode == "disk" else None, compute)
             rows += mode_rows
+        read_rows = []
+        if "disk" in args.modes:
+            read_rows = measure_read_rates(store_dir, layout, cfg.n_layers, device, ckpt.fingerprint(),
+                                           args.reads_in_flight, args.read_reps)
 
     print()
     print(_common.text_table(HEADERS, table_rows(rows)))
     worst = min(r.efficiency for r in rows)
     verdict = "met" if worst >= 0.9 else "NOT met"
     print(f"\noverlap efficiency goal (>= 0.9 in every row): {verdict} (lowest {worst:.2f})")
+    if read_rows:
+        print()
+        print(_common.text_table(*read_table(read_rows)))
+        ratio = read_ratio(read_rows)[0]
+        read_verdict = "met" if ratio >= READ_GOAL else "NOT met"
+        print(f"\nread rate goal (DiskStore >= {READ_GOAL} x the fastest plain read): {read_verdict} ({ratio:.2f})")
 
     if args.write_docs:
         partial = (f" **Partial run: only the first {cfg.n_layers} of {full_layers} layers.**"
@@ -410,7 +543,12 @@ def main(argv=None) -> int:
             _common.markdown_table(HEADERS, table_rows(rows)),
             f"Overlap efficiency goal (≥ 0.9 in every row): **{verdict}** (lowest {worst:.2f}).",
             COLUMN_NOTES,
-        ])
+        ] + ([
+            "### Read rate of `layers.bin`",
+            READ_NOTES,
+            _common.markdown_table(*read_table(read_rows)),
+            f"Read rate goal (DiskStore ≥ {READ_GOAL} × the fastest plain read): **{read_verdict}** ({ratio:.2f}).",
+        ] if read_rows else []))
         _common.write_doc_section(SECTION, body)
         print(f"wrote section {SECTION} of {_common.BENCHMARKS_MD}", file=sys.stderr)
     return 0

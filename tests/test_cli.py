@@ -189,6 +189,10 @@ def test_offload_modes_stream_the_target(m, tmp_path, mode):
     assert report["offload"] == mode and report["gb_streamed"] > 0 and report["weights_source"] != "resident"
     if mode == "disk":
         assert (tmp_path / "store" / "manifest.json").is_file()
+        assert "reads: O_DIRECT" in report["weights_source"] or "O_DIRECT refused" in report["weights_source"]
+        _, buffered = generate_json(m, tmp_path, "--offload", mode, *extra, "--disk-io", "buffered", PROMPT,
+                                    name="buffered.json")
+        assert buffered["tokens"] == report["tokens"] and "buffered (--disk-io buffered)" in buffered["weights_source"]
 
 
 def test_offload_auto_keeps_the_target_resident_on_cpu(m, tmp_path):
@@ -362,11 +366,11 @@ def test_os_error_on_the_loader_thread_is_one_line(m, tmp_path, monkeypatch):
     import errno
     import offspec.offload
 
-    def failing_read(self, layer, out):
+    def failing_read(self, layer, out, offset, gate):   # a DiskStore reader thread's read of one piece
         raise OSError(errno.EIO, "Input/output error", "layers.bin")
     disk = ["--device", "cpu", "--dtype", "float32", "--offload", "disk", "--store-dir", tmp_path / "store"]
     ok(cli("models", "prepare", m.target, "--dtype", "float32", "--store-dir", tmp_path / "store"))
-    monkeypatch.setattr(offspec.offload.DiskStore, "_read", failing_read)
+    monkeypatch.setattr(offspec.offload.DiskStore, "_read_piece", failing_read)
     assert_clean_error(cli("generate", *m.models, *disk, PROMPT), "Input/output error: layers.bin")
 
 

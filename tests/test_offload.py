@@ -323,10 +323,10 @@ def test_loader_errors_surface_and_close_is_clean():
     store = HostArenaStore.build(lambda i: random_layers(TINY)[i], layout, range(N_LAYERS), backend, progress=False)
     real_acquire = store.acquire
 
-    def acquire(layer):
+    def acquire(layer, next_layer=None):
         if layer == 4:
             raise OSError("read error on layer 4")
-        return real_acquire(layer)
+        return real_acquire(layer, next_layer)
     store.acquire = acquire
     streamer = LayerStreamer(store, backend, N_LAYERS, {}, n_slots=2)
     with pytest.raises(RuntimeError, match="loader thread failed.*layer 4"):

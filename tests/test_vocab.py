@@ -68,12 +68,13 @@ def test_speculative_greedy_equals_the_targets_own(padded, policy, budget):
 
 
 def record_trees(eng, monkeypatch) -> list:
-    trees, grow = [], eng._grow
+    trees, grow = [], eng._grow_all
 
     def recording(*args, **kwargs):
-        trees.append(grow(*args, **kwargs))
-        return trees[-1]
-    monkeypatch.setattr(eng, "_grow", recording)
+        grown = grow(*args, **kwargs)                 # every row's tree of the round
+        trees.extend(grown)
+        return grown
+    monkeypatch.setattr(eng, "_grow_all", recording)
     return trees
 
 

@@ -187,7 +187,7 @@ def drive(store_dir: Optional[str], target_dir: Optional[str], quick: bool) -> d
     (DiskStore: O_DIRECT where allowed, several reads in flight) when it exists; else a temporary file written
     there and read back front to back, buffered and with O_DIRECT."""
     from .demo import offspec_home
-    from .offload import sequential_read
+    from .offload import drop_page_cache, sequential_read
     folder = Path(store_dir) if store_dir else offspec_home() / "stores"
     folder.mkdir(parents=True, exist_ok=True)
     out: dict = {"folder": str(folder)}
@@ -206,7 +206,7 @@ def drive(store_dir: Optional[str], target_dir: Optional[str], quick: bool) -> d
         buffer = memoryview(HostBuffer.map(READ_BYTES))               # page-aligned, as O_DIRECT needs
         out["file_bytes"] = nbytes
         for name, direct in (("buffered", False), ("direct", True)):
-            _drop(f.name)
+            drop_page_cache(f.name)
             start = time.perf_counter()
             try:
                 sequential_read(f.name, [buffer], direct=direct, drop_behind=not direct)
@@ -219,14 +219,6 @@ def drive(store_dir: Optional[str], target_dir: Optional[str], quick: bool) -> d
     out["read_gbps"] = max(rates.values()) if rates else None
     out["disk_io"] = max(rates, key=rates.get) if rates else "buffered"   # the faster way to read this drive
     return out
-
-
-def _drop(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
 
 
 def _target_store(target_dir: str):
@@ -246,7 +238,7 @@ def _read_store(folder: str, ckpt) -> dict:
     """The target's store read cold, every layer, as the streamer reads it: once with O_DIRECT (where the
     filesystem allows it) and once buffered with each range dropped behind (--disk-io direct / buffered)."""
     from .layout import LayerLayout
-    from .offload import LAYERS_BIN, DiskStore
+    from .offload import LAYERS_BIN, DiskStore, drop_page_cache
     layout = LayerLayout.of(ckpt.config, torch.bfloat16)
     out = {"store": folder, "note": "the target's packed store, read cold as the streamer reads it"}
     for name, direct in (("direct", True), ("buffered", False)):
@@ -256,7 +248,7 @@ def _read_store(folder: str, ckpt) -> dict:
             store = DiskStore(folder, layout, ckpt.config.n_layers, backend, source_id=ckpt.fingerprint(),
                               direct_io=direct)
             cleanup.callback(store.close)
-            _drop(os.path.join(folder, LAYERS_BIN))
+            drop_page_cache(os.path.join(folder, LAYERS_BIN))
             start = time.perf_counter()
             for layer in range(ckpt.config.n_layers):
                 store.acquire(layer)

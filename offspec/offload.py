@@ -236,6 +236,17 @@ def prepare_disk_store(layer_tensors_fn: LayerTensorsFn, n_layers: int, layout: 
                 os.unlink(path)
 
 
+def drop_page_cache(*paths: str) -> None:
+    """Evict these files from the page cache, so their next reads come from the drive (cold-read benchmarks,
+    doctor). Mapped or dirty pages stay: close memory maps and fsync first."""
+    for path in paths:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
 def sequential_read(path: str, buffers: Sequence[memoryview], *, direct: bool, drop_behind: bool) -> int:
     """Read the whole file front to back, one read at a time (like dd), each read filling the next of `buffers`
     in turn: the baseline a store's reader is measured against (bench_stream, doctor). O_DIRECT needs

@@ -107,7 +107,8 @@ def offspec_cell(models: Models, regime: str, requests: list[GenerationRequest],
 
 def peer_cell(target_dir, regime: str, prompt_ids: list[list[int]], B: int, args, offload_folder) -> dict:
     """transformers generate over left-padded batches of B prompts (greedy, exactly --new-tokens each)."""
-    from bench_peers import HfSystems, drop_page_cache
+    from bench_peers import HfSystems
+    from offspec.offload import drop_page_cache
     hf = HfSystems(target_dir, None, parse_dtype(args.dtype), regime, offload_folder, cold=True, assist=None)
     passes = [0]
     hook = hf.target.register_forward_pre_hook(lambda module, a: passes.__setitem__(0, passes[0] + 1))
@@ -118,7 +119,7 @@ def peer_cell(target_dir, regime: str, prompt_ids: list[list[int]], B: int, args
         width = max(len(ids) for ids in batch)
         ids = torch.tensor([[0] * (width - len(x)) + x for x in batch])                  # (b, width) left-padded
         mask = torch.tensor([[0] * (width - len(x)) + [1] * len(x) for x in batch])
-        drop_page_cache(hf.weight_files)
+        drop_page_cache(*hf.weight_files)
         t0 = time.perf_counter()
         with torch.no_grad():
             out = hf.target.generate(ids, attention_mask=mask, max_new_tokens=args.new_tokens,

@@ -65,6 +65,7 @@ from offspec.config import OffloadConfig, RuntimeConfig, TreeConfig  # noqa: E40
 from offspec.costmodel import GpuSetup, predict_seconds_per_token  # noqa: E402
 from offspec.generate import GenerationRequest, run  # noqa: E402
 from offspec.load import parse_dtype  # noqa: E402
+from offspec.offload import drop_page_cache  # noqa: E402
 
 SYSTEMS = ("hf-plain", "hf-assisted", "offspec-none", "offspec-tree", "offspec-tree-int8")
 REFERENCE = "hf-plain"       # every other system's tokens are compared with this one's
@@ -285,16 +286,6 @@ def fp32_todo(results: list[dict], checks: dict[str, dict]) -> dict[str, int]:
 
 # ------------------------------------------------------------------ the systems
 
-def drop_page_cache(paths) -> None:
-    """Evict these files from the page cache so the next read comes from the disk."""
-    for path in paths:
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
-
-
 @dataclass
 class PeerRun:
     """One transformers generate call, as it ran."""
@@ -418,7 +409,7 @@ class HfSystems:
             self.weight_files = sorted({str(p) for p in Path(target_dir).glob("*.safetensors")}
                                        | {str(p) for p in Path(offload_folder).rglob("*") if p.is_file()})
             if cold:
-                self.target.register_forward_pre_hook(lambda module, args: drop_page_cache(self.weight_files))
+                self.target.register_forward_pre_hook(lambda module, args: drop_page_cache(*self.weight_files))
         else:
             # Weights in host RAM, executed where they are. (accelerate's cpu_offload hooks with the CPU as the
             # execution device break assisted generation in transformers 5.23 — "Cannot copy out of meta

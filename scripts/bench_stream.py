@@ -71,7 +71,7 @@ from offspec.metrics import Timer
 from offspec.layout import LayerLayout
 from offspec.model import Model
 from offspec.offload import (LAYERS_BIN, READS_IN_FLIGHT, DiskStore, HostArenaStore, TargetLayers,
-                             open_target_layers, sequential_read)
+                             drop_page_cache, open_target_layers, sequential_read)
 from offspec.transfer import format_bytes, make_backend
 
 SECTION = "bench_stream"
@@ -188,17 +188,6 @@ def settle(layers: TargetLayers, n_slots: int) -> None:
             raise RuntimeError(f"the streamer did not finish its prefetch within {SETTLE_TIMEOUT_S:.0f} s")
         time.sleep(0.005)
 
-
-def drop_page_cache(path: str) -> None:
-    """Evict the whole file from the page cache, so the next reads come from the disk."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
-
-
-# ---------------------------------------------------------------- move only
 
 def move_passes_cpu(store: HostArenaStore, streamed: tuple[int, ...], layout: LayerLayout, device: torch.device,
                     n_slots: int, n: int) -> list[float]:

@@ -1,22 +1,15 @@
 """The pure helpers of scripts/bench_peers.py: the rows file (resume), divergence indices, the identity verdict
 and the summary of rows that lack a system. No models are loaded."""
-import importlib.util
 import json
-import sys
-from pathlib import Path
 
 import pytest
+from scripts_module import load_script
 
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "bench_peers.py"
 
 
 @pytest.fixture(scope="module")
 def bp():
-    spec = importlib.util.spec_from_file_location("bench_peers", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["bench_peers"] = module                # its dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
+    return load_script("bench_peers")
 
 
 def cell(seconds, agreement=1.0, tokens=8, **extra):

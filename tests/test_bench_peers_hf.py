@@ -1,27 +1,20 @@
 """scripts/bench_peers.py's transformers peer on tiny random models (CPU, seconds): the assisted settings reach
 transformers (read back from the candidate generator it built), the target's passes are counted, and the old way
 of passing them (on the target's generation_config, issue #13) is shown to leave transformers' defaults in force."""
-import importlib.util
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
 from tiny import hf_config, make_model, perturbed_copy
+from scripts_module import load_script
 
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "bench_peers.py"
 PROMPT = [1, 10, 11, 12, 13, 14, 15]
 NEW_TOKENS = 40
 
 
 @pytest.fixture(scope="module")
 def bp():
-    spec = importlib.util.spec_from_file_location("bench_peers", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["bench_peers"] = module                # its dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
+    return load_script("bench_peers")
 
 
 @pytest.fixture(scope="module")

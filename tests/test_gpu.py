@@ -17,7 +17,6 @@ Nothing here touches torch.cuda at import time. Each test takes seconds on a GPU
 import contextlib
 import functools
 import os
-import time
 from dataclasses import dataclass
 
 import pytest
@@ -29,6 +28,8 @@ from offspec.layout import GlobalWeights, LayerLayout, layer_shapes
 from offspec.model import Model, ResidentLayers
 from offspec.offload import HostArenaStore, LayerStreamer, layer_nbytes, open_target_layers
 from offspec.transfer import PAGE_BYTES, CudaBackend, CudaEvent, check_copy
+
+import test_offload
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device "
@@ -142,29 +143,18 @@ class SanitizedLoader(LayerStreamer):
             super()._loader_main()
 
 
-class PerPassSlots(SanitizedLoader):
-    def _slot_for(self, n):
-        return self._layer_for(n) % self.n_slots   # the bug: slot from the layer index, not the load counter
+# The broken streamers of the CPU protocol tests (tests/test_offload.py), with the sanitized loader: each
+# overrides one step of the consumer side, SanitizedLoader the loader thread, so they combine.
+class PerPassSlots(test_offload.PerPassSlots, SanitizedLoader):
+    pass
 
 
-class RefillBeforeFree(SanitizedLoader):
-    def _release(self, n, comp_q):
-        k = self._slot_for(n)
-        self._released = n + 1
-        self._post_loads()                 # the bug: the refill is posted before free[k] is recorded ...
-        time.sleep(0.002)                  # (the loader binds its wait to the old record meanwhile)
-        self._free[k].record(comp_q)
+class RefillBeforeFree(test_offload.RefillBeforeFree, SanitizedLoader):
+    pass
 
 
-class FreeBeforeRead(SanitizedLoader):
-    def _take(self, n, comp_q):
-        k = super()._take(n, comp_q)
-        self._free[k].record(comp_q)       # the bug: free[k] recorded before the consumer's kernels on slot k
-        return k
-
-    def _release(self, n, comp_q):
-        self._released = n + 1
-        self._post_loads()
+class FreeBeforeRead(test_offload.FreeBeforeRead, SanitizedLoader):
+    pass
 
 
 def filled_layers(cfg):

@@ -2,7 +2,6 @@
 bandwidth and overlap measurements through the CPU transfer backend, the demo pair on tiny checkpoints through
 the command line, the pytest runner, the section runner and the JSON -> markdown rendering). What stays
 GPU-only is the device choice in main() and the CUDA calls inside offspec's CudaBackend."""
-import importlib.util
 import json
 import os
 import subprocess
@@ -15,6 +14,7 @@ from click.testing import CliRunner
 
 from offspec.config import ModelConfig
 from tiny import hf_config, make_model, perturbed_copy, save_checkpoint
+from scripts_module import load_script
 
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "gpu_check.py"
 CPU = torch.device("cpu")
@@ -24,11 +24,7 @@ TINY = ModelConfig(arch="llama", vocab_size=64, hidden_size=32, intermediate_siz
 
 @pytest.fixture(scope="module")
 def gc():
-    spec = importlib.util.spec_from_file_location("gpu_check", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["gpu_check"] = module                  # its dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
+    return load_script("gpu_check")
 
 
 def options(gc, *argv):

@@ -46,15 +46,17 @@ class BudgetPlanner:
         self.alloc.pop(row, None)
 
     def observe(self, trees: dict, draft_seconds: float, target_seconds: float, pass_tokens: int) -> None:
-        """trees: this round's tree of each planned row; the seconds and the tokens (every row's) of the round."""
+        """trees: this round's tree of each planned row; the seconds and the tokens (every row's) of the round.
+        A round without trees (every budget 0: plain decoding was the better deal) still refines t_target,
+        and the choice is made again from the rows' last trees, so trees come back when they pay again."""
         self.passes.append((pass_tokens, target_seconds))
         grown = {row: t for row, t in trees.items() if t.size > 0}
-        if not grown:
-            return
-        per_call = draft_seconds / (max(t.depth for t in grown.values()) + 1)
-        self.draft_per_call = per_call if self.draft_per_call is None else 0.7 * self.draft_per_call + 0.3 * per_call
-        self.trees.update(grown)
-        self._choose()
+        if grown:
+            per_call = draft_seconds / (max(t.depth for t in grown.values()) + 1)
+            self.draft_per_call = per_call if self.draft_per_call is None else 0.7 * self.draft_per_call + 0.3 * per_call
+            self.trees.update(grown)
+        if self.draft_per_call is not None:
+            self._choose()
 
     def target_fit(self) -> tuple[float, float]:
         """(a, b) of t_target(n) = a + b n; b >= 0. Needs passes of at least two sizes."""
@@ -87,6 +89,11 @@ class BudgetPlanner:
             self.explored_low = True
             for r in rows:
                 self.alloc[r] = max(1, self.trees[r].size // 4)
+            return
+        if (a + b * R) / R < float((seconds / expected)[best - 1]):
+            # No tree at all beats every tree: plain decoding (no draft calls) for every row this round.
+            for r in rows:
+                self.alloc[r] = 0
             return
         mine = torch.bincount(owner[order[:best]], minlength=R).tolist()               # row r's nodes in the best N
         for k, r in enumerate(rows):

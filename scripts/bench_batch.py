@@ -9,11 +9,18 @@ per pass, GB streamed per token, and each prompt's latency (s/token over its own
   regimes   disk   the target's layers streamed from its packed store, every read cold (--disk-io; pages
                    dropped behind each read), resident draft
             cpu    the CPU user's default: both models resident (--offload none); a pass is compute
+  ablation  offspec --tree none at --none-concurrency: the same engine and batching, no speculation (what
+            the trees add at a given B)
   peer      transformers + accelerate, the same prompts left-padded into batches of B, greedy generate()
             (disk: device_map layers -> "disk", pages of the weight files dropped before every forward;
             cpu: weights in host RAM). Its tokens are checked against offspec's (bf16: agreement, not identity).
 
 Rows are appended to --rows as they finish, one per (regime, system, B), so an interrupted run resumes.
+
+--predict (no measurement): the cost model's PREDICTION for a 70B target (Llama-3.1-70B shapes, 1B draft) on one
+24 GB GPU with 192 GB of host RAM for B = 1..64 prompts in flight: the memory plan at each B (fewer resident
+layers as KV caches and trees grow), then s/token = (max(streamed bytes / link, verification compute) + draft)
+/ (B x tokens per row-pass), with every assumption printed beside the table.
 
 Examples:
   python scripts/bench_batch.py --prompts 4 --new-tokens 8 --concurrency 1,2 --regimes cpu --no-peer   # smoke
@@ -23,6 +30,7 @@ Examples:
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import statistics
@@ -54,13 +62,72 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--concurrency", default="1,2,4,8", help="offspec B values, comma separated")
     p.add_argument("--peer-concurrency", default="8", help="B values of the transformers peer, comma separated")
     p.add_argument("--no-peer", dest="peer", action="store_false", help="skip the transformers peer")
+    p.add_argument("--none-concurrency", default="8", help="B values of offspec --tree none (empty: none)")
     p.add_argument("--regimes", default="disk,cpu", help="disk, cpu (comma separated)")
     p.add_argument("--tree-budget", default="auto", help="offspec tree budget (auto or a number)")
     p.add_argument("--disk-io", default="direct", choices=["direct", "buffered"], help="disk regime reads")
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--rows", default=None, help="JSONL file the rows are appended to (resume: done cells are skipped)")
     p.add_argument("--write-docs", action="store_true", help="replace the bench_batch section of docs/benchmarks.md")
+    p.add_argument("--predict", action="store_true", help="print (with --write-docs: write) the 70B-on-24GB "
+                   "prediction for B = 1..64 instead of measuring")
+    p.add_argument("--tokens-per-row-pass", type=float, default=None,
+                   help="prediction: tokens one prompt gains per pass (default: measured offspec B=1 disk rows' "
+                        "tokens/pass in --rows, else 8)")
+    p.add_argument("--link-gbps", type=float, default=24.0, help="prediction: host-to-device GB/s (PCIe 4.0 x16)")
+    p.add_argument("--gpu-tflops", type=float, default=80.0,
+                   help="prediction: effective bf16 TFLOP/s of verification matmuls (an RTX 4090 peaks at ~165)")
+    p.add_argument("--draft-ms", type=float, default=10.0, help="prediction: one batched draft call, ms")
+    p.add_argument("--tree-nodes", type=int, default=64, help="prediction: tree nodes per prompt per pass")
     return p.parse_args(argv)
+
+
+def predict(args, rows: list[dict]) -> str:
+    """The PREDICTION section: the plan and cost model for a 70B on a 24 GB GPU at B = 1..64."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+    from shapes import headers_only_checkpoint        # config + safetensors headers of real models, no weights
+
+    from offspec.checkpoint import Checkpoint
+    from offspec.costmodel import GpuSetup, predict_seconds_per_token
+    from offspec.errors import BudgetError
+    from offspec.plan import GB, Machine, ModelSpec, make_plan
+    measured = [r["tokens_per_pass"] for r in rows if r["regime"] == "disk" and r["system"] == "offspec"
+                and r["concurrency"] == 1]
+    tau = args.tokens_per_row_pass or (measured[0] if measured else 8.0)
+    context, depth = 1024, 12
+    draft_s = args.draft_ms / 1000 * (depth + 1)
+    with tempfile.TemporaryDirectory() as tmp:
+        target, draft = (ModelSpec.of(Checkpoint(headers_only_checkpoint(Path(tmp), name), headers_only=True))
+                         for name in ("Llama-3.1-70B-Instruct", "Llama-3.2-1B-Instruct"))
+    cfg = target.cfg                                   # parameters of the decoder layers' matrices
+    params = cfg.n_layers * (cfg.hidden_size * (2 * cfg.n_heads + 2 * cfg.n_kv_heads) * cfg.head_dim
+                             + 3 * cfg.hidden_size * cfg.intermediate_size)
+    headers = ["B", "plan", "streamed GB/pass", "transfer s", "compute s", "PREDICTED s/token", "PREDICTED tokens/s"]
+    table = []
+    for B in (1, 2, 4, 8, 16, 32, 64):
+        try:
+            plan = make_plan(target, draft, OffloadConfig(mode="auto"), RuntimeConfig(dtype=torch.bfloat16),
+                             RunLimits(context=context, tree_budget=args.tree_nodes, concurrency=B, sampling=False),
+                             Machine.given(24 * GB, 192 * GB))
+        except BudgetError as e:
+            table.append([str(B), f"does not fit: {e}", "–", "–", "–", "–", "–"])
+            continue
+        compute = 2 * params * B * (args.tree_nodes + 1) / (args.gpu_tflops * 1e12)
+        p = predict_seconds_per_token(plan.streamed_bytes, GpuSetup(link_gb_per_s=args.link_gbps), B * tau, draft_s,
+                                      compute)
+        table.append([str(B), f"{len(plan.placement.resident)} resident, {plan.mode}", f"{plan.streamed_bytes / 1e9:.1f}",
+                      f"{p['transfer_seconds_per_pass']:.2f}", f"{compute:.2f}", f"{p['seconds_per_token']:.4f}",
+                      f"{1 / p['seconds_per_token']:.1f}"])
+    assumptions = (f"Assumptions (a PREDICTION, nothing here ran on a GPU): Llama-3.1-70B target and Llama-3.2-1B draft "
+                   f"in bf16; a 24 GB GPU and 192 GB of host RAM (offload auto); context {context} tokens a prompt; "
+                   f"{args.tree_nodes} tree nodes per prompt per pass; each prompt gains {tau:.2f} tokens a pass "
+                   f"({'measured here: offspec B=1, disk regime, demo pair' if measured and not args.tokens_per_row_pass else 'given'}); "
+                   f"link {args.link_gbps:g} GB/s pinned; verification compute 2 x {params / 1e9:.1f} B target matmul "
+                   f"parameters x B x {args.tree_nodes + 1} tokens at {args.gpu_tflops:g} TFLOP/s effective; draft "
+                   f"{depth + 1} calls a round at {args.draft_ms:g} ms each, not overlapped with the pass. "
+                   "s/token = (max(transfer, compute) + draft) / (B x tokens per prompt-pass).")
+    return "\n".join(["### Prediction: a 70B on one 24 GB GPU, by prompts in flight", "", assumptions, "",
+                      _common.markdown_table(headers, table)])
 
 
 def load_rows(path) -> list[dict]:
@@ -75,11 +142,14 @@ def append_row(path, row: dict) -> None:
             f.write(json.dumps(row) + "\n")
 
 
-def offspec_cell(models: Models, regime: str, requests: list[GenerationRequest], B: int, args, store_dir) -> dict:
+def offspec_cell(models: Models, regime: str, requests: list[GenerationRequest], B: int, args, store_dir,
+                 plain: bool = False) -> dict:
     """One job of every request at B in flight -> the row (JobReport totals, latencies, tokens)."""
     mode = "disk" if regime == "disk" else "none"
     offload = OffloadConfig(mode=mode, store_dir=store_dir, disk_io=args.disk_io)
     runtime = RuntimeConfig(device=CPU, dtype=parse_dtype(args.dtype), draft_quant="int8")
+    if plain:
+        requests = [dataclasses.replace(r, tree=TreeConfig(policy="none")) for r in requests]
     longest = max(len(r.prompt_ids) for r in requests) + args.new_tokens
     tree = requests[0].tree
     limits = RunLimits(context=longest + (tree.budget or 1024) + 2, tree_budget=tree.budget, sampling=False,
@@ -149,7 +219,8 @@ def report(rows: list[dict], args) -> tuple[list[str], list[list[str]]]:
     for regime in [r for r in ("disk", "cpu") if any(x["regime"] == r for x in rows)]:
         here = [r for r in rows if r["regime"] == regime]
         base = next((r for r in here if r["system"] == "offspec" and r["concurrency"] == 1), None)
-        for r in sorted(here, key=lambda r: (r["system"] != "offspec", r["concurrency"])):
+        order = {"offspec": 0, "offspec --tree none": 1}
+        for r in sorted(here, key=lambda r: (order.get(r["system"], 2), r["concurrency"])):
             speedup = r["tokens_per_second"] / base["tokens_per_second"] if base else None
             agree = (statistics.mean(agreement(base["tokens"][i], r["tokens"][i]) for i in base["tokens"])
                      if base else None)
@@ -164,6 +235,12 @@ def report(rows: list[dict], args) -> tuple[list[str], list[list[str]]]:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.predict:
+        text = predict(args, load_rows(args.rows))
+        print(text)
+        if args.write_docs:
+            _common.write_doc_section(SECTION + "_prediction", text)
+        return 0
     started, load_at_start = time.time(), _common.load_average()
     target_dir, draft_dir = ensure_demo_models()
     models = Models.open(target_dir, draft_dir)
@@ -179,14 +256,16 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory(prefix="offspec-bench-batch-") as tmp:
         for regime in args.regimes.split(","):
             cells = [("offspec", int(b)) for b in args.concurrency.split(",")]
+            cells += [("offspec --tree none", int(b)) for b in args.none_concurrency.split(",") if b]
             if args.peer:
                 cells += [("transformers", int(b)) for b in args.peer_concurrency.split(",")]
             for system, B in cells:
                 if (regime, system, B) in done:
                     continue
                 print(f"[{regime}] {system} B={B} ...", file=sys.stderr)
-                cell = (offspec_cell(models, regime, requests, B, args, os.path.join(tmp, "store"))
-                        if system == "offspec" else
+                cell = (offspec_cell(models, regime, requests, B, args, os.path.join(tmp, "store"),
+                                     plain=system != "offspec")
+                        if system.startswith("offspec") else
                         peer_cell(target_dir, regime, prompt_ids, B, args, os.path.join(tmp, "hf-offload")))
                 row = {"regime": regime, "system": system, **cell, "settings": settings,
                        "commit": _common.git_commit(),

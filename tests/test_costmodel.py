@@ -56,3 +56,24 @@ def test_a_row_at_the_edge_of_its_tree_gets_a_larger_tree_and_finished_rows_are_
     assert p.budget("shallow") == 8 and p.budget("sure") == 4
     p.forget("sure")
     assert "sure" not in p.trees and p.budget("new row") == 16
+
+
+def test_plain_decoding_when_no_tree_pays_and_trees_come_back_when_they_do():
+    """Expensive draft calls and a target pass that costs every extra token: every budget goes to 0 (plain
+    decoding, no draft call); when later passes show extra tokens are cheap, the rows' last trees are used again."""
+    weak = {r: wide([0.02] * 8) for r in ("a", "b")}
+    p = BudgetPlanner(start=8, max_budget=64, max_depth=4)
+    for row in weak:
+        p.budget(row)
+    for n, t in ((2, 0.2), (10, 1.0), (18, 1.8)):          # 0.1 s a token: speculation's nodes are not free
+        p.passes.append((n, t))
+    p.explored_low = True
+    p.observe(weak, draft_seconds=0.5, target_seconds=1.0, pass_tokens=18)
+    assert p.budget("a") == p.budget("b") == 0
+    for _ in range(32):                                     # plain passes now; then extra tokens turn out free
+        p.observe({}, draft_seconds=0.0, target_seconds=1.0, pass_tokens=2)
+    for n in (40, 80, 120):
+        p.observe({}, draft_seconds=0.0, target_seconds=1.0, pass_tokens=n)
+    p.draft_per_call = 0.0
+    p.observe({}, draft_seconds=0.0, target_seconds=1.0, pass_tokens=2)
+    assert p.budget("a") > 0 and p.budget("b") > 0

@@ -63,7 +63,7 @@ def test_the_targets_own_output_uses_padding_rows(padded):
 def test_speculative_greedy_equals_the_targets_own(padded, policy, budget):
     report, steps = generate(padded.engine, TreeConfig(policy=policy, budget=budget))
     assert report.tokens == padded.reference
-    if budget is None or budget >= 16:
+    if budget is not None and budget >= 16:    # (auto may rightly choose plain decoding: tiny drafts cost what the target does)
         assert report.tokens_per_pass > 1.5, "the draft agrees often: trees must get accepted"
 
 

@@ -15,8 +15,26 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator, Optional, Sequence, Union
 
-from .errors import InputError
+from .errors import BudgetError, InputError
 from .metrics import RunReport, Step
+
+
+AUTO_CONCURRENCY = 16    # batch --concurrency auto: at most this many prompts in flight (halved until the plan fits)
+
+
+def auto_concurrency(models, offload, runtime, limits_for, n_prompts: int,
+                     machine=None) -> int:
+    """The most prompts in flight, up to AUTO_CONCURRENCY and the number of prompts, whose memory plan fits
+    (each adds KV-cache rows, a tree's logits and activations); halving from there. machine: the plan's
+    plan.Machine (a Ray worker's); default this one."""
+    b = min(AUTO_CONCURRENCY, n_prompts)
+    while b > 1:
+        try:
+            models.plan(offload, runtime, limits_for(b), machine)
+            return b
+        except BudgetError:
+            b //= 2
+    return 1
 
 
 @dataclass(frozen=True)
@@ -207,13 +225,15 @@ class PromptRefused:
     error: InputError
 
 
-def run_prompts(engine, requests: Sequence, concurrency: int,
-                prefill_per_pass: Optional[int] = None) -> Iterator[Union[PromptDone, PromptRefused]]:
-    """Engine.run_batch over `requests` (GenerationRequests), one event per prompt as each finishes."""
+def run_prompts(engine, requests: Sequence, concurrency: int, prefill_per_pass: Optional[int] = None,
+                adapt_rows: bool = False) -> Iterator[Union[PromptDone, PromptRefused]]:
+    """Engine.run_batch over `requests` (GenerationRequests), one event per prompt as each finishes.
+    adapt_rows: concurrency is the most in flight, the measured costs may keep fewer (auto concurrency)."""
     from . import generate    # report_of looked up at call time (tests interrupt a job there)
 
     steps: dict[int, list[Step]] = {}
-    for event in engine.run_batch(requests, concurrency=concurrency, prefill_per_pass=prefill_per_pass):
+    for event in engine.run_batch(requests, concurrency=concurrency, prefill_per_pass=prefill_per_pass,
+                                  adapt_rows=adapt_rows):
         if event.error is not None:
             yield PromptRefused(event.request, event.error)
             continue

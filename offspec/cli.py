@@ -19,6 +19,7 @@ from typing import Callable, NoReturn, Optional
 
 import click
 
+from .batch import AUTO_CONCURRENCY, auto_concurrency
 from .config import AUTO_MAX_TREE_BUDGET, DEFAULT_PREFILL_CHUNK, OffloadConfig, RunLimits, RuntimeConfig, SamplingConfig, TreeConfig
 from .errors import InputError, OffspecError
 
@@ -51,9 +52,6 @@ def parse_context(text: str) -> Optional[int]:
     return value
 
 
-AUTO_CONCURRENCY = 8     # batch --concurrency auto tries this many prompts in flight first, then halves
-
-
 def parse_auto_count(text: str, option: str, minimum: int) -> Optional[int]:
     """An 'auto'-or-number option (--concurrency, --tree-budget, --prefill-per-pass): 'auto' -> None."""
     if text == "auto":
@@ -65,22 +63,6 @@ def parse_auto_count(text: str, option: str, minimum: int) -> Optional[int]:
     if value < minimum:
         raise InputError(f"{option} must be at least {minimum}")
     return value
-
-
-def auto_concurrency(models, offload: OffloadConfig, runtime: RuntimeConfig, limits_for, n_prompts: int,
-                     machine=None) -> int:
-    """The most prompts in flight, up to AUTO_CONCURRENCY and the number of prompts, whose memory plan fits
-    (each adds KV-cache rows, a tree's logits and activations); halving from there. machine: the plan's
-    plan.Machine (a Ray worker's); default this one."""
-    from .errors import BudgetError
-    b = min(AUTO_CONCURRENCY, n_prompts)
-    while b > 1:
-        try:
-            models.plan(offload, runtime, limits_for(b), machine)
-            return b
-        except BudgetError:
-            b //= 2
-    return 1
 
 
 def default_device() -> str:
@@ -391,7 +373,9 @@ def write_json(path: str, data: dict) -> None:
 @click.option("--concurrency", default="auto", show_default=True,
               help="Prompts in flight at once (in each worker): every target pass streams the layers once for all "
                    "of them (each with its own tree, KV-cache rows and randomness; outputs are the same as one at a "
-                   f"time). auto = the most, up to {AUTO_CONCURRENCY}, that the memory plan fits; 1 = one at a time.")
+                   f"time). auto = the most, up to {AUTO_CONCURRENCY}, that the memory plan fits, and of those only "
+                   "as many as the measured pass and draft costs say add at least 5% to tokens/s (finished prompts "
+                   "are then not all refilled); 1 = one at a time.")
 @click.option("--workers", type=int, default=None,
               help="Run the job on Ray with this many workers, each with its own engine: one GPU each where the "
                    "cluster has GPUs, else --worker-cpus cores each. Needs Ray (pip install -e '.[ray]'). "
@@ -496,7 +480,8 @@ class BatchRun:
     models: object                      # load.Models, opened (configs, headers, tokenizer)
     offload: OffloadConfig
     runtime: RuntimeConfig              # this machine's (engine_here); engines_on_ray makes the workers' own
-    concurrency: Optional[int]          # prompts in flight per engine; None = auto (the memory plan's most)
+    concurrency: Optional[int]          # prompts in flight per engine; None = auto (the memory plan's most, fewer
+                                        # where the measured costs say more rows add little: BudgetPlanner.rows_worth)
     prefill_per_pass: Optional[int]     # prompt tokens a joining prompt is fed per pass; None = auto (run_batch)
     requests: list                      # GenerationRequests, tokenized
     limits_for: Callable[[int], RunLimits]   # prompts in flight -> the run's limits (context, tree, chunk)
@@ -512,7 +497,8 @@ def engine_here(run: BatchRun):
                                                       len(run.requests))
     loaded = run.models.load(run.offload, run.runtime, run.limits_for(concurrency))
     try:
-        yield (run_prompts(loaded.engine, run.requests, concurrency, run.prefill_per_pass),
+        yield (run_prompts(loaded.engine, run.requests, concurrency, run.prefill_per_pass,
+                           adapt_rows=run.concurrency is None),
                JobReport(concurrency=concurrency), None)
     finally:
         loaded.engine.close()
@@ -546,7 +532,8 @@ def engines_on_ray(run: BatchRun, ray, address: Optional[str], n_workers: int, w
         demo = o["target"] is None
         draft = None if o["policy"] == "none" else ("demo" if demo else absolute(o["draft"]))
         spec = WorkerSpec(target=absolute(o["target"]), draft=draft, demo=demo, offload=run.offload,
-                          runtime=runtime, limits=limits, prefill_per_pass=run.prefill_per_pass, cpus=worker_cpus)
+                          runtime=runtime, limits=limits, prefill_per_pass=run.prefill_per_pass, cpus=worker_cpus,
+                          adapt_rows=run.concurrency is None)
         click.echo(f"ray: {n_workers} workers on {runtime.device.type} ({worker_cpus} CPU"
                    f"{'s' if worker_cpus > 1 else ''}{', 1 GPU' if runtime.device.type == 'cuda' else ''} and "
                    f"{host_bytes / 1e9:.1f} GB host memory each, by the memory plan), {concurrency} prompts in "

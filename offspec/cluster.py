@@ -66,6 +66,7 @@ class WorkerSpec:
     limits: RunLimits             # context, tree budget, prefill chunk, prompts in flight: sized on the driver
     prefill_per_pass: Optional[int]  # prompt tokens a joining prompt is fed per pass; None = auto (run_batch)
     cpus: int                     # CPU cores claimed from Ray for the actor, and its torch threads
+    adapt_rows: bool = False      # auto concurrency: limits.concurrency is the most rows, the costs pick fewer
 
 
 @dataclass(frozen=True)
@@ -112,7 +113,7 @@ class BatchWorker:
         self.load()
         requests = [request for _, request in chunk]
         for event in run_prompts(self.loaded.engine, requests, self.spec.limits.concurrency,
-                                 self.spec.prefill_per_pass):
+                                 self.spec.prefill_per_pass, self.spec.adapt_rows):
             yield replace(event, request=chunk[event.request][0])
 
 

@@ -37,6 +37,7 @@ class DraftWork:
     nodes: int = 0          # tree nodes they ran on, all rows
 
 
+ROW_GAIN = 0.05     # auto concurrency: a row in flight must add at least 5% to the predicted tokens/s to be worth it
 FIRST_PROBE = 4      # while plain decoding wins, trees are grown again after 4 plain rounds, then 8, 16, 32
 LAST_PROBE = 32
 
@@ -112,6 +113,38 @@ class BudgetPlanner:
         a, b = torch.linalg.lstsq(A, ts[:, None]).solution[:, 0].tolist()
         b = max(b, 0.0)
         return max(float((ts - b * ns).mean()), 0.0), b
+
+    def rows_worth(self, most: int) -> Optional[int]:
+        """Auto concurrency: how many rows in flight, up to `most` (what the memory plan holds), the measured
+        costs favour. Rows in flight share a pass's fixed cost a and its draft calls, so tokens/s grows with them
+        until the pass is compute (b) or the draft's per-node cost (c1) bound; past that point more rows only
+        make every prompt wait longer. For R' rows the node values seen so far are taken as every row's, pooled:
+        R' rows offer R'/R copies of the R current rows' sorted values v (k of the pooled best nodes -> N =
+        k R'/R nodes), so
+            rate(R') = max over k of  (R' + R'/R C(k)) / (c0 (depth(k) + 1) + c1 N + a + b (N + R')),
+        k = 0 being plain decoding (no draft call), C the cumulative sum of v. The answer: the fewest rows whose
+        rate is within ROW_GAIN of the best rate up to `most`. None until trees and passes were timed."""
+        rows = list(self.trees)
+        if not rows or not self.drafts or len({n for n, _ in self.passes}) < 2:
+            return None
+        values = torch.cat([self.trees[r].values[1:].double() for r in rows])
+        depths = torch.cat([self.trees[r].draft_depths[1:] for r in rows])
+        order = torch.argsort(values, descending=True)
+        C = torch.cat([torch.zeros(1, dtype=torch.float64), torch.cumsum(values[order], 0)])          # C(k), k = 0..
+        depth = torch.cat([torch.zeros(1), torch.cummax(depths[order], 0).values.float()]).double()  # depth(k)
+        k = torch.arange(C.numel(), dtype=torch.float64)
+        a, b = self.target_fit()
+        c0, c1 = self.draft_fit()
+        R = len(rows)
+        rates = []
+        for n_rows in range(1, most + 1):
+            m = n_rows / R
+            N = m * k
+            seconds = c0 * (depth + 1) + c1 * N + a + b * (N + n_rows)
+            seconds[0] = a + b * n_rows                          # no tree: no draft call
+            rates.append(float(((n_rows + m * C) / seconds.clamp_min(1e-12)).max()))
+        best = max(rates)
+        return next(n for n, rate in enumerate(rates, 1) if rate >= (1 - ROW_GAIN) * best)
 
     def _choose(self) -> None:
         rows = [r for r in self.alloc if r in self.trees]

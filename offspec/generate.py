@@ -216,7 +216,7 @@ class Engine:
 
     def run_batch(self, requests: Sequence[GenerationRequest], concurrency: int = 1,
                   after_round: Optional[Callable[[list["_Row"], KVCache, Optional[KVCache]], None]] = None,
-                  prefill_per_pass: Optional[int] = None) -> Iterator["RowStep"]:
+                  prefill_per_pass: Optional[int] = None, adapt_rows: bool = False) -> Iterator["RowStep"]:
         """Run many requests, up to `concurrency` at a time, every target pass serving all of them: yield a
         RowStep per request per pass (its Step, or the error that refused it) as passes complete.
 
@@ -229,7 +229,11 @@ class Engine:
         A prompt that joins while other rows are decoding is fed in chunks of at most `prefill_per_pass` tokens
         a pass (None: auto, `_join_chunk`), so a long prompt does not stall their passes; its Steps until then
         carry no tokens. A row alone, or every row joining, feeds its whole prompt in one pass (chunked within
-        the pass by prefill_chunk): splitting it would only cost passes."""
+        the pass by prefill_chunk): splitting it would only cost passes.
+
+        adapt_rows (auto concurrency): `concurrency` is then the most rows in flight (the memory plan's), and
+        a finished row is refilled only while the planner's measured costs say another row raises tokens/s
+        (BudgetPlanner.rows_worth); the job starts with all of them, the cheapest way to measure."""
         if concurrency < 1:
             raise InputError(f"concurrency must be at least 1, not {concurrency}")
         if prefill_per_pass is not None and prefill_per_pass < 1:
@@ -252,7 +256,8 @@ class Engine:
         planner = BudgetPlanner(start=128 if self.device.type == "cuda" else 32, max_budget=self.max_tree_budget,
                                 max_depth=max((r.tree.max_depth for r in requests), default=32))
         while rows or queue:
-            while free and queue:                                # refill: the next prompts take free rows
+            limit = (planner.rows_worth(B) if adapt_rows else None) or B
+            while free and queue and len(rows) < limit:          # refill: the next prompts take free rows
                 index, request = queue.pop()
                 try:
                     rows.append(self._admit(index, request, free[-1], t_cache, d_cache))

@@ -44,6 +44,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _common  # noqa: E402
+from offspec.batch import auto_concurrency  # noqa: E402
 from offspec.config import OffloadConfig, RunLimits, RuntimeConfig, TreeConfig  # noqa: E402
 from offspec.demo import ensure_demo_models, humaneval_prompts  # noqa: E402
 from offspec.generate import GenerationRequest  # noqa: E402
@@ -59,7 +60,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=_common.HelpFormatter)
     p.add_argument("--prompts", type=int, default=16, help="HumanEval prompts (the first N)")
     p.add_argument("--new-tokens", type=int, default=64, help="tokens per prompt (EOS ignored)")
-    p.add_argument("--concurrency", default="1,2,4,8", help="offspec B values, comma separated")
+    p.add_argument("--concurrency", default="1,2,4,8,auto",
+                   help="offspec B values, comma separated; auto = `offspec batch --concurrency auto`")
     p.add_argument("--peer-concurrency", default="8", help="B values of the transformers peer, comma separated")
     p.add_argument("--no-peer", dest="peer", action="store_false", help="skip the transformers peer")
     p.add_argument("--none-concurrency", default="8", help="B values of offspec --tree none (empty: none)")
@@ -142,9 +144,11 @@ def append_row(path, row: dict) -> None:
             f.write(json.dumps(row) + "\n")
 
 
-def offspec_cell(models: Models, regime: str, requests: list[GenerationRequest], B: int, args, store_dir,
+def offspec_cell(models: Models, regime: str, requests: list[GenerationRequest], B, args, store_dir,
                  plain: bool = False) -> dict:
-    """One job of every request at B in flight -> the row (JobReport totals, latencies, tokens)."""
+    """One job of every request at B in flight -> the row (JobReport totals, latencies, tokens). B "auto": what
+    `offspec batch --concurrency auto` does (the memory plan's most, up to AUTO_CONCURRENCY, and as many of
+    those as the measured costs favour)."""
     mode = "disk" if regime == "disk" else "none"
     offload = OffloadConfig(mode=mode, store_dir=store_dir, disk_io=args.disk_io)
     runtime = RuntimeConfig(device=CPU, dtype=parse_dtype(args.dtype), draft_quant="int8")
@@ -152,13 +156,17 @@ def offspec_cell(models: Models, regime: str, requests: list[GenerationRequest],
         requests = [dataclasses.replace(r, tree=TreeConfig(policy="none")) for r in requests]
     longest = max(len(r.prompt_ids) for r in requests) + args.new_tokens
     tree = requests[0].tree
-    limits = RunLimits(context=longest + (tree.budget or 1024) + 2, tree_budget=tree.budget, sampling=False,
-                       concurrency=B)
-    loaded = models.load(offload, runtime, limits, progress=False)
-    job, steps = JobReport(concurrency=B), {}
+
+    def limits_for(b: int) -> RunLimits:
+        return RunLimits(context=longest + (tree.budget or 1024) + 2, tree_budget=tree.budget, sampling=False,
+                         concurrency=b)
+    adapt = B == "auto"
+    most = auto_concurrency(models, offload, runtime, limits_for, len(requests)) if adapt else B
+    loaded = models.load(offload, runtime, limits_for(most), progress=False)
+    job, steps = JobReport(concurrency=most), {}
     started = time.perf_counter()
     try:
-        for event in loaded.engine.run_batch(requests, concurrency=B):
+        for event in loaded.engine.run_batch(requests, concurrency=most, adapt_rows=adapt):
             if event.error is not None:
                 raise event.error
             job.add(event.step)
@@ -170,7 +178,8 @@ def offspec_cell(models: Models, regime: str, requests: list[GenerationRequest],
         loaded.engine.close()
     latency = [sum(s.draft_seconds + s.target_seconds for s in st) / sum(len(s.tokens) for s in st)
                for st in steps.values()]
-    return {**job.to_dict(), "median_prompt_seconds_per_token": statistics.median(latency),
+    return {**job.to_dict(), "concurrency": B, "most_in_flight": most,
+            "median_prompt_seconds_per_token": statistics.median(latency),
             "tokens": {str(i): [t for s in st for t in s.tokens] for i, st in steps.items()},
             "offload": loaded.plan.mode, "weights_source": loaded.engine.weights_source()}
 
@@ -212,6 +221,15 @@ def agreement(a: list[int], b: list[int]) -> float:
     return n / max(len(a), 1)
 
 
+def cell_order(B) -> int:
+    """Table order of a B value: numbers, then auto."""
+    return 10 ** 6 if B == "auto" else int(B)
+
+
+def concurrency_values(text: str) -> list:
+    return [b if b == "auto" else int(b) for b in text.split(",") if b]
+
+
 def report(rows: list[dict], args) -> tuple[list[str], list[list[str]]]:
     headers = ["regime", "system", "B", "tokens/s", "× B=1", "passes", "prompts/pass", "tokens/pass",
                "GB/token", "prompt s/token (median)", "agrees with offspec B=1"]
@@ -220,12 +238,13 @@ def report(rows: list[dict], args) -> tuple[list[str], list[list[str]]]:
         here = [r for r in rows if r["regime"] == regime]
         base = next((r for r in here if r["system"] == "offspec" and r["concurrency"] == 1), None)
         order = {"offspec": 0, "offspec --tree none": 1}
-        for r in sorted(here, key=lambda r: (order.get(r["system"], 2), r["concurrency"])):
+        for r in sorted(here, key=lambda r: (order.get(r["system"], 2), cell_order(r["concurrency"]))):
             speedup = r["tokens_per_second"] / base["tokens_per_second"] if base else None
             agree = (statistics.mean(agreement(base["tokens"][i], r["tokens"][i]) for i in base["tokens"])
                      if base else None)
             f = _common.fmt
-            out.append([regime, r["system"], str(r["concurrency"]), f(r["tokens_per_second"]),
+            B = r["concurrency"] if r["concurrency"] != "auto" else f"auto (≤ {r['most_in_flight']})"
+            out.append([regime, r["system"], B, f(r["tokens_per_second"]),
                         f"{speedup:.2f}×" if speedup else "–", str(round(r["passes"])),
                         f(r["rows_per_pass"]) if r.get("rows_per_pass") else "–", f(r["tokens_per_pass"]),
                         f(r.get("gb_streamed_per_token") or 0.0), f(r["median_prompt_seconds_per_token"]),
@@ -255,8 +274,8 @@ def main(argv=None) -> int:
     rows = [r for r in rows if r.get("settings") == settings]
     with tempfile.TemporaryDirectory(prefix="offspec-bench-batch-") as tmp:
         for regime in args.regimes.split(","):
-            cells = [("offspec", int(b)) for b in args.concurrency.split(",")]
-            cells += [("offspec --tree none", int(b)) for b in args.none_concurrency.split(",") if b]
+            cells = [("offspec", b) for b in concurrency_values(args.concurrency)]
+            cells += [("offspec --tree none", b) for b in concurrency_values(args.none_concurrency)]
             if args.peer:
                 cells += [("transformers", int(b)) for b in args.peer_concurrency.split(",")]
             for system, B in cells:

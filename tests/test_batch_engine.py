@@ -311,3 +311,22 @@ def test_a_long_prompt_joins_in_chunks_beside_decoding_rows(engine, per_pass):
         assert fed[:6] == [7] * 6 and fed[6] > 3 and len(fed) == 7
         assert beside >= 6, "the decoding row kept emitting while the long prompt joined"
     assert sum(fed) > len(long_prompt)        # the prompt went in whole, then its first tree was verified
+
+
+def test_auto_concurrency_refills_only_the_rows_the_costs_favour(engine, monkeypatch):
+    """adapt_rows: `concurrency` is the most rows; a finished row is refilled only while the planner's
+    rows_worth says so. The outputs stay each request's own."""
+    from offspec.costmodel import BudgetPlanner
+    requests = [GenerationRequest(prompt_ids=p, max_new_tokens=n, ignore_eos=True)          # auto tree budget
+                for p, n in zip(prompts(6), [5, 17, 9, 12, 3, 8])]
+    for worth, most_seen in ((2, 2), (None, 4)):
+        monkeypatch.setattr(BudgetPlanner, "rows_worth", lambda self, most: worth)
+        tokens = {i: [] for i in range(len(requests))}
+        seen = []
+        for event in engine.run_batch(requests, concurrency=4, adapt_rows=True):
+            assert event.error is None, event.error
+            tokens[event.request] += event.step.tokens
+            seen.append(event.step.rows_in_pass)
+        assert max(seen) == most_seen
+        for i, request in enumerate(requests):
+            assert tokens[i] == alone(engine, request)[0], i

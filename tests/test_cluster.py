@@ -17,7 +17,7 @@ import pytest
 import ray
 import torch
 
-from offspec.batch import PromptDone
+from offspec.batch import AUTO_CONCURRENCY, PromptDone
 from offspec.cluster import LOCAL_OBJECT_STORE, Cluster, WorkerSpec
 from offspec.config import OffloadConfig, RunLimits, RuntimeConfig, TreeConfig
 from offspec.generate import GenerationRequest
@@ -112,7 +112,7 @@ def test_workers_give_the_tokens_of_one_engine_each_prompt_once(m, ray_address, 
     assert sum(w["prompts"] for w in report["workers"]) == N_PROMPTS
     assert sum(w["generated_tokens"] for w in report["workers"]) == report["generated_tokens"] > 0
     assert all(w["tokens_per_second"] > 0 and w["restarts"] == 0 for w in report["workers"] if w["prompts"])
-    assert report["concurrency"] == (8 if concurrency == "auto" else 2)
+    assert report["concurrency"] == (min(AUTO_CONCURRENCY, N_PROMPTS) if concurrency == "auto" else 2)
     assert f"ray: {workers} workers on cpu" in result.stderr and "worker 0 (" in result.stderr
     assert "nothing to do" in ok(cli("batch", m.prompts, "-o", out, *m.models, *FAST, *TREE, "--workers", workers,
                                      "--ray-address", ray_address)).stderr

@@ -125,3 +125,53 @@ def test_a_compute_bound_draft_gets_narrower_trees():
         p.observe({"r": tree()}, draft_seconds=0.0, target_seconds=1.0, pass_tokens=40, timed=False)
         budgets[name] = p.budget("r")
     assert budgets["compute-bound"] <= 8 < budgets["latency-bound"]
+
+
+def planner_costing(a, b, c0=0.01, c1=0.0, tree=lambda: chain([0.8 ** k for k in range(1, 9)]), rows=4):
+    """A planner whose fits are exactly t_target(n) = a + b n and t_draft = c0 per call + c1 per node."""
+    trees = {r: tree() for r in range(rows)}
+    p = BudgetPlanner(start=16, max_budget=64, max_depth=32)
+    for r in trees:
+        p.budget(r)
+    for n in (8, 40, 80):
+        p.passes.append((n, a + b * n))
+    for calls, nodes in ((4, 4), (4, 40), (8, 16), (6, 30)):
+        p.drafts.append((calls, nodes, c0 * calls + c1 * nodes))
+    p.explored_low = True
+    p.observe(trees, draft_seconds=0.0, target_seconds=0.0, pass_tokens=40, timed=False)
+    return p
+
+
+def test_auto_concurrency_takes_every_row_while_the_pass_is_its_fixed_cost():
+    """Streaming: a pass costs its bytes (a = 5 s) whatever it computes, so every row the plan holds adds tokens."""
+    assert planner_costing(a=5.0, b=1e-4).rows_worth(16) == 16
+
+
+def test_auto_concurrency_stops_where_rows_no_longer_add_tokens_per_second():
+    """A pass that is compute (b large against a): past a few rows each one adds its tokens and their cost, so
+    tokens/s stays flat and fewer rows give the same throughput with less wait per prompt."""
+    fixed, compute = planner_costing(a=0.2, b=0.002), planner_costing(a=0.02, b=0.02)
+    assert 1 <= compute.rows_worth(16) < fixed.rows_worth(16) <= 16
+
+    # The answer is the model's: the fewest rows within ROW_GAIN of the best predicted rate.
+    from offspec.costmodel import ROW_GAIN
+    p, R = compute, 4
+    a, b = p.target_fit()
+    c0, c1 = p.draft_fit()
+    values = sorted((float(v) for r in p.trees for v in p.trees[r].values[1:]), reverse=True)
+
+    def rate(n_rows):
+        m, best = n_rows / R, n_rows / (a + b * n_rows)                 # k = 0: plain decoding
+        for k in range(1, len(values) + 1):
+            depth = (k + R - 1) // R            # the pooled best k nodes of 4 equal chains reach this depth
+            N = m * k
+            best = max(best, (n_rows + m * sum(values[:k])) / (c0 * (depth + 1) + c1 * N + a + b * (N + n_rows)))
+        return best
+    rates = [rate(n) for n in range(1, 17)]
+    assert compute.rows_worth(16) == next(n for n, r in enumerate(rates, 1) if r >= (1 - ROW_GAIN) * max(rates))
+
+
+def test_auto_concurrency_waits_for_measurements():
+    p = BudgetPlanner(start=16, max_budget=64)
+    p.budget("r")
+    assert p.rows_worth(8) is None

@@ -47,7 +47,8 @@ class BudgetPlanner:
 
     def __init__(self, start: int = 32, max_budget: int = AUTO_MAX_TREE_BUDGET, max_depth: int = 32):
         self.start = min(start, max_budget)   # a row's budget before any tree of it was seen
-        self.max_budget = max_budget          # per row: the plan counted logits for trees this big
+        self.max_budget = max_budget          # nodes per pass, all rows together (+ at least one a row): the
+                                              # plan counted logits for that many
         self.max_depth = max_depth            # TreeConfig.max_depth: trees that reach it can only grow wider
         self.passes: deque[tuple[int, float]] = deque(maxlen=32)   # (tokens in pass, seconds)
         self.drafts: deque[tuple[int, int, float]] = deque(maxlen=32)  # growth (calls, nodes run on, seconds)
@@ -58,8 +59,10 @@ class BudgetPlanner:
         self.alloc: dict[Hashable, int] = {}          # row -> its budget for the next round
 
     def budget(self, row: Hashable) -> int:
-        """Row's tree budget for this round (a new row starts at `start`)."""
-        return self.alloc.setdefault(row, self.start)
+        """Row's tree budget for this round (a new row starts at `start`, or what the pass has left)."""
+        if row not in self.alloc:
+            self.alloc[row] = max(1, min(self.start, self.max_budget - sum(self.alloc.values())))
+        return self.alloc[row]
 
     def forget(self, row: Hashable) -> None:
         """Row finished: its tree no longer counts."""
@@ -142,6 +145,7 @@ class BudgetPlanner:
             N = m * k
             seconds = c0 * (depth + 1) + c1 * N + a + b * (N + n_rows)
             seconds[0] = a + b * n_rows                          # no tree: no draft call
+            seconds[N > self.max_budget] = float("inf")          # one pass verifies at most max_budget nodes
             rates.append(float(((n_rows + m * C) / seconds.clamp_min(1e-12)).max()))
         best = max(rates)
         return next(n for n, rate in enumerate(rates, 1) if rate >= (1 - ROW_GAIN) * best)
@@ -161,7 +165,7 @@ class BudgetPlanner:
         c0, c1 = self.draft_fit()
         N = torch.arange(1, total + 1, dtype=torch.float64)
         seconds = c0 * (depth_of + 1) + c1 * N + a + b * (N + R)
-        best = int(torch.argmin(seconds / expected)) + 1
+        best = int(torch.argmin((seconds / expected)[:self.max_budget])) + 1
         if len({n for n, _ in self.passes}) < 3 and not self.explored_low:
             # Too few distinct pass sizes to know b: try small trees once to measure the slope.
             self.explored_low = True
@@ -190,6 +194,10 @@ class BudgetPlanner:
                 self.alloc[r] = min(self.max_budget, max(2 * tree.size, 2))
             else:
                 self.alloc[r] = min(self.max_budget, max(1, mine[k]))
+        allotted = sum(self.alloc[r] for r in rows)
+        if allotted > self.max_budget:        # rows looking further share what one pass may verify
+            for r in rows:
+                self.alloc[r] = max(1, self.alloc[r] * self.max_budget // allotted)
 
 
 @dataclass(frozen=True)

@@ -157,7 +157,8 @@ class Engine:
     """A target (resident or streamed) and an optional resident draft, sharing one tokenizer.
 
     context, max_tree_budget, prefill_chunk and max_concurrency are the memory plan's (load.Models.load passes
-    them): the KV caches never hold more than `context` tokens a row, no tree has more than max_tree_budget
+    them): the KV caches never hold more than `context` tokens a row, no tree (and with the auto budget no
+    pass, all rows' trees together, beyond a node a row) has more than max_tree_budget
     nodes, each layer runs over at most prefill_chunk rows at a time, and at most max_concurrency requests
     are in flight. n_shared: the token ids the draft may propose (vocab.py; Models.open counts those both
     tokenizers share); default: the tokenizer's own ids."""

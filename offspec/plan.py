@@ -344,9 +344,17 @@ def _fixed_device_items(target: ModelSpec, draft: Optional[ModelSpec], runtime: 
         fixed.append(PlanItem("device", "draft KV cache", B * kv_bytes_per_token(draft.cfg, dtype) * context,
                               f"{context} tokens{per}"))
     sampling = limits.sampling and draft is not None
-    fixed.append(PlanItem("device", "tree logits", B * logits_nbytes(target.cfg, draft.cfg if draft else None, dtype,
-                                                                     tree_budget, sampling),
-                          f"{tree_budget + 1} rows{per}" + (", T>0 draft distributions" if sampling else "")))
+    d_cfg = draft.cfg if draft else None
+    if limits.tree_budget is None and B > 1:
+        # The auto budget is one node budget per pass shared by every row in flight (costmodel.BudgetPlanner):
+        # tree_budget nodes in all, at least one a row, and each row's root.
+        logits = logits_nbytes(target.cfg, d_cfg, dtype, tree_budget + 2 * B - 1, sampling)
+        counted = f"{tree_budget} nodes shared by {B} rows + a node and a root each"
+    else:
+        logits = B * logits_nbytes(target.cfg, d_cfg, dtype, tree_budget, sampling)
+        counted = f"{tree_budget + 1} rows{per}"
+    fixed.append(PlanItem("device", "tree logits", logits,
+                          counted + (", T>0 draft distributions" if sampling else "")))
     act = max(activation_nbytes(m.cfg, dtype, B * context, limits.prefill_chunk, context, machine.kind == "cpu")
               for m in ([target] + ([draft] if draft else [])))
     fixed.append(PlanItem("device", "activations of the largest forward", act,

@@ -1,8 +1,9 @@
 #!/usr/bin/env python
 """Batched speculation: throughput of `offspec batch` by prompts in flight (B), and the batched peer.
 
-For each regime and each B in --concurrency, offspec runs the same prompts (HumanEval with the chat template,
---new-tokens each, EOS ignored so every prompt makes the same count) through Engine.run_batch, the loop
+For each prompt set, regime and B in --concurrency (a number, or auto: what `offspec batch --concurrency auto`
+does), offspec runs the same prompts (--prompt-sets: code = HumanEval, chat = MT-Bench first turns, with the chat
+template; --new-tokens each, EOS ignored so every prompt makes the same count) through Engine.run_batch, the loop
 `offspec batch` runs, and records the job's totals (metrics.JobReport): tokens/s, passes, prompts and tokens
 per pass, GB streamed per token, and each prompt's latency (s/token over its own passes).
 
@@ -15,7 +16,8 @@ per pass, GB streamed per token, and each prompt's latency (s/token over its own
             (disk: device_map layers -> "disk", pages of the weight files dropped before every forward;
             cpu: weights in host RAM). Its tokens are checked against offspec's (bf16: agreement, not identity).
 
-Rows are appended to --rows as they finish, one per (regime, system, B), so an interrupted run resumes.
+Rows are appended to --rows as they finish, one per (prompt set, regime, system, B), so an interrupted run
+resumes.
 
 --predict (no measurement): the cost model's PREDICTION for a 70B target (Llama-3.1-70B shapes, 1B draft) on one
 24 GB GPU with 192 GB of host RAM for B = 1..64 prompts in flight: the memory plan at each B (fewer resident
@@ -24,8 +26,8 @@ layers as KV caches and trees grow), then s/token = (max(streamed bytes / link, 
 
 Examples:
   python scripts/bench_batch.py --prompts 4 --new-tokens 8 --concurrency 1,2 --regimes cpu --no-peer   # smoke
-  python scripts/bench_batch.py --prompts 16 --new-tokens 64 --concurrency 1,2,4,8,16 --peer-concurrency 8 \\
-      --rows docs/bench_batch_rows.jsonl --write-docs
+  python scripts/bench_batch.py --prompts 16 --new-tokens 64 --concurrency 1,2,4,8,16,auto --peer-concurrency 8 \\
+      --prompt-sets code,chat --rows docs/bench_batch_rows.jsonl --write-docs
 """
 from __future__ import annotations
 
@@ -46,11 +48,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _common  # noqa: E402
 from offspec.batch import auto_concurrency  # noqa: E402
 from offspec.config import OffloadConfig, RunLimits, RuntimeConfig, TreeConfig  # noqa: E402
-from offspec.demo import ensure_demo_models, humaneval_prompts  # noqa: E402
+from offspec.demo import ensure_demo_models  # noqa: E402
 from offspec.generate import GenerationRequest  # noqa: E402
 from offspec.load import Models, parse_dtype  # noqa: E402
 from offspec.metrics import JobReport  # noqa: E402
 from offspec.prompt import encode_prompt  # noqa: E402
+from offspec.prompt_sets import load_prompt_set  # noqa: E402
 
 SECTION = "bench_batch"
 CPU = torch.device("cpu")
@@ -58,7 +61,9 @@ CPU = torch.device("cpu")
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=_common.HelpFormatter)
-    p.add_argument("--prompts", type=int, default=16, help="HumanEval prompts (the first N)")
+    p.add_argument("--prompts", type=int, default=16, help="prompts of each set (the first N)")
+    p.add_argument("--prompt-sets", default="code",
+                   help="code (HumanEval), chat (MT-Bench first turns), or both: code,chat (offspec/prompt_sets.py)")
     p.add_argument("--new-tokens", type=int, default=64, help="tokens per prompt (EOS ignored)")
     p.add_argument("--concurrency", default="1,2,4,8,auto",
                    help="offspec B values, comma separated; auto = `offspec batch --concurrency auto`")
@@ -94,7 +99,7 @@ def predict(args, rows: list[dict]) -> str:
     from offspec.errors import BudgetError
     from offspec.plan import GB, Machine, ModelSpec, make_plan
     measured = [r["tokens_per_pass"] for r in rows if r["regime"] == "disk" and r["system"] == "offspec"
-                and r["concurrency"] == 1]
+                and r["concurrency"] == 1 and r["prompt_set"] == "code"]
     tau = args.tokens_per_row_pass or (measured[0] if measured else 8.0)
     context, depth = 1024, 12
     draft_s = args.draft_ms / 1000 * (depth + 1)
@@ -135,7 +140,11 @@ def predict(args, rows: list[dict]) -> str:
 def load_rows(path) -> list[dict]:
     if path is None or not os.path.exists(path):
         return []
-    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+    rows = [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+    for row in rows:                   # rows from before prompt sets were all HumanEval
+        row.setdefault("prompt_set", "code")
+        row.get("settings", {}).setdefault("prompt_set", "code")
+    return rows
 
 
 def append_row(path, row: dict) -> None:
@@ -231,11 +240,13 @@ def concurrency_values(text: str) -> list:
 
 
 def report(rows: list[dict], args) -> tuple[list[str], list[list[str]]]:
-    headers = ["regime", "system", "B", "tokens/s", "× B=1", "passes", "prompts/pass", "tokens/pass",
+    headers = ["prompts", "regime", "system", "B", "tokens/s", "× B=1", "passes", "prompts/pass", "tokens/pass",
                "GB/token", "prompt s/token (median)", "agrees with offspec B=1"]
     out = []
-    for regime in [r for r in ("disk", "cpu") if any(x["regime"] == r for x in rows)]:
-        here = [r for r in rows if r["regime"] == regime]
+    cells = [(s, r) for s in ("code", "chat") for r in ("disk", "cpu")
+             if any(x["prompt_set"] == s and x["regime"] == r for x in rows)]
+    for prompt_set, regime in cells:
+        here = [r for r in rows if r["regime"] == regime and r["prompt_set"] == prompt_set]
         base = next((r for r in here if r["system"] == "offspec" and r["concurrency"] == 1), None)
         order = {"offspec": 0, "offspec --tree none": 1}
         for r in sorted(here, key=lambda r: (order.get(r["system"], 2), cell_order(r["concurrency"]))):
@@ -244,12 +255,63 @@ def report(rows: list[dict], args) -> tuple[list[str], list[list[str]]]:
                      if base else None)
             f = _common.fmt
             B = r["concurrency"] if r["concurrency"] != "auto" else f"auto (≤ {r['most_in_flight']})"
-            out.append([regime, r["system"], B, f(r["tokens_per_second"]),
+            out.append([prompt_set, regime, r["system"], B, f(r["tokens_per_second"]),
                         f"{speedup:.2f}×" if speedup else "–", str(round(r["passes"])),
                         f(r["rows_per_pass"]) if r.get("rows_per_pass") else "–", f(r["tokens_per_pass"]),
                         f(r.get("gb_streamed_per_token") or 0.0), f(r["median_prompt_seconds_per_token"]),
                         f"{agree:.0%}" if agree is not None else "–"])
     return headers, out
+
+
+def measure_set(models: Models, target_dir, prompt_set: str, args, all_rows: list[dict], tmp: str) -> list[dict]:
+    """Every (regime, system, B) cell of one prompt set: the rows already in --rows for these settings, and the
+    missing ones measured now (each appended to --rows as it finishes)."""
+    budget = None if args.tree_budget == "auto" else int(args.tree_budget)
+    prompt_ids = [encode_prompt(models.tokenizer, text) for _, text in load_prompt_set(prompt_set, args.prompts)]
+    requests = [GenerationRequest(prompt_ids=tuple(ids), max_new_tokens=args.new_tokens, ignore_eos=True,
+                                  tree=TreeConfig(budget=budget)) for ids in prompt_ids]
+    settings = {"prompts": args.prompts, "new_tokens": args.new_tokens, "tree_budget": args.tree_budget,
+                "dtype": args.dtype, "disk_io": args.disk_io, "prompt_set": prompt_set}
+    rows = [r for r in all_rows if r.get("settings") == settings]
+    done = {(r["regime"], r["system"], r["concurrency"]) for r in rows}
+    for regime in args.regimes.split(","):
+        cells = [("offspec", b) for b in concurrency_values(args.concurrency)]
+        cells += [("offspec --tree none", b) for b in concurrency_values(args.none_concurrency)]
+        if args.peer:
+            cells += [("transformers", int(b)) for b in args.peer_concurrency.split(",")]
+        for system, B in cells:
+            if (regime, system, B) in done:
+                continue
+            print(f"[{prompt_set} {regime}] {system} B={B} ...", file=sys.stderr)
+            cell = (offspec_cell(models, regime, requests, B, args, os.path.join(tmp, "store"),
+                                 plain=system != "offspec")
+                    if system.startswith("offspec") else
+                    peer_cell(target_dir, regime, prompt_ids, B, args, os.path.join(tmp, "hf-offload")))
+            row = {"prompt_set": prompt_set, "regime": regime, "system": system, **cell, "settings": settings,
+                   "commit": _common.git_commit(),
+                   "time": time.strftime("%Y-%m-%d %H:%M:%S"), "load_average": _common.load_average()}
+            rows.append(row)
+            append_row(args.rows, row)
+            print(f"[{prompt_set} {regime}] {system} B={B}: {cell['tokens_per_second']:.3f} tokens/s", file=sys.stderr)
+    return rows
+
+
+def goal_lines(rows: list[dict]) -> list[str]:
+    """Issue #11's goals, per prompt set, from the cold-disk rows: B=8 >= 3x the tokens/s of B=1, and >= 4x
+    transformers' batched generate at B=8."""
+    lines = []
+    for prompt_set in ("code", "chat"):
+        disk = {(r["system"], r["concurrency"]): r["tokens_per_second"] for r in rows
+                if r["regime"] == "disk" and r["prompt_set"] == prompt_set}
+        b8, b1, peer = disk.get(("offspec", 8)), disk.get(("offspec", 1)), disk.get(("transformers", 8))
+        if b8 is None:
+            continue
+        for name, base, goal in (("offspec B=1", b1, 3.0), ("transformers B=8", peer, 4.0)):
+            if base is not None:
+                ratio = b8 / base
+                lines.append(f"- {prompt_set}, cold disk: offspec B=8 {b8:.2f} tokens/s = {ratio:.2f}× {name} "
+                             f"({base:.2f}); goal ≥ {goal:g}×: {'met' if ratio >= goal else 'NOT met'}")
+    return lines
 
 
 def main(argv=None) -> int:
@@ -263,49 +325,25 @@ def main(argv=None) -> int:
     started, load_at_start = time.time(), _common.load_average()
     target_dir, draft_dir = ensure_demo_models()
     models = Models.open(target_dir, draft_dir)
-    prompt_ids = [encode_prompt(models.tokenizer, p["prompt"]) for p in humaneval_prompts(args.prompts)]
-    budget = None if args.tree_budget == "auto" else int(args.tree_budget)
-    requests = [GenerationRequest(prompt_ids=tuple(ids), max_new_tokens=args.new_tokens, ignore_eos=True,
-                                  tree=TreeConfig(budget=budget)) for ids in prompt_ids]
-    rows = load_rows(args.rows)
-    settings = {"prompts": args.prompts, "new_tokens": args.new_tokens, "tree_budget": args.tree_budget,
-                "dtype": args.dtype, "disk_io": args.disk_io}
-    done = {(r["regime"], r["system"], r["concurrency"]) for r in rows if r.get("settings") == settings}
-    rows = [r for r in rows if r.get("settings") == settings]
+    all_rows, kept = load_rows(args.rows), []
     with tempfile.TemporaryDirectory(prefix="offspec-bench-batch-") as tmp:
-        for regime in args.regimes.split(","):
-            cells = [("offspec", b) for b in concurrency_values(args.concurrency)]
-            cells += [("offspec --tree none", b) for b in concurrency_values(args.none_concurrency)]
-            if args.peer:
-                cells += [("transformers", int(b)) for b in args.peer_concurrency.split(",")]
-            for system, B in cells:
-                if (regime, system, B) in done:
-                    continue
-                print(f"[{regime}] {system} B={B} ...", file=sys.stderr)
-                cell = (offspec_cell(models, regime, requests, B, args, os.path.join(tmp, "store"),
-                                     plain=system != "offspec")
-                        if system.startswith("offspec") else
-                        peer_cell(target_dir, regime, prompt_ids, B, args, os.path.join(tmp, "hf-offload")))
-                row = {"regime": regime, "system": system, **cell, "settings": settings,
-                       "commit": _common.git_commit(),
-                       "time": time.strftime("%Y-%m-%d %H:%M:%S"), "load_average": _common.load_average()}
-                rows.append(row)
-                append_row(args.rows, row)
-                print(f"[{regime}] {system} B={B}: {cell['tokens_per_second']:.3f} tokens/s", file=sys.stderr)
-    headers, table = report(rows, args)
+        for prompt_set in args.prompt_sets.split(","):
+            kept += measure_set(models, target_dir, prompt_set, args, all_rows, tmp)
+    headers, table = report(kept, args)
     print(_common.text_table(headers, table))
+    print("\n".join(goal_lines(kept)))
     if args.write_docs:
         body = "\n".join([
             "## Batched speculation: prompts in flight (`scripts/bench_batch.py`)", "",
             _common.run_header(CPU, started, load_at_start), "",
-            f"Command: `{_common.command_line()}`", "",
-            f"{args.prompts} HumanEval prompts (chat template), {args.new_tokens} new tokens each (EOS ignored), "
+            f"{args.prompts} prompts of each set (code: HumanEval, chat: MT-Bench first turns; chat template), "
+            f"{args.new_tokens} new tokens each (EOS ignored), "
             f"{args.dtype}, greedy, tree budget {args.tree_budget}; demo pair (1.5B target, 0.5B draft, int8 draft "
             "copy). tokens/s = all prompts' tokens / the job's wall time; a pass streams every target layer once "
             "for all prompts in flight. Prompt s/token = each prompt's own passes' time over its tokens (the "
             "latency a prompt sees), median over prompts. Agreement: the share of each prompt's tokens before the "
             "first difference from offspec at B=1, mean over prompts (bf16: batched matmuls round differently).",
-            "", _common.markdown_table(headers, table)])
+            "", _common.markdown_table(headers, table), "", *goal_lines(kept)])
         _common.write_doc_section(SECTION, body)
     return 0
 

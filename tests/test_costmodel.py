@@ -130,7 +130,7 @@ def test_a_compute_bound_draft_gets_narrower_trees():
 def planner_costing(a, b, c0=0.01, c1=0.0, tree=lambda: chain([0.8 ** k for k in range(1, 9)]), rows=4):
     """A planner whose fits are exactly t_target(n) = a + b n and t_draft = c0 per call + c1 per node."""
     trees = {r: tree() for r in range(rows)}
-    p = BudgetPlanner(start=16, max_budget=64, max_depth=32)
+    p = BudgetPlanner(start=16, max_budget=1024, max_depth=32)
     for r in trees:
         p.budget(r)
     for n in (8, 40, 80):
@@ -175,3 +175,16 @@ def test_auto_concurrency_waits_for_measurements():
     p = BudgetPlanner(start=16, max_budget=64)
     p.budget("r")
     assert p.rows_worth(8) is None
+
+
+def test_one_pass_verifies_at_most_max_budget_nodes_over_all_rows():
+    """The auto budget is one budget per pass shared by the rows (the memory plan counts logits for max_budget
+    nodes in all, plus a node and a root a row): new rows take what is left, and rows that would all grow
+    are scaled back to it."""
+    p = BudgetPlanner(start=32, max_budget=64, max_depth=32)
+    assert [p.budget(r) for r in range(4)] == [32, 32, 1, 1]
+    sure = {r: chain([0.99 ** k for k in range(1, 11)]) for r in range(4)}   # every row takes all its 10 ...
+    p = planner_after(sure)
+    p.max_depth = 64                                            # ... and, with room to grow, asks for 20
+    p.observe(sure, draft_seconds=0.05, target_seconds=1.0, pass_tokens=40, timed=False)
+    assert [p.budget(r) for r in sure] == [16] * 4              # 64 nodes in all

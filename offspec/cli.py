@@ -840,11 +840,11 @@ def models_info(model_dir, draft_dir, device_memory, host_memory, dtype, offload
                                               tokens_per_pass, draft_seconds_per_round=0.0)
         lines.append(f"PREDICTED speed: {per_token['seconds_per_token']:.3f} s/token at {tokens_per_pass:g} tokens per pass "
                      f"(--tokens-per-pass; the draft's time not counted)")
+    else:
+        lines.append("PREDICTED pass:  nothing streams (compute-bound)")
     if plan.placement.resident_held:
         lines.append(f"held layers:     {len(plan.placement.resident)} resident layers held {target_quant} are dequantized "
                      f"every pass, on the compute queue (a GPU: ~1 ms a layer; not in the prediction)")
-    else:
-        lines.append("PREDICTED pass:  nothing streams (compute-bound)")
     click.echo("\n".join(lines))
     if json_path:
         write_json(json_path, plan.to_dict())

@@ -211,7 +211,8 @@ def build_report(steps: list[Step], *, prompt_tokens: int, text: str, load_secon
         peak_host_gb=peak_host_gb(), peak_device_gb=peak_device_gb(device),
         tree_policy=tree_policy, tree_budget=tree_budget, offload=offload, weights_source=weights_source,
         device=str(device),
-        dtype=str(dtype).replace("torch.", ""), target_quant=target_quant, draft_quant=draft_quant, acceptance=[s.accepted for s in steps],
+        dtype=str(dtype).replace("torch.", ""), target_quant=target_quant, draft_quant=draft_quant,
+        acceptance=[s.accepted for s in steps],
         tree_sizes=[s.tree_size for s in steps], memory_plan=memory_plan, calibration=acceptance_report(steps),
     )
 

@@ -61,7 +61,7 @@ LayerTensorsFn = Callable[[int], dict[str, torch.Tensor]]   # layer index -> ten
 BlockLayout = Union[LayerLayout, QuantizedLayout]          # how a stored / moved layer block is laid out
 
 MODES = ("none", "cpu", "disk")
-RESIDENT_QUANTS = ("auto", "on", "off")   # a quantized target's resident layers: held quantized when it fits more | always | never
+RESIDENT_QUANTS = ("auto", "on", "off")   # a quantized target's resident layers held quantized: where more fit | always | never
 BLOCK_ALIGN = 4096            # bytes; disk blocks start and end on this boundary (page cache, O_DIRECT)
 N_STAGING = 2                 # disk staging buffers: one being read while the other is copied out
 READS_IN_FLIGHT = 4           # a disk block is read in this many pieces at once, one thread each (queue depth)

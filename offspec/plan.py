@@ -6,10 +6,10 @@ Inputs are shapes, never weights: ModelSpec comes from config.json and the safet
 can be made for machines and models that are not here (`offspec models info --device-memory 24GB`).
 
 Device (the GPU; on a CPU-only run the host RAM itself, one pool with the host items):
-  draft weights (+ its int8 copy, or its layers held int8 / nf4 + a dequantized matrix), target globals (embed, final norm, lm_head), both KV caches at the run's
-  context, logits of the largest tree, activations of the largest forward (rows go through each layer in
-  chunks of prefill_chunk, so a long prompt costs chunk-sized intermediates), a reserve for the allocator
-  and library workspaces; what is left holds the streaming ring and the resident target layers (a quantized
+  draft weights (+ its int8 copy; or its layers held int8 / nf4, + one dequantized matrix), target globals
+  (embed, final norm, lm_head), both KV caches at the run's context, logits of the largest tree, activations
+  of the largest forward (rows go through each layer in chunks of prefill_chunk, so a long prompt costs
+  chunk-sized intermediates), a reserve for the allocator and library workspaces; what is left holds the streaming ring and the resident target layers (a quantized
   target's held as their blocks plus one dense scratch layer where that fits more of them: --resident-quant).
 Host: the pinned arena (cpu offload) or the staging buffers (disk offload), a transient for loading, and the
   runtime itself; all of it within min(MemAvailable, the cgroup's limit), the pinned part within a safe

@@ -319,7 +319,7 @@ def test_a_held_draft_is_counted_at_its_quantized_size(specs, folders):
     int8, _ = draft_items("int8-held")
     nf4, nf4_plan = draft_items("nf4")
     cfg = specs[draft].cfg
-    globals_ = 2 * cfg.vocab_size * cfg.hidden_size * 2 if specs[draft].lm_head_stored else cfg.vocab_size * cfg.hidden_size * 2
+    globals_ = (2 if specs[draft].lm_head_stored else 1) * cfg.vocab_size * cfg.hidden_size * 2     # embed (+ lm_head)
     layers = lambda items: items["draft weights"] - globals_ - cfg.hidden_size * 2       # noqa: E731
     assert copy["draft weights"] == dense["draft weights"] and "draft int8 copy" in copy
     assert 0.49 < layers(int8) / layers(dense) < 0.51 and 0.27 < layers(nf4) / layers(dense) < 0.29

@@ -508,3 +508,59 @@ def test_cli_bad_resident_and_draft_quant_inputs(pair, request):
     one_error_line(cli("generate", *models, "--draft-quant", "nf4", "abc"), "needs bitsandbytes")
     r = cli("generate", *models, "--draft-quant", "int8-held", "--raw", "--max-new-tokens", 4, "abc")
     assert r.exit_code == 0, r.output          # per-row int8 is offspec's own: no bitsandbytes needed
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("quant", QUANTS)
+def test_cuda_held_resident_layers_equal_dequantized_resident(tmp_path, quant):
+    """On CUDA: resident layers held quantized, dequantized into the shared scratch on the compute stream
+    (beside the ring's copies on the copy stream), with no hidden synchronization in a pass, give the
+    dequantized layers bit for bit; every pass dequantizes again."""
+    from offspec.offload import Placement, open_target_layers
+    from offspec.quant import QuantizedResident, target_layout
+    cfg = replace(CFG, n_layers=7)
+    g = torch.Generator().manual_seed(0)
+    weights = {i: {name: torch.randn(shape, generator=g) for name, shape in layer_shapes(cfg).items()}
+               for i in range(cfg.n_layers)}
+    device = torch.device("cuda")
+    layout = target_layout(cfg, torch.float32, quant)
+    expected = {}
+    for i in range(cfg.n_layers):
+        block = torch.empty(layout.nbytes, dtype=torch.uint8)
+        layout.pack(weights[i], block)
+        expected[i] = dequantized(layout, block.to(device))[1]
+    placement = Placement("cpu", cfg.n_layers, layout.dense.nbytes, resident=(0, 1, 2), n_slots=2,
+                          slot_nbytes=layout.nbytes + layout.dense.nbytes, held_nbytes=layout.nbytes)
+    with open_target_layers(weights.__getitem__, cfg, OffloadConfig(mode="cpu", n_slots=2), device, torch.float32,
+                            store_dir=str(tmp_path / "s"), progress=False, placement=placement, quant=quant) as target:
+        assert all(isinstance(target.source.resident[i], QuantizedResident) for i in (0, 1, 2))
+        mismatches = torch.zeros((), dtype=torch.int64, device=device)
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            for _ in range(3):
+                for i, w in target.source.pass_layers():
+                    for name in layer_shapes(cfg):
+                        mismatches += (getattr(w, name) != getattr(expected[i], name)).sum()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        assert int(mismatches) == 0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("quant", ["int8", "nf4"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cuda_held_draft_weight(quant, dtype):
+    """On CUDA: a HeldWeight (the draft's --draft-quant int8-held / nf4) is quantized and dequantized on the GPU
+    (bitsandbytes' CUDA kernels for nf4), and linear() over it is F.linear over its dequantized matrix."""
+    from offspec.quant import HeldWeight, linear
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(96, 128, generator=g).to(dtype)
+    on_cpu, on_gpu = HeldWeight.quantize(w, quant), HeldWeight.quantize(w.cuda(), quant)
+    assert on_gpu.device.type == "cuda"
+    for held in (on_cpu, on_gpu):      # as close to w on either device (ties may round apart)
+        error = (held.dequantize().float().cpu() - w.float()).norm() / w.float().norm()
+        assert error < {"int8": 0.02, "nf4": 0.15}[quant]
+    x = torch.randn(3, 128, generator=g).to(dtype).cuda()
+    torch.testing.assert_close(linear(x, on_gpu), torch.nn.functional.linear(x, on_gpu.dequantize()))

@@ -836,15 +836,16 @@ def models_info(model_dir, draft_dir, device_memory, host_memory, dtype, offload
         via = f"{min(link_gbps, disk_gbps) if plan.mode == 'disk' else link_gbps:g} GB/s"
         lines.append(f"PREDICTED pass:  {seconds:.3f} s to stream {plan.streamed_bytes / 1e9:.2f} GB at {via} "
                      f"(transfer-bound; copies{' and dequantization' if target_quant != 'none' else ''} overlap compute)")
+        held = len(plan.placement.resident) if plan.placement.resident_held else 0
         per_token = predict_seconds_per_token(plan.streamed_bytes, GpuSetup(link_gb_per_s=plan.streamed_bytes / seconds / 1e9),
-                                              tokens_per_pass, draft_seconds_per_round=0.0)
+                                              tokens_per_pass, draft_seconds_per_round=0.0, held_layers=held)
         lines.append(f"PREDICTED speed: {per_token['seconds_per_token']:.3f} s/token at {tokens_per_pass:g} tokens per pass "
                      f"(--tokens-per-pass; the draft's time not counted)")
     else:
         lines.append("PREDICTED pass:  nothing streams (compute-bound)")
     if plan.placement.resident_held:
         lines.append(f"held layers:     {len(plan.placement.resident)} resident layers held {target_quant} are dequantized "
-                     f"every pass, on the compute queue (a GPU: ~1 ms a layer; not in the prediction)")
+                     f"every pass, on the compute queue (PREDICTED speed counts ~1 ms a layer, a GPU's)")
     click.echo("\n".join(lines))
     if json_path:
         write_json(json_path, plan.to_dict())

@@ -125,3 +125,12 @@ def test_a_compute_bound_draft_gets_narrower_trees():
         p.observe({"r": tree()}, draft_seconds=0.0, target_seconds=1.0, pass_tokens=40, timed=False)
         budgets[name] = p.budget("r")
     assert budgets["compute-bound"] <= 8 < budgets["latency-bound"]
+
+
+def test_held_resident_layers_add_their_dequantization_to_the_predicted_pass():
+    """--resident-quant: fewer bytes stream, and each held layer's dequantization (in line with compute) is added."""
+    from offspec.costmodel import GpuSetup, predict_seconds_per_token
+    setup = GpuSetup(link_gb_per_s=24.0, dequant_s_per_layer=1e-3)
+    plain = predict_seconds_per_token(48 * 10**9, setup, tokens_per_pass=8, draft_seconds_per_round=0.0)
+    held = predict_seconds_per_token(24 * 10**9, setup, tokens_per_pass=8, draft_seconds_per_round=0.0, held_layers=50)
+    assert plain["pass_seconds"] == 2.0 and abs(held["pass_seconds"] - (1.0 + 0.05)) < 1e-12

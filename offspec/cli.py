@@ -25,6 +25,8 @@ from .errors import InputError, OffspecError
 
 POLICIES = ["dyspec", "heap", "chain", "static", "none"]
 TARGET_QUANT_CHOICES = ["none", "int8", "nf4"]   # quant.TARGET_QUANTS (not imported here: keeps --help fast)
+RESIDENT_QUANT_CHOICES = ["auto", "on", "off"]   # offload.RESIDENT_QUANTS
+DRAFT_QUANT_CHOICES = ["auto", "none", "int8", "int8-held", "nf4"]   # auto + quant.QUANT_MODES
 
 
 def parse_bytes(text: Optional[str]) -> Optional[int]:
@@ -81,12 +83,15 @@ def model_options(f):
                      help="Draft model: a folder or a hub id, like --target; same tokenizer as the target (embedding rows "
                           "may differ). Default: the embedded Qwen2.5-Coder-0.5B-Instruct "
                           "when --target is not given, else none (plain autoregressive)."),
-        click.option("--draft-quant", type=click.Choice(["auto", "none", "int8"]), default="auto", show_default=True,
-                     help="Keep an int8 copy of the draft's matrices (one scale per row, +50% draft memory) that draft "
-                          "calls over at most 4 tree nodes read instead. Such a call on a CPU reads every weight, so the "
-                          "copy makes it about twice as fast; output is unchanged (the target verifies every token), only "
-                          "acceptance may move slightly. auto = int8 on a CPU, none on a GPU (where a draft call is "
-                          "latency-bound)."),
+        click.option("--draft-quant", type=click.Choice(DRAFT_QUANT_CHOICES), default="auto", show_default=True,
+                     help="How the draft's matrices are held. int8 = beside each its int8 copy (one scale per row, "
+                          "+50% draft memory) that calls over at most 4 tree nodes read instead: such a call on a CPU "
+                          "reads every weight, so the copy makes it about twice as fast. int8-held / nf4 = held ONLY "
+                          "quantized (per-row int8: 0.50x; bitsandbytes nf4: 0.28x of bf16; lm_head stays dense) to free "
+                          "device memory for resident target layers: each call dequantizes a matrix at a time (slower on "
+                          "a CPU; int8-held narrow calls read int8 directly, as fast as the copy). Output is unchanged "
+                          "either way (the target verifies every token), only acceptance may move slightly. auto = int8 "
+                          "on a CPU, none on a GPU (where a draft call is latency-bound)."),
         click.option("--target-quant", type=click.Choice(TARGET_QUANT_CHOICES), default="none", show_default=True,
                      help="Store, pin, read and stream the target's decoder layers quantized (nf4, by bitsandbytes: "
                           "4.5 bits a weight, 0.28x the bf16 bytes; int8: symmetric, one scale a row, 0.50x) and "
@@ -94,6 +99,14 @@ def model_options(f):
                           "on the device right before it runs. This CHANGES the target: the output is exactly the "
                           "quantized target's (its greedy tokens, its distribution). Quantized once into a packed store "
                           "(as for --offload disk), reused while weights, dtype and quantization match."),
+        click.option("--resident-quant", type=click.Choice(RESIDENT_QUANT_CHOICES), default="auto", show_default=True,
+                     help="With --target-quant: hold the resident target layers (those --gpu-budget keeps on the device) "
+                          "as their quantized blocks, 0.28x (nf4) / 0.50x (int8) of bf16 plus one dense scratch layer, "
+                          "and dequantize each into the scratch right before it runs, every pass: about 2x (int8) / "
+                          "3.5x (nf4) as many layers stay resident, so fewer stream; the price is a dequantization per "
+                          "held layer per pass (a GPU: ~1 ms a layer; a 2-core CPU: ~85 ms for a 1.5B nf4 layer). "
+                          "auto = held only where that keeps more layers resident (never when all fit dense); off = "
+                          "resident layers dequantized once, dense."),
         click.option("--device", default=default_device, show_default="cuda if available, else cpu",
                      help="Compute device for both models."),
         click.option("--dtype", default="bfloat16", show_default=True,
@@ -165,11 +178,14 @@ def build_configs(o: dict, check_device: bool = True):
     draft_quant = o["draft_quant"]
     if draft_quant == "auto":
         draft_quant = "int8" if device.type == "cpu" else "none"
-    from .quant import check_target_quant
+    from .quant import check_draft_quant, check_target_quant
 
     runtime = RuntimeConfig(device=device, dtype=parse_dtype(o["dtype"]), draft_quant=draft_quant,
-                            target_quant=o["target_quant"])
+                            target_quant=o["target_quant"], resident_quant=o["resident_quant"])
     check_target_quant(runtime.target_quant, device, runtime.dtype)   # before any model is read
+    check_draft_quant(runtime.draft_quant, device, runtime.dtype)
+    from .offload import check_resident_quant
+    check_resident_quant(runtime.resident_quant, quantized=runtime.target_quant != "none")
     if o["n_slots"] < (1 if o["no_overlap"] else 2):
         raise InputError("--slots must be at least 2 (1 only with --no-overlap)")
     if o["prefill_chunk"] < 1:
@@ -640,7 +656,7 @@ def bench(prompt_file, prompt_tokens, new_tokens, temperatures, limit, json_path
     if json_path:
         write_json(json_path, {"summary": table, "rows": rows, "device": str(loaded.engine.device),
                                "dtype": str(loaded.engine.target.dtype), "offload": loaded.plan.mode,
-                               "target_quant": loaded.engine.target_quant,
+                               "target_quant": loaded.engine.target_quant, "draft_quant": loaded.engine.draft_quant,
                                "memory_plan": loaded.plan.to_dict()})
 
 
@@ -724,10 +740,13 @@ def models_demo():
 @click.option("--tree-budget", default="auto", show_default=True, help="Largest tree per pass, or auto (up to 1024).")
 @click.option("--prefill-chunk", type=int, default=DEFAULT_PREFILL_CHUNK, show_default=True,
               help="Rows each layer processes at a time.")
-@click.option("--draft-quant", type=click.Choice(["auto", "none", "int8"]), default="auto", show_default=True,
+@click.option("--draft-quant", type=click.Choice(DRAFT_QUANT_CHOICES), default="auto", show_default=True,
               help="As for generate (auto: int8 when planning for this CPU, none for a GPU).")
 @click.option("--target-quant", type=click.Choice(TARGET_QUANT_CHOICES), default="none", show_default=True,
               help="As for generate: plan the target's layers stored and streamed quantized (int8 or nf4).")
+@click.option("--resident-quant", type=click.Choice(RESIDENT_QUANT_CHOICES), default="auto", show_default=True,
+              help="As for generate: with --target-quant, resident layers held quantized (+ one dense scratch layer) "
+                   "where that keeps more of them on the device.")
 @click.option("--tokens-per-pass", type=float, default=8.0, show_default=True,
               help="For the PREDICTED s/token: tokens one target pass yields (dyspec trees on the demo pair measured "
                    "6.5-10 here; a 70B with a 1B draft: unmeasured).")
@@ -738,8 +757,8 @@ def models_demo():
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None,
               help="Also write the plan as JSON. Default: none.")
 def models_info(model_dir, draft_dir, device_memory, host_memory, dtype, offload, gpu_budget, host_budget, n_slots,
-                context, tree_budget, prefill_chunk, draft_quant, target_quant, tokens_per_pass, link_gbps, disk_gbps,
-                json_path):
+                context, tree_budget, prefill_chunk, draft_quant, target_quant, resident_quant, tokens_per_pass, link_gbps,
+                disk_gbps, json_path):
     """The model(s), and the memory plan of a run on a given machine: where every layer lives, what the
     device and host hold, the predicted pass time. Reads config.json and the safetensors headers only, so
     the weights need not be here (plan a 70B on a 24 GB GPU from its headers).
@@ -775,7 +794,7 @@ def models_info(model_dir, draft_dir, device_memory, host_memory, dtype, offload
                      OffloadConfig(mode=offload, gpu_budget=parse_bytes(gpu_budget), n_slots=n_slots,
                                    host_budget=parse_bytes(host_budget)),
                      RuntimeConfig(device=torch.device("cpu"), dtype=dt, draft_quant=draft_quant,
-                                   target_quant=target_quant),
+                                   target_quant=target_quant, resident_quant=resident_quant),
                      RunLimits(context=parse_context(context), tree_budget=parse_auto_count(tree_budget, "--tree-budget", 0),
                                prefill_chunk=prefill_chunk), machine)
     layer_bytes = plan.placement.layer_nbytes
@@ -804,12 +823,16 @@ def models_info(model_dir, draft_dir, device_memory, host_memory, dtype, offload
         via = f"{min(link_gbps, disk_gbps) if plan.mode == 'disk' else link_gbps:g} GB/s"
         lines.append(f"PREDICTED pass:  {seconds:.3f} s to stream {plan.streamed_bytes / 1e9:.2f} GB at {via} "
                      f"(transfer-bound; copies{' and dequantization' if target_quant != 'none' else ''} overlap compute)")
+        held = len(plan.placement.resident) if plan.placement.resident_held else 0
         per_token = predict_seconds_per_token(plan.streamed_bytes, GpuSetup(link_gb_per_s=plan.streamed_bytes / seconds / 1e9),
-                                              tokens_per_pass, draft_seconds_per_round=0.0)
+                                              tokens_per_pass, draft_seconds_per_round=0.0, held_layers=held)
         lines.append(f"PREDICTED speed: {per_token['seconds_per_token']:.3f} s/token at {tokens_per_pass:g} tokens per pass "
                      f"(--tokens-per-pass; the draft's time not counted)")
     else:
         lines.append("PREDICTED pass:  nothing streams (compute-bound)")
+    if plan.placement.resident_held:
+        lines.append(f"held layers:     {len(plan.placement.resident)} resident layers held {target_quant} are dequantized "
+                     f"every pass, on the compute queue (PREDICTED speed counts ~1 ms a layer, a GPU's)")
     click.echo("\n".join(lines))
     if json_path:
         write_json(json_path, plan.to_dict())

@@ -90,3 +90,4 @@ class RuntimeConfig:
     dtype: torch.dtype = torch.float32         # compute and weight dtype
     draft_quant: str = "none"                  # "none" | "int8": the draft's matrices get a per-row int8 copy for narrow calls (changes p only)
     target_quant: str = "none"                 # "none" | "int8" | "nf4": the target's layers stored, moved and dequantized so (changes the target)
+    resident_quant: str = "auto"               # a quantized target's resident layers: "on" held quantized (dequantized every pass into one scratch layer) | "off" dense | "auto" held where that keeps more resident

@@ -166,7 +166,8 @@ class Engine:
     def __init__(self, target: Model, draft: Optional[Model], tokenizer, eos_ids: Sequence[int], *,
                  n_shared: Optional[int] = None, context: Optional[int] = None,
                  max_tree_budget: int = AUTO_MAX_TREE_BUDGET, prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
-                 max_concurrency: Optional[int] = None, plan=None, target_quant: str = "none"):
+                 max_concurrency: Optional[int] = None, plan=None, target_quant: str = "none",
+                 draft_quant: str = "none"):
         self.target = target
         self.draft = draft
         self.tokenizer = tokenizer
@@ -188,6 +189,7 @@ class Engine:
         self.max_concurrency = max_concurrency   # requests in flight the plan counted (None: not planned)
         self.plan = plan            # plan.MemoryPlan the engine was loaded by, for reports (None: built by hand)
         self.target_quant = target_quant   # "none" | "int8" | "nf4": which target runs (the output is ITS output)
+        self.draft_quant = draft_quant if draft is not None else "none"   # how the draft is held (quant.QUANT_MODES)
 
     # ------------------------------------------------------------ the loop
     def weights_source(self) -> str:
@@ -586,4 +588,5 @@ def report_of(engine: Engine, request: GenerationRequest, steps: list[Step], *, 
         tree_budget=request.tree.budget if speculative else 0,
         offload=offload or (engine.plan.mode if engine.plan is not None else "none"), device=engine.device,
         dtype=engine.target.dtype, weights_source=engine.weights_source(), target_quant=engine.target_quant,
+        draft_quant=engine.draft_quant if speculative else "none",
         memory_plan=engine.plan.to_dict() if engine.plan is not None else None)

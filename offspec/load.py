@@ -26,6 +26,7 @@ from .hub import resolve_model
 from .model import Model
 from .plan import Machine, MemoryPlan, ModelSpec, Placement, make_plan
 from .prompt import stop_token_ids
+from .quant import check_draft_quant
 from .vocab import check_rows_cover_tokenizer, check_same_tokenizer, token_id_count
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
@@ -74,7 +75,7 @@ def load_target(ckpt: Checkpoint, offload: OffloadConfig, runtime: RuntimeConfig
     store_dir = offload.store_dir or str(store_dir_for(ckpt, runtime.dtype, offspec_home(), quant))
     layers = open_target_layers(ckpt.layer_tensors, ckpt.config, offload, runtime.device, runtime.dtype,
                                 store_dir=store_dir, progress=progress, source_id=ckpt.fingerprint(),
-                                placement=placement, quant=quant)
+                                placement=placement, quant=quant, resident_quant=runtime.resident_quant)
     return Model(ckpt.config, globals_, layers)
 
 
@@ -144,6 +145,7 @@ class Models:
         offload = replace(offload, mode=plan.mode, host_budget=plan.pinned_budget)
         draft = None
         if self.draft is not None:
+            check_draft_quant(runtime.draft_quant, runtime.device, runtime.dtype)
             draft = load_resident(self.draft, runtime.device, runtime.dtype, runtime.draft_quant)
         target = load_target(self.target, offload, runtime, progress, placement=plan.placement)
         for ckpt in (self.target, self.draft):
@@ -151,7 +153,8 @@ class Models:
                 ckpt.close()     # the weights now live in the models, the arena or the store
         engine = Engine(target, draft, self.tokenizer, self.eos_ids, n_shared=self.n_shared, context=plan.context,
                         max_tree_budget=plan.tree_budget, prefill_chunk=plan.prefill_chunk,
-                        max_concurrency=plan.concurrency, plan=plan, target_quant=runtime.target_quant)
+                        max_concurrency=plan.concurrency, plan=plan, target_quant=runtime.target_quant,
+                        draft_quant=runtime.draft_quant)
         return Loaded(engine, self.target, self.draft, self.tokenizer,
                       self.open_seconds + time.perf_counter() - start, plan)
 

@@ -91,6 +91,7 @@ class RunReport:
     device: str
     dtype: str
     target_quant: str                   # "none" | "int8" | "nf4": the target that ran (output is exactly ITS output)
+    draft_quant: str = "none"           # "none" | "int8" (copy) | "int8-held" | "nf4": the draft that ran (changes acceptance only)
     acceptance: list[int] = field(default_factory=list)   # accepted draft tokens per round
     tree_sizes: list[int] = field(default_factory=list)   # tree nodes proposed per round
     memory_plan: Optional[dict] = None  # plan.MemoryPlan.to_dict(): where every byte was planned to live
@@ -112,6 +113,7 @@ class RunReport:
                          f"estimated ({cal['ngram_nodes']})")
         dequant = f", dequantized in {self.dequant_seconds:.2f} s" if self.target_quant != "none" else ""
         quant = f", target quantized {self.target_quant} (output is that quantized target's)" if self.target_quant != "none" else ""
+        quant += f", draft {self.draft_quant}" if self.draft_quant != "none" else ""
         return (
             f"{self.new_tokens} tokens in {self.passes} target passes ({self.tokens_per_pass:.2f} tokens/pass), "
             f"finish: {self.finish_reason}\n"
@@ -183,7 +185,7 @@ def peak_device_gb(device: torch.device) -> Optional[float]:
 def build_report(steps: list[Step], *, prompt_tokens: int, text: str, load_seconds: float, tree_policy: str,
                  tree_budget: Optional[int], offload: str, device: torch.device, dtype: torch.dtype,
                  weights_source: str = "resident", memory_plan: Optional[dict] = None,
-                 target_quant: str = "none") -> RunReport:
+                 target_quant: str = "none", draft_quant: str = "none") -> RunReport:
     tokens = [t for s in steps for t in s.tokens]
     n = len(tokens)
     round_seconds = [s.draft_seconds + s.target_seconds for s in steps]
@@ -209,7 +211,8 @@ def build_report(steps: list[Step], *, prompt_tokens: int, text: str, load_secon
         peak_host_gb=peak_host_gb(), peak_device_gb=peak_device_gb(device),
         tree_policy=tree_policy, tree_budget=tree_budget, offload=offload, weights_source=weights_source,
         device=str(device),
-        dtype=str(dtype).replace("torch.", ""), target_quant=target_quant, acceptance=[s.accepted for s in steps],
+        dtype=str(dtype).replace("torch.", ""), target_quant=target_quant, draft_quant=draft_quant,
+        acceptance=[s.accepted for s in steps],
         tree_sizes=[s.tree_size for s in steps], memory_plan=memory_plan, calibration=acceptance_report(steps),
     )
 

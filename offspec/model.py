@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from .config import ModelConfig
 from .kv_cache import KVCache
 from .layout import GlobalWeights, LayerWeights
-from .quant import linear
+from .quant import QuantizedResident, layer_weights, linear
 
 
 MaskRows = Callable[[int, int], torch.Tensor]   # (a, b) -> rows a..b-1 of a sequence's mask, (b - a, S) bool
@@ -73,13 +73,15 @@ class LayerSource(Protocol):
 
 
 class ResidentLayers:
-    """All layers live on the compute device for good."""
+    """All layers live on the compute device for good: dense, or (a quantized target's, --resident-quant) as
+    quantized blocks dequantized into one shared scratch layer as each one's turn comes (quant.QuantizedResident)."""
 
-    def __init__(self, layers: list[LayerWeights]):
+    def __init__(self, layers: list[Union[LayerWeights, QuantizedResident]]):
         self.layers = layers
 
     def pass_layers(self) -> Iterator[tuple[int, LayerWeights]]:
-        yield from enumerate(self.layers)
+        for i, layer in enumerate(self.layers):
+            yield i, layer_weights(layer)
 
 
 # ---------------------------------------------------------------- RoPE

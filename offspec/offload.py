@@ -53,7 +53,7 @@ from .config import ModelConfig, OffloadConfig
 from .errors import BudgetError, CheckpointError, InputError, StoreError
 from .layout import LayerLayout, LayerWeights, round_up
 from .model import ResidentLayers
-from .quant import QuantizedLayout, check_target_quant, dequantized, target_layout
+from .quant import QuantizedLayout, QuantizedResident, check_target_quant, dequantized, layer_weights, target_layout
 from .transfer import (PAGE_BYTES, HostBuffer, TransferBackend, TransferEvent, format_bytes, make_backend,
                        raise_from_worker)
 
@@ -61,6 +61,7 @@ LayerTensorsFn = Callable[[int], dict[str, torch.Tensor]]   # layer index -> ten
 BlockLayout = Union[LayerLayout, QuantizedLayout]          # how a stored / moved layer block is laid out
 
 MODES = ("none", "cpu", "disk")
+RESIDENT_QUANTS = ("auto", "on", "off")   # a quantized target's resident layers held quantized: where more fit | always | never
 BLOCK_ALIGN = 4096            # bytes; disk blocks start and end on this boundary (page cache, O_DIRECT)
 N_STAGING = 2                 # disk staging buffers: one being read while the other is copied out
 READS_IN_FLIGHT = 4           # a disk block is read in this many pieces at once, one thread each (queue depth)
@@ -575,13 +576,13 @@ class LayerStreamer:
     The streamer owns `store` and `backend`: close() stops the loader and closes both."""
 
     def __init__(self, store: WeightStore, backend: TransferBackend, n_layers: int,
-                 resident: dict[int, LayerWeights], n_slots: int, overlap: bool = True):
+                 resident: dict[int, Union[LayerWeights, QuantizedResident]], n_slots: int, overlap: bool = True):
         if n_slots < (2 if overlap else 1):
             raise ValueError(f"n_slots={n_slots}: streaming needs at least 2 slots (1 only with overlap off)")
         self.store, self.backend = store, backend
         self.layout: LayerLayout = store.layout
         self.n_layers, self.n_slots, self.overlap = n_layers, n_slots, overlap
-        self.resident = dict(resident)                          # layer index -> weights kept on the device
+        self.resident = dict(resident)       # layer index -> weights kept on the device (dense, or held quantized)
         self.streamed = [i for i in range(n_layers) if i not in self.resident]   # streamed layers, in order
         if not self.streamed:
             raise ValueError("nothing to stream: every layer is resident (use ResidentLayers)")
@@ -641,7 +642,7 @@ class LayerStreamer:
             self._count_prefetched()
             for layer in range(self.n_layers):
                 if layer in self.resident:
-                    yield layer, self.resident[layer]
+                    yield layer, layer_weights(self.resident[layer])   # a held quantized layer: dequantized now
                     continue
                 n = self._released
                 assert self._layer_for(n) == layer, (n, layer)
@@ -836,6 +837,8 @@ class Placement:
     n_slots: int                # ring slots; 0 when nothing streams
     slot_nbytes: Optional[int] = None   # bytes of one ring slot; None = layer_nbytes (a quantized layer's
                                         # slot holds its block and the dense layer it dequantizes into)
+    held_nbytes: Optional[int] = None   # resident layers held quantized (--resident-quant): the bytes of one,
+                                        # its block; None = resident layers are dense (layer_nbytes each)
 
     @property
     def streamed(self) -> tuple[int, ...]:
@@ -846,41 +849,94 @@ class Placement:
         return self.layer_nbytes if self.slot_nbytes is None else self.slot_nbytes
 
     @property
+    def resident_held(self) -> bool:
+        """Resident layers are held quantized and dequantized into one scratch layer every pass."""
+        return self.held_nbytes is not None and bool(self.resident)
+
+    @property
+    def resident_nbytes(self) -> int:
+        """Device bytes of one resident layer: its quantized block when held so, else the dense layer."""
+        return self.held_nbytes if self.resident_held else self.layer_nbytes
+
+    @property
+    def scratch_nbytes(self) -> int:
+        """The dense layer that held quantized resident layers dequantize into, one for them all (else 0)."""
+        return self.layer_nbytes if self.resident_held else 0
+
+    @property
     def device_bytes(self) -> int:
-        """Device memory the target's decoder layers take: resident blocks + ring."""
-        return len(self.resident) * self.layer_nbytes + self.n_slots * self.ring_slot_nbytes
+        """Device memory the target's decoder layers take: resident layers (+ their scratch) + ring."""
+        return len(self.resident) * self.resident_nbytes + self.scratch_nbytes + self.n_slots * self.ring_slot_nbytes
 
 
 def place_layers(n_layers: int, layer_bytes: int, offload: OffloadConfig,
-                 layer_budget: Optional[int], slot_bytes: Optional[int] = None) -> Placement:
+                 layer_budget: Optional[int], slot_bytes: Optional[int] = None,
+                 held_bytes: Optional[int] = None) -> Placement:
     """Spend `layer_budget` device bytes on the target's layers: the ring first (n_slots slots of slot_bytes,
     default layer_bytes), then resident layers, first layers first. layer_budget None: nothing resident
-    beyond the ring (a CPU device, where cpu/disk offload should really stream)."""
+    beyond the ring (a CPU device, where cpu/disk offload should really stream).
+
+    held_bytes (a quantized target's block): resident layers are held quantized, held_bytes each, plus one
+    dense scratch layer (layer_bytes) they all dequantize into; e.g. a budget of 10 dense bf16 layers and a
+    2-slot nf4 ring (slots of 1.28 layers) holds 7 dense or (10 - 2.56 - 1) / 0.28 = 23 held nf4 layers."""
     mode = offload.mode
     if mode not in MODES:
         raise InputError(f"unknown offload mode {mode!r} (expected one of {', '.join(MODES)})")
     min_slots = 2 if offload.overlap else 1
     if offload.n_slots < min_slots:
         raise InputError(f"n_slots={offload.n_slots}: streaming needs at least 2 slots (1 only with overlap off)")
-    all_layers = n_layers * layer_bytes
+    each, scratch = (layer_bytes, 0) if held_bytes is None else (held_bytes, layer_bytes)
+    all_layers = n_layers * each + scratch
     slot = layer_bytes if slot_bytes is None else slot_bytes
+    everything = Placement(mode, n_layers, layer_bytes, resident=tuple(range(n_layers)), n_slots=0,
+                           held_nbytes=held_bytes)
     if mode == "none":
         if layer_budget is not None and layer_budget < all_layers:
-            raise BudgetError(f"{format_bytes(layer_budget)} for target layers cannot hold all {n_layers} layers "
+            held = "" if held_bytes is None else " held quantized, with their dequantization scratch"
+            raise BudgetError(f"{format_bytes(layer_budget)} for target layers cannot hold all {n_layers} layers{held} "
                               f"({format_bytes(all_layers)}): use --offload cpu or disk")
-        return Placement(mode, n_layers, layer_bytes, resident=tuple(range(n_layers)), n_slots=0)
+        return everything
     if layer_budget is None:
         return Placement(mode, n_layers, layer_bytes, resident=(), n_slots=offload.n_slots, slot_nbytes=slot_bytes)
+    if layer_budget >= all_layers:     # held quantized, every layer may fit in less than a ring would take
+        return everything
     ring_min = min_slots * slot
     if layer_budget < ring_min:
         raise BudgetError(f"{format_bytes(layer_budget)} for target layers is too small to stream: it needs at least "
                           f"{format_bytes(ring_min)} ({min_slots} slots × {format_bytes(slot)} per slot)")
-    if layer_budget >= all_layers:
-        return Placement(mode, n_layers, layer_bytes, resident=tuple(range(n_layers)), n_slots=0)
     n_slots = min(offload.n_slots, layer_budget // slot)
-    n_resident = min((layer_budget - n_slots * slot) // layer_bytes, n_layers - n_slots)
+    room = layer_budget - n_slots * slot - scratch       # the scratch is paid once, by the first held layer
+    n_resident = max(0, min(room // each, n_layers - n_slots))
     return Placement(mode, n_layers, layer_bytes, resident=tuple(range(n_resident)), n_slots=n_slots,
-                     slot_nbytes=slot_bytes)
+                     slot_nbytes=slot_bytes, held_nbytes=held_bytes if n_resident else None)
+
+
+def check_resident_quant(resident_quant: str, quantized: bool) -> None:
+    """One line for a --resident-quant that cannot be: unknown, or "on" for a target that is not quantized."""
+    if resident_quant not in RESIDENT_QUANTS:
+        raise InputError(f"unknown --resident-quant {resident_quant!r}; choose one of {', '.join(RESIDENT_QUANTS)}")
+    if resident_quant == "on" and not quantized:
+        raise InputError("--resident-quant on holds resident layers quantized: it needs --target-quant int8 or nf4")
+
+
+def choose_placement(n_layers: int, layer_bytes: int, offload: OffloadConfig, layer_budget: Optional[int],
+                     slot_bytes: Optional[int] = None, held_bytes: Optional[int] = None,
+                     resident_quant: str = "auto") -> Placement:
+    """place_layers, with a quantized target's resident layers dense or held quantized (held_bytes: its block;
+    None for a dense target) as resident_quant says: "on" held, "off" dense, "auto" held only where that keeps
+    MORE layers resident (a tie stays dense: a held layer costs a dequantization every pass, a dense one
+    nothing). A budget no placement fits raises the BudgetError of the held one."""
+    check_resident_quant(resident_quant, quantized=held_bytes is not None)
+    if held_bytes is None or resident_quant == "off":
+        return place_layers(n_layers, layer_bytes, offload, layer_budget, slot_bytes)
+    held = place_layers(n_layers, layer_bytes, offload, layer_budget, slot_bytes, held_bytes)
+    if resident_quant == "on":
+        return held
+    try:
+        dense = place_layers(n_layers, layer_bytes, offload, layer_budget, slot_bytes)
+    except BudgetError:
+        return held
+    return held if len(held.resident) > len(dense.resident) else dense
 
 
 
@@ -915,18 +971,23 @@ def ring_slot_nbytes(layout: BlockLayout) -> Optional[int]:
     return None if layout.quant == "none" else layout.nbytes + layout.dense.nbytes
 
 
-def _resident_layer(block: torch.Tensor, layout: BlockLayout, device: torch.device) -> LayerWeights:
-    """A host block of `layout` -> the layer on the device for good, dense (a quantized block is copied,
-    dequantized there, and dropped)."""
+def _resident_layer(block: torch.Tensor, layout: BlockLayout, device: torch.device,
+                    scratch: Optional[torch.Tensor] = None) -> Union[LayerWeights, QuantizedResident]:
+    """A host block of `layout` -> the layer on the device for good: dense (a quantized block is copied,
+    dequantized there, and dropped), or with a scratch ((dense nbytes,) uint8 on the device) the quantized
+    block itself, held, dequantized into the scratch every pass."""
     on_device = torch.empty(layout.nbytes, dtype=torch.uint8, device=device)   # (nbytes,)
     on_device.copy_(block)
+    if scratch is not None:
+        return QuantizedResident(layout, on_device, scratch)
     return dequantized(layout, on_device)[1]
 
 
 def open_target_layers(layer_tensors_fn: LayerTensorsFn, cfg: ModelConfig, offload: OffloadConfig,
                        device: torch.device, dtype: torch.dtype, store_dir: Optional[str] = None,
                        progress: bool = True, *, source_id: str = "",
-                       placement: Optional[Placement] = None, quant: str = "none") -> TargetLayers:
+                       placement: Optional[Placement] = None, quant: str = "none",
+                       resident_quant: str = "auto") -> TargetLayers:
     """The target's decoder layers, placed as `offload` says.
 
     layer_tensors_fn(i) gives layer i's tensors keyed by LayerWeights field names, any dtype (cast to
@@ -938,16 +999,20 @@ def open_target_layers(layer_tensors_fn: LayerTensorsFn, cfg: ModelConfig, offlo
 
     quant "int8" | "nf4": every layer is quantized once, into the packed store at store_dir (whatever the
     mode: quantizing a 70B takes the better part of an hour on a few cores, reading it back seconds); the
-    arena and the ring hold quantized blocks, resident layers and the ring's dense buffers the dequantized
-    layer in `dtype`. A store of another quantization is refused.
+    arena and the ring hold quantized blocks, the ring's dense buffers the dequantized layer in `dtype`.
+    Resident layers are dense, or held as their quantized blocks and dequantized every pass into one shared
+    scratch layer (placement.resident_held; resident_quant decides it when no placement is given). A store
+    of another quantization is refused.
 
     placement: which layers stay resident and how many slots stream the rest, as the memory plan decided
     (plan.make_plan); None = offload.gpu_budget alone decides (no budget: nothing resident beyond the ring)."""
     check_target_quant(quant, device, dtype)
     layout = target_layout(cfg, dtype, quant)
     if placement is None:
-        placement = place_layers(cfg.n_layers, layout.dense.nbytes, offload, offload.gpu_budget,
-                                 slot_bytes=ring_slot_nbytes(layout))
+        placement = choose_placement(cfg.n_layers, layout.dense.nbytes, offload, offload.gpu_budget,
+                                     slot_bytes=ring_slot_nbytes(layout),
+                                     held_bytes=None if quant == "none" else layout.nbytes,
+                                     resident_quant=resident_quant)
     from_store = offload.mode == "disk" or quant != "none"
     if not placement.streamed and not from_store:
         layers = []
@@ -979,7 +1044,10 @@ def open_target_layers(layer_tensors_fn: LayerTensorsFn, cfg: ModelConfig, offlo
             _pack_layer(layer_tensors_fn, layer, layout, block)
             return block
 
-        resident = {i: _resident_layer(host_block(i), layout, device)
+        # Held quantized resident layers share one scratch layer: the plan counted it once (scratch_nbytes).
+        scratch = (torch.empty(layout.dense.nbytes, dtype=torch.uint8, device=device)   # (dense nbytes,)
+                   if placement.resident_held else None)
+        resident = {i: _resident_layer(host_block(i), layout, device, scratch)
                     for i in tqdm(placement.resident, desc="loading resident layers", unit="layer",
                                   disable=not progress or not placement.resident)}
         if not placement.streamed:

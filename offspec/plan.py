@@ -6,10 +6,11 @@ Inputs are shapes, never weights: ModelSpec comes from config.json and the safet
 can be made for machines and models that are not here (`offspec models info --device-memory 24GB`).
 
 Device (the GPU; on a CPU-only run the host RAM itself, one pool with the host items):
-  draft weights (+ its int8 copy), target globals (embed, final norm, lm_head), both KV caches at the run's
-  context, logits of the largest tree, activations of the largest forward (rows go through each layer in
-  chunks of prefill_chunk, so a long prompt costs chunk-sized intermediates), a reserve for the allocator
-  and library workspaces; what is left holds the streaming ring and the resident target layers.
+  draft weights (+ its int8 copy; or its layers held int8 / nf4, + one dequantized matrix), target globals
+  (embed, final norm, lm_head), both KV caches at the run's context, logits of the largest tree, activations
+  of the largest forward (rows go through each layer in chunks of prefill_chunk, so a long prompt costs
+  chunk-sized intermediates), a reserve for the allocator and library workspaces; what is left holds the streaming ring and the resident target layers (a quantized
+  target's held as their blocks plus one dense scratch layer where that fits more of them: --resident-quant).
 Host: the pinned arena (cpu offload) or the staging buffers (disk offload), a transient for loading, and the
   runtime itself; all of it within min(MemAvailable, the cgroup's limit), the pinned part within a safe
   fraction of that (pinned pages cannot be reclaimed: pinning too much is an OOM kill, not a fallback).
@@ -29,9 +30,9 @@ import torch
 
 from .config import AUTO_MAX_TREE_BUDGET, ModelConfig, OffloadConfig, RunLimits, RuntimeConfig
 from .errors import BudgetError, InputError
-from .layout import LayerLayout, round_up
-from .offload import BLOCK_ALIGN, N_STAGING, Placement, place_layers, ring_slot_nbytes
-from .quant import target_layout
+from .layout import LayerLayout, layer_shapes, round_up
+from .offload import BLOCK_ALIGN, N_STAGING, Placement, choose_placement, ring_slot_nbytes
+from .quant import HELD_DRAFT_QUANTS, held_matrix_nbytes, target_layout
 from .transfer import PAGE_BYTES, format_bytes as fmt
 
 GB = 10**9
@@ -159,12 +160,29 @@ def globals_nbytes(spec: ModelSpec, dtype: torch.dtype) -> int:
 
 
 def int8_copy_nbytes(cfg: ModelConfig, dtype: torch.dtype) -> int:
-    """quant.with_int8_copies: every matrix (N, K) of every layer and lm_head gets N*K int8 + N scales."""
+    """--draft-quant int8 (quant.Int8Weight): every matrix (N, K) of every layer and lm_head gets N*K int8 + N scales."""
     D, F_, q, kv = cfg.hidden_size, cfg.intermediate_size, cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
     per_layer = [(q, D), (kv, D), (kv, D), (D, q), (F_, D), (F_, D), (D, F_)]
     s = itemsize(dtype)
     layer = sum(n * k + n * s for n, k in per_layer)
     return cfg.n_layers * layer + cfg.vocab_size * (cfg.hidden_size + s)
+
+
+def draft_weights_nbytes(spec: ModelSpec, dtype: torch.dtype, draft_quant: str = "none") -> int:
+    """The draft's weights on the device: dense, or (--draft-quant int8-held | nf4) its layers' matrices held
+    quantized (quant.HeldWeight) beside dense norms, biases, embedding and lm_head."""
+    cfg = spec.cfg
+    if draft_quant not in HELD_DRAFT_QUANTS:
+        return cfg.n_layers * layer_nbytes(cfg, dtype) + globals_nbytes(spec, dtype)
+    quant = HELD_DRAFT_QUANTS[draft_quant]
+    layer = sum(held_matrix_nbytes(quant, shape, dtype) if len(shape) == 2 else math.prod(shape) * itemsize(dtype)
+                for shape in layer_shapes(cfg).values())
+    return cfg.n_layers * layer + globals_nbytes(spec, dtype)
+
+
+def largest_matrix_nbytes(cfg: ModelConfig, dtype: torch.dtype) -> int:
+    """One layer's largest matrix, dense: what a held draft dequantizes into for a call (a temporary)."""
+    return max(math.prod(shape) for shape in layer_shapes(cfg).values() if len(shape) == 2) * itemsize(dtype)
 
 
 def kv_bytes_per_token(cfg: ModelConfig, dtype: torch.dtype) -> int:
@@ -237,12 +255,13 @@ class MemoryPlan:
     def layers_line(self) -> str:
         p = self.placement
         quantized = self.target_quant != "none"
+        held = f" (held {self.target_quant}, each dequantized every pass)" if p.resident_held else ""
         if not p.streamed:
             return (f"all {p.n_layers} target layers resident on the device"
-                    + (f" (the {self.target_quant} target, dequantized)" if quantized else ""))
+                    + (held or (f" (the {self.target_quant} target, dequantized)" if quantized else "")))
         source = {"cpu": "host RAM (" + ("pinned" if self.host_pinned else "pageable") + ")",
                   "disk": "the disk store"}[self.mode]
-        resident = f"layers {_ranges(p.resident)} resident, " if p.resident else "no layer resident, "
+        resident = f"layers {_ranges(p.resident)} resident{held}, " if p.resident else "no layer resident, "
         per_layer = (f"{self.target_quant}: {fmt(self.block_nbytes)} moved per layer, {fmt(p.layer_nbytes)} dequantized"
                      if quantized else f"{fmt(p.layer_nbytes)} per layer")
         return f"{resident}layers {_ranges(p.streamed)} streamed from {source} through {p.n_slots} slots ({per_layer})"
@@ -280,7 +299,10 @@ class MemoryPlan:
         d["placement"] = {"mode": self.placement.mode, "resident": list(self.placement.resident),
                           "streamed": list(self.placement.streamed), "n_slots": self.placement.n_slots,
                           "layer_nbytes": self.placement.layer_nbytes,
-                          "slot_nbytes": self.placement.ring_slot_nbytes}
+                          "slot_nbytes": self.placement.ring_slot_nbytes,
+                          "resident_held": self.placement.resident_held,
+                          "resident_nbytes": self.placement.resident_nbytes,
+                          "scratch_nbytes": self.placement.scratch_nbytes}
         d["device_total"], d["host_total"] = self.total("device"), self.total("host")
         d["layers_line"] = self.layers_line()
         return d
@@ -328,11 +350,15 @@ def _fixed_device_items(target: ModelSpec, draft: Optional[ModelSpec], runtime: 
     dtype = runtime.dtype
     fixed: list[PlanItem] = []
     if draft is not None:
-        fixed.append(PlanItem("device", "draft weights", draft.cfg.n_layers * layer_nbytes(draft.cfg, dtype)
-                              + globals_nbytes(draft, dtype), Path(draft.name).name))
+        held = runtime.draft_quant in HELD_DRAFT_QUANTS
+        fixed.append(PlanItem("device", "draft weights", draft_weights_nbytes(draft, dtype, runtime.draft_quant),
+                              Path(draft.name).name + (f", layers held {runtime.draft_quant}" if held else "")))
         if runtime.draft_quant == "int8":
             fixed.append(PlanItem("device", "draft int8 copy", int8_copy_nbytes(draft.cfg, dtype),
                                   "--draft-quant int8"))
+        if held:
+            fixed.append(PlanItem("device", "draft dequantization temporary", largest_matrix_nbytes(draft.cfg, dtype),
+                                  "one dense matrix a call"))
     fixed.append(PlanItem("device", "target embed, norm, lm_head", globals_nbytes(target, dtype)))
     # Every request in flight has its own KV-cache rows and its own tree in each pass; a pass may carry all of
     # their prompts at once (the worst case for the hidden states of the packed rows).
@@ -379,7 +405,14 @@ def _place(target: ModelSpec, offload: OffloadConfig, runtime: RuntimeConfig, ma
     L, B, slot = sizes.resident, sizes.block, sizes.slot
     quant = runtime.target_quant
     n_layers = target.cfg.n_layers
-    all_layers = n_layers * L
+    held = B if quant != "none" else None     # a resident layer held quantized: its block (+ one scratch layer)
+    # Every layer resident, as small as --resident-quant allows: dense, or held quantized with one scratch layer.
+    if held is None or runtime.resident_quant == "off":
+        all_layers = n_layers * L
+    elif runtime.resident_quant == "on":
+        all_layers = n_layers * B + L
+    else:
+        all_layers = min(n_layers * L, n_layers * B + L)
     host_runtime = 0 if shared else RUNTIME_HOST_BYTES
     loading = max(L, target.cfg.vocab_size * target.cfg.hidden_size * s)   # one layer or the embedding, on the host
     arena = lambda streamed: streamed * round_up(B, PAGE_BYTES)           # noqa: E731
@@ -416,22 +449,28 @@ def _place(target: ModelSpec, offload: OffloadConfig, runtime: RuntimeConfig, ma
                               f"{'disk' if shared else 'cpu or disk'}")
     else:
         min_slots = 2 if offload.overlap else 1
-        if left < min_slots * slot:
+        if left < min(min_slots * slot, all_layers):     # (held quantized, all layers may take less than a ring)
             raise BudgetError(f"{fmt(left)} is all the {'machine' if shared else 'device'} leaves for target layers "
                               f"(of {fmt(pool)}: {fmt(fixed_bytes)} go to the draft, globals, caches, logits, "
                               f"activations and reserve), too little for {min_slots} streaming slots of {fmt(slot)}; "
                               f"lower --context or --tree-budget, or use a smaller draft")
         # On a CPU device, with no budget given, nothing stays resident: cpu/disk offload should really stream.
         budget = offload.gpu_budget if offload.gpu_budget is not None else (None if shared else left)
-    placement = place_layers(n_layers, L, replace(offload, mode=mode), budget,
-                             slot_bytes=slot if quant != "none" else None)
+    placement = choose_placement(n_layers, L, replace(offload, mode=mode), budget,
+                                 slot_bytes=slot if quant != "none" else None, held_bytes=held,
+                                 resident_quant=runtime.resident_quant)
 
     items = list(fixed)
     if placement.n_slots:
         items.append(PlanItem("device", f"ring: {placement.n_slots} slots", placement.n_slots * slot,
                               f"{fmt(L)} per layer" if quant == "none" else
                               f"{quant} block {fmt(B)} + dense layer {fmt(L)} per slot"))
-    if placement.resident:
+    if placement.resident_held:
+        items.append(PlanItem("device", f"resident target layers ({len(placement.resident)}, {quant})",
+                              len(placement.resident) * B, f"held quantized, {fmt(B)} each"))
+        items.append(PlanItem("device", "dequantization scratch", placement.scratch_nbytes,
+                              "one dense layer the held layers dequantize into, every pass"))
+    elif placement.resident:
         items.append(PlanItem("device", f"resident target layers ({len(placement.resident)})",
                               len(placement.resident) * L))
     host_pinned = False

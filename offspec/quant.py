@@ -14,7 +14,16 @@ call, 4 rows 0.093 vs 0.160, 8 rows even, 16 rows 0.36 vs 0.21), so an Int8Weigh
 weight as well and each call picks by its row count. This changes the draft's distribution p a little and
 nothing else: the target verifies every token, so output stays exactly the target's, greedy and sampled.
 
-`linear` accepts a plain tensor or an Int8Weight, so the one layer forward serves both models.
+Part 1b, a draft held quantized (`--draft-quant int8-held | nf4`): to free device memory rather than to be
+fast, each matrix of the draft's layers is kept ONLY quantized, as a HeldWeight, in the same pieces as the
+target's blocks (per-row int8, or bitsandbytes' nf4): 0.50x / 0.28x of its bf16 bytes. A call dequantizes the
+matrix into a temporary with the target's dequantization (_dequantize_matrix) and runs the plain matmul; a
+held int8 matrix on a CPU serves calls over at most FUSED_MAX_ROWS rows straight from int8, like the copy.
+lm_head and the embedding stay dense (as bitsandbytes-quantized models usually keep lm_head): every call
+reads lm_head over the full vocabulary, so dequantizing it each call would cost a (V, D) temporary (272 MB
+for the demo draft) and its time. Like the int8 copy, this changes p only: the output stays the target's.
+
+`linear` accepts a plain tensor, an Int8Weight or a HeldWeight, so the one layer forward serves both models.
 
 Part 2, the target (`--target-quant int8|nf4`): a streamed pass costs its bytes over the link, so each target
 layer can be stored, pinned, read and copied quantized, and dequantized on the compute device into a dense
@@ -43,7 +52,8 @@ from .config import ModelConfig
 from .errors import InputError
 from .layout import TENSOR_ALIGN, LayerLayout, LayerWeights, round_up
 
-QUANT_MODES = ("none", "int8")               # the draft's copies
+QUANT_MODES = ("none", "int8", "int8-held", "nf4")   # the draft's: dense | + int8 copies | held quantized
+HELD_DRAFT_QUANTS = {"int8-held": "int8", "nf4": "nf4"}  # --draft-quant held quantized -> the matrices' quantization
 TARGET_QUANTS = ("none", "int8", "nf4")      # the target's layer blocks
 NF4_BLOCK = 64                               # weights per nf4 absmax (bitsandbytes' finest block size)
 
@@ -76,23 +86,68 @@ def int8_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q, scale
 
 
+@dataclass(frozen=True)
+class HeldWeight:
+    """A matrix held only quantized (the draft's --draft-quant int8-held | nf4), in the pieces a target block
+    stores it as (_quantize_matrix); each call dequantizes it into a temporary (see Part 1b above)."""
+    quant: str                          # "int8" | "nf4"
+    shape: tuple[int, int]              # (N, K)
+    dtype: torch.dtype                  # the compute dtype it dequantizes into
+    pieces: dict[str, torch.Tensor]     # by suffix: "int8" (N, K) + "scale" (N,) | "nf4" packed + "absmax"
+
+    @staticmethod
+    def quantize(w: torch.Tensor, quant: str) -> "HeldWeight":
+        """w (N, K) in the compute dtype, on its device -> held as `quant` there (w itself is not kept)."""
+        return HeldWeight(quant, tuple(w.shape), w.dtype, _quantize_matrix(quant, w, w.dtype))
+
+    @property
+    def device(self) -> torch.device:
+        return next(iter(self.pieces.values())).device
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.numel() * p.element_size() for p in self.pieces.values())
+
+    def dequantize(self) -> torch.Tensor:
+        """(N, K) in the compute dtype, a fresh temporary."""
+        out = torch.empty(self.shape, dtype=self.dtype, device=self.device)
+        _dequantize_matrix(self.quant, self.pieces, out)
+        return out
+
+
 def linear(x: torch.Tensor, w, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear for a plain weight or an Int8Weight. x (..., K) -> (..., N)."""
-    if not isinstance(w, Int8Weight):
+    """F.linear for a plain weight, an Int8Weight or a HeldWeight. x (..., K) -> (..., N)."""
+    if isinstance(w, torch.Tensor):
         return F.linear(x, w, bias)
     rows = x.numel() // x.shape[-1]
-    if x.device.type != "cpu" or rows > FUSED_MAX_ROWS:
+    narrow_on_cpu = x.device.type == "cpu" and rows <= FUSED_MAX_ROWS
+    if isinstance(w, HeldWeight):
+        if not (narrow_on_cpu and w.quant == "int8"):
+            return F.linear(x, w.dequantize(), bias)
+        q, scale = w.pieces["int8"], w.pieces["scale"]
+    elif not narrow_on_cpu:
         return F.linear(x, w.full, bias)
+    else:
+        q, scale = w.q, w.scale
     # aten::_weight_int8pack_mm(x (M, K), Q (N, K) int8, s (N,)) = x @ (Q * s[:, None]).T, a CPU kernel.
-    out = torch._weight_int8pack_mm(x.reshape(rows, x.shape[-1]), w.q, w.scale).view(*x.shape[:-1], -1)
+    out = torch._weight_int8pack_mm(x.reshape(rows, x.shape[-1]), q, scale).view(*x.shape[:-1], -1)
     return out if bias is None else out + bias
 
 
-def with_int8_copies(weights):
-    """A copy of the weights dataclass with every 2-D matrix as an Int8Weight (norms and biases stay as they are)."""
+def with_quantized_matrices(weights, draft_quant: str):
+    """A copy of the weights dataclass with every 2-D matrix as --draft-quant says: "int8" an Int8Weight (the
+    weight plus its int8 copy), "int8-held" | "nf4" a HeldWeight (quantized only); norms and biases as they are."""
     matrices = [f.name for f in fields(weights)
                 if isinstance(getattr(weights, f.name), torch.Tensor) and getattr(weights, f.name).dim() == 2]
-    return replace(weights, **{name: Int8Weight.quantize(getattr(weights, name)) for name in matrices})
+    make = (Int8Weight.quantize if draft_quant == "int8" else
+            functools.partial(HeldWeight.quantize, quant=HELD_DRAFT_QUANTS[draft_quant]))
+    return replace(weights, **{name: make(getattr(weights, name)) for name in matrices})
+
+
+def held_matrix_nbytes(quant: str, shape: tuple[int, int], dtype: torch.dtype) -> int:
+    """Device bytes of a HeldWeight of this (N, K) shape (the memory plan counts the held draft with it)."""
+    return sum(math.prod(piece_shape) * piece_dtype.itemsize for _, piece_shape, piece_dtype in
+               _matrix_pieces(quant, shape, dtype))
 
 
 # ---------------------------------------------------------------- the target's quantized layer blocks
@@ -109,33 +164,44 @@ def bitsandbytes_ops():
     try:
         import bitsandbytes  # noqa: F401  (registers torch.ops.bitsandbytes and its backends)
     except Exception as err:   # ImportError, or a broken native library raising anything at import
-        raise InputError(f"--target-quant nf4 needs bitsandbytes, which cannot be imported here "
+        raise InputError(f"nf4 (--target-quant / --draft-quant) needs bitsandbytes, which cannot be imported here "
                          f"({type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}); "
-                         f"pip install bitsandbytes, or run with --target-quant int8 or none") from None
+                         f"pip install bitsandbytes, or use int8 (--target-quant int8, --draft-quant int8-held) "
+                         f"or none") from None
     finally:
         cpu_ops_log.setLevel(level)
     return torch.ops.bitsandbytes
 
 
-def check_target_quant(quant: str, device: torch.device, dtype: torch.dtype) -> None:
+def check_draft_quant(draft_quant: str, device: torch.device, dtype: torch.dtype) -> None:
+    """Refuse, in one line, a --draft-quant that is unknown, or held quantized where this device and dtype
+    cannot run it (the same probe as the target's)."""
+    if draft_quant not in QUANT_MODES:
+        raise InputError(f"unknown draft quantization {draft_quant!r}; choose one of {', '.join(QUANT_MODES)}")
+    if draft_quant in HELD_DRAFT_QUANTS:
+        check_target_quant(HELD_DRAFT_QUANTS[draft_quant], device, dtype, option=f"--draft-quant {draft_quant}")
+
+
+def check_target_quant(quant: str, device: torch.device, dtype: torch.dtype, option: str = "") -> None:
     """Refuse, in one line, a quantization this device and dtype cannot run: try it on a small matrix now,
-    not after packing a 70B store."""
+    not after packing a 70B store. option: how the user asked for it (default --target-quant QUANT)."""
     if quant not in TARGET_QUANTS:
         raise InputError(f"unknown target quantization {quant!r}; choose one of {', '.join(TARGET_QUANTS)}")
     if quant == "none":
         return
+    option = option or f"--target-quant {quant}"
     if dtype not in (torch.float32, torch.bfloat16, torch.float16):
-        raise InputError(f"--target-quant {quant} dequantizes into float32, bfloat16 or float16, not {dtype}")
+        raise InputError(f"{option} dequantizes into float32, bfloat16 or float16, not {dtype}")
     probe = torch.linspace(-1, 1, 2 * NF4_BLOCK).view(2, NF4_BLOCK)   # (2, 64)
     pieces = {name: t.to(device) for name, t in _quantize_matrix(quant, probe, dtype).items()}
     out = torch.empty(probe.shape, dtype=dtype, device=device)
     try:
         _dequantize_matrix(quant, pieces, out)
     except Exception as err:   # bitsandbytes without a kernel for this device raises NotImplementedError & co.
-        raise InputError(f"--target-quant {quant} cannot run on {device} in {str(dtype).removeprefix('torch.')} "
+        raise InputError(f"{option} cannot run on {device} in {str(dtype).removeprefix('torch.')} "
                          f"with this bitsandbytes ({type(err).__name__}: {str(err).splitlines()[0]})") from None
     if not torch.allclose(out.float().cpu(), probe, atol=0.2):   # nf4 levels are up to 0.28 apart
-        raise InputError(f"--target-quant {quant}: bitsandbytes' {device} kernels return wrong values here")
+        raise InputError(f"{option}: bitsandbytes' {device} kernels return wrong values here")
 
 
 def _matrix_pieces(quant: str, shape: tuple[int, ...], dtype: torch.dtype) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
@@ -239,6 +305,31 @@ class QuantizedLayout:
 def target_layout(cfg: ModelConfig, dtype: torch.dtype, quant: str = "none"):
     """The block layout of a target layer as stored and moved: dense (LayerLayout) or QuantizedLayout."""
     return LayerLayout.of(cfg, dtype) if quant == "none" else QuantizedLayout.of(cfg, dtype, quant)
+
+
+@dataclass(frozen=True)
+class QuantizedResident:
+    """A resident target layer held on the device as its quantized block (`--resident-quant`), so it takes the
+    block's bytes there, not the dense layer's: 0.28x (nf4) / 0.50x (int8) of bf16, plus ONE dense scratch
+    layer that every such layer shares. Each pass dequantizes it into the scratch right before it runs
+    (weights()), with the streamer's dequantization (QuantizedLayout.dequantize) on the compute queue: in
+    stream order after the previous layer's kernels, which read the scratch before, so no event is needed.
+    That costs compute every pass (a GPU: ~1 ms a layer; this 2-core CPU: ~85 ms for a 1.5B nf4 layer), which
+    is why a layer is held so only where that lets more layers stay resident (plan.py)."""
+    layout: QuantizedLayout
+    block: torch.Tensor      # (layout.nbytes,) uint8 on the device, for good
+    scratch: torch.Tensor    # (layout.dense.nbytes,) uint8 on the device, shared by every quantized resident layer
+
+    def weights(self) -> LayerWeights:
+        """The layer as dense views into the scratch: valid until the next quantized resident layer's weights()
+        (as a streamed layer is until the next layer is asked for)."""
+        self.layout.dequantize(self.block, self.scratch)
+        return self.layout.dense.views(self.scratch)
+
+
+def layer_weights(layer) -> LayerWeights:
+    """A resident layer as the forward reads it: a LayerWeights as it is, a QuantizedResident dequantized now."""
+    return layer.weights() if isinstance(layer, QuantizedResident) else layer
 
 
 def dequantized(layout, block: torch.Tensor) -> tuple[torch.Tensor, LayerWeights]:

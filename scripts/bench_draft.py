@@ -1,5 +1,6 @@
 #!/usr/bin/env python
-"""What one draft call costs, by the number of tree nodes it runs, with and without the draft's int8 copy.
+"""What one draft call costs, by the number of tree nodes it runs, with and without the draft's int8 copy, and
+held quantized (int8-held, nf4).
 
 A round grows its tree with one draft call per depth, so the time of one call decides how deep a tree can pay
 for itself. On a CPU a call over a few rows is memory-bound (it reads every draft weight once), which is what
@@ -9,6 +10,9 @@ cache, R in --rows, median of --calls calls:
 
   bf16            the draft as loaded
   int8            the same draft with the int8 copy (rows <= quant.FUSED_MAX_ROWS read it)
+  int8-held       the draft's layer matrices held only as per-row int8 (narrow calls read it, wider ones
+                  dequantize each matrix first)
+  nf4             the draft's layer matrices held only as bitsandbytes nf4 (every call dequantizes each matrix)
   ... +streamer   the same while the target's layer streamer is alive (--offload cpu, 8 slots, idle after
                   its prefetch), as during generation
   ... +torch-copy the same with the streamer's copy worker using Tensor.copy_, as before this benchmark: its
@@ -36,6 +40,7 @@ from offspec.demo import ensure_demo_models  # noqa: E402
 from offspec.draft import load_resident  # noqa: E402
 from offspec.kv_cache import KVCache  # noqa: E402
 from offspec.load import load_target, parse_dtype  # noqa: E402
+from offspec.plan import ModelSpec, draft_weights_nbytes, int8_copy_nbytes  # noqa: E402
 from offspec.transfer import CpuBackend  # noqa: E402
 
 SECTION = "bench_draft"
@@ -82,6 +87,8 @@ def main() -> int:
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--no-streamer", dest="streamer", action="store_false",
                    help="skip the settings with a live target streamer (they load the 1.5B target)")
+    p.add_argument("--no-held", dest="held", action="store_false",
+                   help="skip the drafts held quantized (int8-held, nf4: --draft-quant)")
     p.add_argument("--write-docs", action="store_true", help="replace the bench_draft section of docs/benchmarks.md")
     args = p.parse_args()
     started, load_at_start = time.time(), _common.load_average()
@@ -90,9 +97,12 @@ def main() -> int:
     target_dir, draft_dir = ensure_demo_models()
 
     ckpt = Checkpoint(draft_dir)
-    drafts = {quant: load_resident(ckpt, CPU, dtype, quant) for quant in ("none", "int8")}
+    quants = ("none", "int8", "int8-held", "nf4") if args.held else ("none", "int8")
+    drafts = {quant: load_resident(ckpt, CPU, dtype, quant) for quant in quants}
     ckpt.close()
     settings = [("bf16", "none", None), ("int8", "int8", None)]
+    if args.held:
+        settings += [("int8-held", "int8-held", None), ("nf4", "nf4", None)]
     if args.streamer:
         settings += [("int8 +streamer", "int8", False), ("int8 +streamer +torch-copy", "int8", True),
                      ("bf16 +streamer +torch-copy", "none", True)]
@@ -103,8 +113,12 @@ def main() -> int:
             results[label] = [time_calls(drafts[quant], r, args.context, args.calls) for r in rows]
         print(f"{label:28s} " + "  ".join(f"{r}:{t:.3f}" for r, t in zip(rows, results[label])), file=sys.stderr)
 
-    headers = ["draft setting", *[f"{r} row{'s' if r > 1 else ''}" for r in rows]]
-    table_rows = [[label, *[_common.fmt(t) for t in times]] for label, times in results.items()]
+    spec = ModelSpec.of(Checkpoint(draft_dir, headers_only=True))
+    weight_mb = {quant: (draft_weights_nbytes(spec, dtype, quant)
+                         + (int8_copy_nbytes(spec.cfg, dtype) if quant == "int8" else 0)) / 1e6 for quant in quants}
+    headers = ["draft setting", "weights MB", *[f"{r} row{'s' if r > 1 else ''}" for r in rows]]
+    table_rows = [[label, f"{weight_mb[quant]:.0f}", *[_common.fmt(t) for t in results[label]]]
+                  for label, quant, _ in settings]
     print(_common.text_table(headers, table_rows))
     if args.write_docs:
         body = "\n".join([

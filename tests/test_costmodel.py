@@ -188,3 +188,12 @@ def test_one_pass_verifies_at_most_max_budget_nodes_over_all_rows():
     p.max_depth = 64                                            # ... and, with room to grow, asks for 20
     p.observe(sure, draft_seconds=0.05, target_seconds=1.0, pass_tokens=40, timed=False)
     assert [p.budget(r) for r in sure] == [16] * 4              # 64 nodes in all
+
+
+def test_held_resident_layers_add_their_dequantization_to_the_predicted_pass():
+    """--resident-quant: fewer bytes stream, and each held layer's dequantization (in line with compute) is added."""
+    from offspec.costmodel import GpuSetup, predict_seconds_per_token
+    setup = GpuSetup(link_gb_per_s=24.0, dequant_s_per_layer=1e-3)
+    plain = predict_seconds_per_token(48 * 10**9, setup, tokens_per_pass=8, draft_seconds_per_round=0.0)
+    held = predict_seconds_per_token(24 * 10**9, setup, tokens_per_pass=8, draft_seconds_per_round=0.0, held_layers=50)
+    assert plain["pass_seconds"] == 2.0 and abs(held["pass_seconds"] - (1.0 + 0.05)) < 1e-12

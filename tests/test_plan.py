@@ -244,3 +244,85 @@ def test_a_70b_in_nf4_streams_from_64gb_of_host_ram(specs, folders):
     for needle in ("nf4 layer:", "(0.28x)", "offload cpu, target nf4", "streamed from host RAM (pinned)",
                    "nf4: 481 MB moved per layer", "PREDICTED pass:", "PREDICTED speed:"):
         assert needle in r.output, needle
+
+
+@pytest.mark.parametrize("quant,at_least", [("int8", 1.8), ("nf4", 3.2)])
+def test_held_quantized_resident_layers_fit_about_2x_int8_and_3_5x_nf4(specs, folders, quant, at_least):
+    """--resident-quant: a --gpu-budget whose resident room holds N dense layers holds about 2N int8 / 3.5N nf4
+    layers held as blocks (minus the one dense scratch layer they dequantize into), so fewer layers stream;
+    off keeps N dense ones, and auto takes the held placement because it holds more."""
+    target, draft = "Llama-3.1-70B-Instruct", "Llama-3.2-1B-Instruct"
+    cfg = specs[target].cfg
+    L = layer_nbytes(cfg, torch.bfloat16)
+    N = 16
+
+    def plan(resident_quant):
+        runtime = RuntimeConfig(dtype=torch.bfloat16, target_quant=quant, resident_quant=resident_quant)
+        slot = L + make_plan(specs[target], specs[draft], OffloadConfig(mode="cpu"), runtime, RunLimits(context=4096),
+                             Machine.given(80 * GB, 256 * GB)).block_nbytes
+        return make_plan(specs[target], specs[draft], OffloadConfig(mode="cpu", gpu_budget=2 * slot + N * L), runtime,
+                         RunLimits(context=4096), Machine.given(80 * GB, 256 * GB))
+
+    dense, held, auto = plan("off"), plan("on"), plan("auto")
+    assert len(dense.placement.resident) == N and not dense.placement.resident_held
+    assert held.placement.resident_held and len(held.placement.resident) == (N - 1) * L // held.block_nbytes
+    assert len(held.placement.resident) >= at_least * N      # int8 29 and nf4 53 for N = 16 (one went to the scratch)
+    assert auto.placement == held.placement
+    assert held.streamed_bytes < dense.streamed_bytes
+    items = {i.what: i.nbytes for i in held.items}
+    assert items[f"resident target layers ({len(held.placement.resident)}, {quant})"] == \
+        len(held.placement.resident) * held.block_nbytes
+    assert items["dequantization scratch"] == L
+    assert held.placement.device_bytes <= 2 * (L + held.block_nbytes) + N * L     # within --gpu-budget
+    assert f"resident (held {quant}, each dequantized every pass)" in held.layers_line()
+
+    r = cli("models", "info", folders[target], "--draft", folders[draft], "--device-memory", "80GB",
+            "--host-memory", "256GB", "--target-quant", quant, "--gpu-budget", str(2 * (L + held.block_nbytes) + N * L))
+    assert r.exit_code == 0, r.output
+    assert "dequantization scratch" in r.output and "held layers:" in r.output
+    assert f"resident (held {quant}" in r.output
+
+
+def test_resident_quant_auto_keeps_dense_layers_when_they_all_fit(specs):
+    """A tie (every layer fits dense) stays dense: held layers would only add a dequantization per pass."""
+    runtime = RuntimeConfig(dtype=torch.bfloat16, target_quant="nf4")
+    plan = make_plan(specs["Llama-2-7b-chat-hf"], specs["TinyLlama-1.1B-Chat-v1.0"], OffloadConfig(mode="auto"),
+                     runtime, RunLimits(context=4096), Machine.given(80 * GB, 256 * GB))
+    assert plan.mode == "none" and not plan.placement.resident_held
+    squeezed = make_plan(specs["Llama-2-7b-chat-hf"], specs["TinyLlama-1.1B-Chat-v1.0"], OffloadConfig(mode="auto"),
+                         runtime, RunLimits(context=4096), Machine.given(12 * GB, 256 * GB))
+    assert squeezed.placement.resident_held     # 12 GB: the dense 7B (13 GB) must stream, held layers need not
+
+
+def test_resident_quant_on_needs_a_quantized_target():
+    from offspec.errors import InputError
+    from offspec.offload import choose_placement
+    with pytest.raises(InputError, match="needs --target-quant int8 or nf4"):
+        choose_placement(4, 1000, OffloadConfig(mode="cpu"), None, resident_quant="on")
+    with pytest.raises(InputError, match="unknown --resident-quant 'yes'"):
+        choose_placement(4, 1000, OffloadConfig(mode="cpu"), None, held_bytes=300, resident_quant="yes")
+
+
+def test_a_held_draft_is_counted_at_its_quantized_size(specs, folders):
+    """--draft-quant int8-held / nf4: the plan's draft weights shrink (its layers' matrices 0.50x / 0.28x, lm_head
+    and embedding dense) and a dense matrix for the call's dequantization is counted; int8 adds its copy."""
+    target, draft = "Llama-3.1-70B-Instruct", "Llama-3.2-1B-Instruct"
+
+    def draft_items(draft_quant):
+        plan = make_plan(specs[target], specs[draft], OffloadConfig(mode="cpu"),
+                         RuntimeConfig(dtype=torch.bfloat16, draft_quant=draft_quant), RunLimits(context=4096),
+                         Machine.given(24 * GB, 256 * GB))
+        return {i.what: i.nbytes for i in plan.items if i.what.startswith("draft") and "KV" not in i.what}, plan
+
+    dense, _ = draft_items("none")
+    copy, _ = draft_items("int8")
+    int8, _ = draft_items("int8-held")
+    nf4, nf4_plan = draft_items("nf4")
+    cfg = specs[draft].cfg
+    globals_ = (2 if specs[draft].lm_head_stored else 1) * cfg.vocab_size * cfg.hidden_size * 2     # embed (+ lm_head)
+    layers = lambda items: items["draft weights"] - globals_ - cfg.hidden_size * 2       # noqa: E731
+    assert copy["draft weights"] == dense["draft weights"] and "draft int8 copy" in copy
+    assert 0.49 < layers(int8) / layers(dense) < 0.51 and 0.27 < layers(nf4) / layers(dense) < 0.29
+    assert int8["draft dequantization temporary"] == cfg.intermediate_size * cfg.hidden_size * 2
+    assert nf4["draft weights"] + nf4["draft dequantization temporary"] < dense["draft weights"]
+    assert "layers held nf4" in nf4_plan.describe()

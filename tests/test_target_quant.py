@@ -3,6 +3,7 @@ quantized == resident quantized bitwise, speculative output == the quantized tar
 (greedy in float32, and its distribution when sampling), stores keyed by quantization, bad input in one line."""
 import json
 from dataclasses import replace
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -24,8 +25,8 @@ PROMPT = tuple(range(5, 25))
 QUANTS = ["int8", "nf4"]
 
 
-def runtime(quant, dtype=torch.float32):
-    return RuntimeConfig(device=CPU, dtype=dtype, target_quant=quant)
+def runtime(quant, dtype=torch.float32, resident_quant="auto"):
+    return RuntimeConfig(device=CPU, dtype=dtype, target_quant=quant, resident_quant=resident_quant)
 
 
 @pytest.fixture(scope="module")
@@ -39,8 +40,9 @@ def offspec_home(tmp_path, monkeypatch):
     monkeypatch.setenv("OFFSPEC_HOME", str(tmp_path / "home"))
 
 
-def engine(pair, quant, offload=OffloadConfig(), draft=True):
-    return load_engine(pair[0], pair[1] if draft else None, offload, runtime(quant), progress=False).engine
+def engine(pair, quant, offload=OffloadConfig(), draft=True, resident_quant="auto"):
+    return load_engine(pair[0], pair[1] if draft else None, offload, runtime(quant, resident_quant=resident_quant),
+                       progress=False).engine
 
 
 def prompt_logits(eng) -> torch.Tensor:
@@ -111,7 +113,8 @@ def test_streamed_quantized_equals_resident_quantized_bitwise(pair, tmp_path, qu
                     OffloadConfig(mode="disk", n_slots=2, store_dir=str(tmp_path / "store")),
                     OffloadConfig(mode="disk", n_slots=2, gpu_budget=2 * slot + 2 * layer,
                                   store_dir=str(tmp_path / "store"))):
-        streamed = engine(pair, quant, offload, draft=False)
+        # Dense resident layers beside the ring here (held ones: test_held_resident_layers_...).
+        streamed = engine(pair, quant, offload, draft=False, resident_quant="off")
         try:
             assert torch.equal(prompt_logits(streamed), want), offload
             stats = streamed.target.layers.stats()
@@ -121,6 +124,71 @@ def test_streamed_quantized_equals_resident_quantized_bitwise(pair, tmp_path, qu
                 assert streamed.target.layers.placement.resident == (0, 1)
         finally:
             streamed.close()
+
+
+@pytest.mark.parametrize("quant", QUANTS)
+def test_held_resident_layers_equal_streamed_and_dequantized_resident_bitwise(pair, tmp_path, quant):
+    """--resident-quant: resident layers held as their quantized blocks and dequantized every pass into one
+    scratch layer give the same logits, bit for bit, as the quantized target fully resident-dequantized and
+    fully streamed, all resident or beside a ring; the dense target (the control) differs."""
+    from offspec.quant import QuantizedResident
+    want = prompt_logits(engine(pair, quant, draft=False, resident_quant="off"))
+    assert not torch.equal(want, prompt_logits(engine(pair, "none", draft=False)))
+    streamed = engine(pair, quant, OffloadConfig(mode="cpu", n_slots=2), draft=False)
+    try:
+        assert streamed.target.layers.placement.resident == ()
+        assert torch.equal(prompt_logits(streamed), want)
+    finally:
+        streamed.close()
+
+    held = engine(pair, quant, draft=False, resident_quant="on")
+    layers = held.target.layers.source.layers
+    assert all(isinstance(w, QuantizedResident) for w in layers) and len({w.scratch.data_ptr() for w in layers}) == 1
+    for _ in range(2):      # every pass dequantizes again, into the same scratch
+        assert torch.equal(prompt_logits(held), want)
+
+    # Two held layers beside a ring of two, as a plan places them for a model too deep to be all held (the plan's
+    # arithmetic: tests/test_plan.py); the loader obeys the placement it is given.
+    from offspec.checkpoint import Checkpoint
+    from offspec.load import load_target
+    from offspec.offload import Placement
+    dense_layer = LayerLayout.of(held.target.cfg, torch.float32).nbytes
+    block = QuantizedLayout.of(held.target.cfg, torch.float32, quant).nbytes
+    placement = Placement("disk", 5, dense_layer, resident=(0, 1), n_slots=2, slot_nbytes=block + dense_layer,
+                          held_nbytes=block)
+    assert placement.device_bytes == 2 * (block + dense_layer) + dense_layer + 2 * block   # ring, scratch, 2 held
+    mixed = load_target(Checkpoint(pair[0]), OffloadConfig(mode="disk", n_slots=2, store_dir=str(tmp_path / "s")),
+                        runtime(quant), progress=False, placement=placement)
+    try:
+        assert all(isinstance(mixed.layers.source.resident[i], QuantizedResident) for i in (0, 1))
+        for _ in range(2):
+            assert torch.equal(prompt_logits(SimpleNamespace(target=mixed)), want)
+        assert mixed.layers.source.streamed == [2, 3, 4] and mixed.layers.stats().passes == 2
+    finally:
+        mixed.layers.close()
+
+
+@pytest.mark.parametrize("quant,resident_quant,offload", [
+    ("nf4", "on", OffloadConfig()), ("int8", "on", OffloadConfig()),
+    ("nf4", "auto", OffloadConfig(mode="cpu", n_slots=2))])
+def test_speculative_greedy_with_held_resident_layers(pair, quant, resident_quant, offload):
+    """The quantized target with held resident layers: speculative greedy == its plain greedy (float32). auto:
+    a --gpu-budget that holds every layer held (5 blocks + the scratch), less than a ring of two slots."""
+    plain_eng = engine(pair, quant, resident_quant="off")
+    if offload.mode != "none":
+        dense_layer = LayerLayout.of(plain_eng.target.cfg, torch.float32).nbytes
+        offload = replace(offload, gpu_budget=5 * QuantizedLayout.of(plain_eng.target.cfg, torch.float32, quant).nbytes
+                          + dense_layer)
+    eng = engine(pair, quant, offload, resident_quant=resident_quant)
+    try:
+        assert eng.target.layers.placement.resident_held
+        request = lambda e, tree: run(e, GenerationRequest(prompt_ids=PROMPT, max_new_tokens=40, tree=tree,  # noqa: E731
+                                                           ignore_eos=True))[0]
+        plain = request(plain_eng, TreeConfig(policy="none"))
+        spec = request(eng, TreeConfig(policy="dyspec", budget=16))
+        assert spec.tokens == plain.tokens and spec.tokens_per_pass > 1.2
+    finally:
+        eng.close()
 
 
 @pytest.mark.parametrize("quant,policy,budget", [("nf4", "dyspec", 8), ("nf4", "dyspec", 64), ("nf4", "heap", 16),
@@ -409,3 +477,90 @@ def test_bench_quant_report_from_rows(tmp_path):
     assert "75.0%" in text                                                     # teacher-forced top-1 agreement
     assert "0.700 (0.27x)" in text                                             # bytes per pass against bf16's
     assert bench.common_prefix([1, 2, 3], [1, 2, 4]) == 2
+
+
+def test_cli_held_resident_layers_and_a_held_draft(pair, tmp_path):
+    """--resident-quant on and --draft-quant nf4 / int8-held through the CLI: the JSON report says which target
+    and which draft ran and where the layers were held; the output is the quantized target's plain greedy."""
+    models = ["--target", pair[0], "--draft", pair[1], "--device", "cpu", "--dtype", "float32"]
+    plain = cli("generate", *models, "--tree", "none", "--target-quant", "nf4", "--raw", "--max-new-tokens", 12,
+                "--json", tmp_path / "plain.json", "abc")
+    assert plain.exit_code == 0, plain.output
+    for draft_quant in ("nf4", "int8-held"):
+        out = tmp_path / f"{draft_quant}.json"
+        r = cli("generate", *models, "--target-quant", "nf4", "--resident-quant", "on", "--draft-quant", draft_quant,
+                "--raw", "--max-new-tokens", 12, "--tree-budget", 8, "--json", out, "abc")
+        assert r.exit_code == 0, r.output
+        report = json.loads(out.read_text())
+        assert report["target_quant"] == "nf4" and report["draft_quant"] == draft_quant
+        assert report["memory_plan"]["placement"]["resident_held"]
+        assert "held nf4, each dequantized every pass" in report["memory_plan"]["layers_line"]
+        assert f"draft {draft_quant}" in r.stderr
+        assert report["tokens"] == json.loads((tmp_path / "plain.json").read_text())["tokens"]
+
+
+def test_cli_bad_resident_and_draft_quant_inputs(pair, request):
+    models = ["--target", pair[0], "--draft", pair[1], "--device", "cpu", "--dtype", "float32"]
+    one_error_line(cli("generate", *models, "--resident-quant", "on", "abc"), "needs --target-quant int8 or nf4")
+    r = cli("generate", *models, "--draft-quant", "int4", "abc")
+    assert r.exit_code == 2 and "Invalid value for '--draft-quant'" in r.stderr
+    request.getfixturevalue("no_bitsandbytes")
+    one_error_line(cli("generate", *models, "--draft-quant", "nf4", "abc"), "needs bitsandbytes")
+    r = cli("generate", *models, "--draft-quant", "int8-held", "--raw", "--max-new-tokens", 4, "abc")
+    assert r.exit_code == 0, r.output          # per-row int8 is offspec's own: no bitsandbytes needed
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("quant", QUANTS)
+def test_cuda_held_resident_layers_equal_dequantized_resident(tmp_path, quant):
+    """On CUDA: resident layers held quantized, dequantized into the shared scratch on the compute stream
+    (beside the ring's copies on the copy stream), with no hidden synchronization in a pass, give the
+    dequantized layers bit for bit; every pass dequantizes again."""
+    from offspec.offload import Placement, open_target_layers
+    from offspec.quant import QuantizedResident, target_layout
+    cfg = replace(CFG, n_layers=7)
+    g = torch.Generator().manual_seed(0)
+    weights = {i: {name: torch.randn(shape, generator=g) for name, shape in layer_shapes(cfg).items()}
+               for i in range(cfg.n_layers)}
+    device = torch.device("cuda")
+    layout = target_layout(cfg, torch.float32, quant)
+    expected = {}
+    for i in range(cfg.n_layers):
+        block = torch.empty(layout.nbytes, dtype=torch.uint8)
+        layout.pack(weights[i], block)
+        expected[i] = dequantized(layout, block.to(device))[1]
+    placement = Placement("cpu", cfg.n_layers, layout.dense.nbytes, resident=(0, 1, 2), n_slots=2,
+                          slot_nbytes=layout.nbytes + layout.dense.nbytes, held_nbytes=layout.nbytes)
+    with open_target_layers(weights.__getitem__, cfg, OffloadConfig(mode="cpu", n_slots=2), device, torch.float32,
+                            store_dir=str(tmp_path / "s"), progress=False, placement=placement, quant=quant) as target:
+        assert all(isinstance(target.source.resident[i], QuantizedResident) for i in (0, 1, 2))
+        mismatches = torch.zeros((), dtype=torch.int64, device=device)
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            for _ in range(3):
+                for i, w in target.source.pass_layers():
+                    for name in layer_shapes(cfg):
+                        mismatches += (getattr(w, name) != getattr(expected[i], name)).sum()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        assert int(mismatches) == 0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("quant", ["int8", "nf4"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cuda_held_draft_weight(quant, dtype):
+    """On CUDA: a HeldWeight (the draft's --draft-quant int8-held / nf4) is quantized and dequantized on the GPU
+    (bitsandbytes' CUDA kernels for nf4), and linear() over it is F.linear over its dequantized matrix."""
+    from offspec.quant import HeldWeight, linear
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(96, 128, generator=g).to(dtype)
+    on_cpu, on_gpu = HeldWeight.quantize(w, quant), HeldWeight.quantize(w.cuda(), quant)
+    assert on_gpu.device.type == "cuda"
+    for held in (on_cpu, on_gpu):      # as close to w on either device (ties may round apart)
+        error = (held.dequantize().float().cpu() - w.float()).norm() / w.float().norm()
+        assert error < {"int8": 0.02, "nf4": 0.15}[quant]
+    x = torch.randn(3, 128, generator=g).to(dtype).cuda()
+    torch.testing.assert_close(linear(x, on_gpu), torch.nn.functional.linear(x, on_gpu.dequantize()))

@@ -59,10 +59,15 @@ class BudgetPlanner:
         self.alloc: dict[Hashable, int] = {}          # row -> its budget for the next round
 
     def budget(self, row: Hashable) -> int:
-        """Row's tree budget for this round (a new row starts at `start`, or what the pass has left)."""
+        """Row's tree budget for this round: a new row starts at `start` (or what the pass has left), or at 0
+        while plain decoding wins (its draft need not read its prompt until trees pay again)."""
         if row not in self.alloc:
-            self.alloc[row] = max(1, min(self.start, self.max_budget - sum(self.alloc.values())))
+            self.alloc[row] = 0 if self.plain_rounds > 0 else self._left(self.start)
         return self.alloc[row]
+
+    def _left(self, want: int) -> int:
+        """A budget of `want` nodes, or what the pass has left beside the others' (at least 1)."""
+        return max(1, min(want, self.max_budget - sum(self.alloc.values())))
 
     def forget(self, row: Hashable) -> None:
         """Row finished: its tree no longer counts."""
@@ -152,7 +157,11 @@ class BudgetPlanner:
 
     def _choose(self) -> None:
         rows = [r for r in self.alloc if r in self.trees]
-        if not rows:
+        if not rows:                       # only rows that joined while plain decoding won: time their trees
+            self.plain_rounds = 0
+            self.alloc = dict.fromkeys(self.alloc, 0)
+            for r in self.alloc:
+                self.alloc[r] = self._left(self.start)
             return
         values = torch.cat([self.trees[r].values[1:].double() for r in rows])
         depths = torch.cat([self.trees[r].draft_depths[1:] for r in rows])    # n-gram nodes: no draft call
@@ -198,6 +207,8 @@ class BudgetPlanner:
         if allotted > self.max_budget:        # rows looking further share what one pass may verify
             for r in rows:
                 self.alloc[r] = max(1, self.alloc[r] * self.max_budget // allotted)
+        for r in [r for r in self.alloc if r not in self.trees and self.alloc[r] == 0]:
+            self.alloc[r] = self._left(self.start)   # joined while plain decoding won: grows its first tree now
 
 
 @dataclass(frozen=True)

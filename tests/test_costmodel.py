@@ -101,6 +101,30 @@ def test_plain_decoding_still_times_a_tree_now_and_then():
     assert [b - a for a, b in zip(probes, probes[1:])] == [8, 16, 32, 32, 32] and probes[0] == 3
 
 
+def test_a_row_joining_while_plain_decoding_wins_decodes_plainly_until_trees_are_timed_again():
+    """Its draft need not read its prompt while no tree pays: it starts at 0, and grows its first tree at the
+    next probe (or at once when only such rows are left)."""
+    weak = {r: wide([0.02] * 8) for r in ("a", "b")}
+    p = BudgetPlanner(start=8, max_budget=64, max_depth=4)
+    for row in weak:
+        p.budget(row)
+    for n, t in ((2, 0.2), (10, 1.0), (18, 1.8)):
+        p.passes.append((n, t))
+    p.explored_low = True
+    p.observe(weak, draft_seconds=0.5, target_seconds=1.0, pass_tokens=18)
+    assert p.budget("a") == 0 and p.budget("new") == 0
+    while p.budget("a") == 0:                               # plain rounds until the probe
+        p.observe({}, draft_seconds=0.0, target_seconds=0.2, pass_tokens=3)
+    assert p.budget("new") == 8
+    p = BudgetPlanner(start=8, max_budget=64)
+    p.plain_rounds = 1                                      # plain decoding won, then its rows finished
+    p.budget("late")
+    p.passes.append((2, 0.2))
+    p.drafts.append((1, 1, 0.1))
+    p.observe({}, draft_seconds=0.0, target_seconds=0.2, pass_tokens=1)
+    assert p.budget("late") == 8
+
+
 def test_a_compute_bound_draft_gets_narrower_trees():
     """t_draft = c0 per call + c1 per node run: where a draft call costs by its rows (a CPU), low-value side
     nodes cost more than they return and the tree shrinks to its likely spine; where it costs by the call (a

@@ -83,5 +83,5 @@ def test_levers_report_pairs_settings_and_checks_the_chat_goals():
     assert on64[3] == "2" and on64[4].startswith("7.00 [") and on64[6].startswith("1.40 [")
     assert next(r for r in table if r[:3] == ["chat", "64", "n-gram only"])[6].startswith("3.00 [")
     assert next(r for r in table if r[:3] == ["chat", "64", "both off"])[6] == "–"
-    assert [g.split(":")[0] for g in goals] == ["chat, budget 256", "chat, budget 64"]
-    assert "MISSED" in goals[0] and ": met" in goals[1]
+    assert [g.split(":")[0] for g in goals] == ["chat, budget 64", "chat, budget 256"]
+    assert ": met" in goals[0] and "MISSED" in goals[1]

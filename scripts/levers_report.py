@@ -1,0 +1,91 @@
+#!/usr/bin/env python
+"""Issue 15's table from bench_accept rows: tokens per pass with the tree levers (--ngram, --calibrate) on and off.
+
+For each prompt set and budget (dyspec, T = 0), one line per lever setting: the prompts measured, the median
+over prompts of tokens/pass (each prompt's tokens up to the --new-tokens cut over its passes) with its
+bootstrap 95% interval, the mean tree size, and, where the setting shares prompts with "both off", the paired
+ratio of medians (setting / both off, over the prompts both have) with its paired bootstrap interval. Then
+the goals (chat: budget 64 >= 5.8, 256 >= 7.5, 1024 >= 8.5 tokens/pass with both levers on; a goal is met when
+the median reaches it, and the interval says how sure that is).
+
+Example (the rows of `bench_accept.py ... --rows docs/bench_accept_levers.jsonl`):
+  python scripts/levers_report.py --rows docs/bench_accept_levers.jsonl --new-tokens 96
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from collections import defaultdict
+
+import _common
+import _stats
+from bench_accept import read_rows
+
+GOALS = {64: 5.8, 256: 7.5, 1024: 8.5}          # issue 15, chat set, both levers on
+SETTINGS = ((True, True, "both on"), (False, False, "both off"), (True, False, "n-gram only"),
+            (False, True, "calibration only"))
+HEADERS = ["set", "budget", "levers", "prompts", "tokens/pass [95% CI]", "tree", "vs both off [95% CI]"]
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=_common.HelpFormatter)
+    p.add_argument("--rows", required=True, help="bench_accept rows (jsonl)")
+    p.add_argument("--new-tokens", type=int, default=96, help="only rows of runs that made this many tokens")
+    return p.parse_args(argv)
+
+
+def per_prompt(rows: list[dict], new_tokens: int) -> dict[tuple, dict[str, dict]]:
+    """(prompt set, budget, ngram, calibrate) -> {prompt id: row}, dyspec at T = 0 only."""
+    cells: dict[tuple, dict[str, dict]] = defaultdict(dict)
+    for r in rows:
+        if r["policy"] == "dyspec" and r["temperature"] == 0 and r["new_tokens"] == new_tokens:
+            cells[(r["prompt_set"], r["budget"], bool(r["ngram"]), bool(r["calibrate"]))][r["prompt_id"]] = r
+    return cells
+
+
+def report(rows: list[dict], new_tokens: int) -> tuple[list[list[str]], list[str]]:
+    """-> (table rows, goal lines)."""
+    cells = per_prompt(rows, new_tokens)
+    table, goals = [], []
+    for pset, budget in sorted({(k[0], k[1]) for k in cells}):
+        off = cells.get((pset, budget, False, False), {})
+        for ngram, calibrate, name in SETTINGS:
+            cell = cells.get((pset, budget, ngram, calibrate))
+            if not cell:
+                continue
+            tpp = {pid: r["generated"] / r["passes"] for pid, r in cell.items()}
+            ci = _stats.median_ci(list(tpp.values()))
+            tree = sum(sum(r["tree_size"]) for r in cell.values()) / sum(len(r["tree_size"]) for r in cell.values())
+            shared = sorted(set(tpp) & set(off))
+            ratio = "–"
+            if shared and (ngram or calibrate):
+                rc = _stats.ratio_ci([tpp[p] for p in shared], [off[p]["generated"] / off[p]["passes"] for p in shared])
+                ratio = f"{_stats.fmt_ci(rc, 2, key='ratio')} ({len(shared)} prompts)"
+            table.append([pset, str(budget), name, str(ci["n"]), _stats.fmt_ci(ci, 2), f"{tree:.0f}", ratio])
+            if pset == "chat" and ngram and calibrate and budget in GOALS:
+                goal = GOALS[budget]
+                verdict = "met" if ci["median"] >= goal else "MISSED"
+                goals.append(f"chat, budget {budget}: median {ci['median']:.2f} tokens/pass [{ci['low']:.2f}, "
+                             f"{ci['high']:.2f}] over {ci['n']} prompts vs goal {goal}: {verdict} "
+                             f"({ci['median'] - goal:+.2f}, {ci['median'] / goal:.0%} of the goal)")
+    return table, goals
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    rows = read_rows(args.rows)
+    table, goals = report(rows, args.new_tokens)
+    if not table:
+        print(f"no dyspec T=0 rows with {args.new_tokens} new tokens in {args.rows}", file=sys.stderr)
+        return 1
+    print(_common.markdown_table(HEADERS, table))
+    print()
+    for line in goals:
+        print(f"- {line}")
+    print()
+    print(_stats.provenance_text(rows))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

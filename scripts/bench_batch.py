@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import gc
 import json
 import os
 import statistics
@@ -158,6 +159,7 @@ def offspec_cell(models: Models, regime: str, requests: list[GenerationRequest],
     """One job of every request at B in flight -> the row (JobReport totals, latencies, tokens). B "auto": what
     `offspec batch --concurrency auto` does (the memory plan's most, up to AUTO_CONCURRENCY, and as many of
     those as the measured costs favour)."""
+    gc.collect()      # the previous cells' engines (reference cycles): the memory plan measures what is free
     mode = "disk" if regime == "disk" else "none"
     offload = OffloadConfig(mode=mode, store_dir=store_dir, disk_io=args.disk_io)
     runtime = RuntimeConfig(device=CPU, dtype=parse_dtype(args.dtype), draft_quant="int8")

@@ -135,11 +135,9 @@ class BudgetPlanner:
         rows = list(self.trees)
         if not rows or not self.drafts or len({n for n, _ in self.passes}) < 2:
             return None
-        values = torch.cat([self.trees[r].values[1:].double() for r in rows])
-        depths = torch.cat([self.trees[r].draft_depths[1:] for r in rows])
-        order = torch.argsort(values, descending=True)
-        C = torch.cat([torch.zeros(1, dtype=torch.float64), torch.cumsum(values[order], 0)])          # C(k), k = 0..
-        depth = torch.cat([torch.zeros(1), torch.cummax(depths[order], 0).values.float()]).double()  # depth(k)
+        _, C, depth = self._pooled(rows)
+        zero = torch.zeros(1, dtype=torch.float64)
+        C, depth = torch.cat([zero, C]), torch.cat([zero, depth])          # C(k), depth(k) for k = 0 (no tree) ..
         k = torch.arange(C.numel(), dtype=torch.float64)
         a, b = self.target_fit()
         c0, c1 = self.draft_fit()
@@ -155,6 +153,14 @@ class BudgetPlanner:
         best = max(rates)
         return next(n for n, rate in enumerate(rates, 1) if rate >= (1 - ROW_GAIN) * best)
 
+    def _pooled(self, rows: list) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The rows' last trees' nodes (roots left out) pooled and sorted by value, best first: (order, C, depth),
+        C[N-1] the sum of the N best values and depth[N-1] the deepest draft call they need (n-gram nodes: none)."""
+        values = torch.cat([self.trees[r].values[1:].double() for r in rows])
+        depths = torch.cat([self.trees[r].draft_depths[1:] for r in rows])
+        order = torch.argsort(values, descending=True)
+        return order, torch.cumsum(values[order], 0), torch.cummax(depths[order], 0).values.double()
+
     def _choose(self) -> None:
         rows = [r for r in self.alloc if r in self.trees]
         if not rows:                       # only rows that joined while plain decoding won: time their trees
@@ -163,13 +169,10 @@ class BudgetPlanner:
             for r in self.alloc:
                 self.alloc[r] = self._left(self.start)
             return
-        values = torch.cat([self.trees[r].values[1:].double() for r in rows])
-        depths = torch.cat([self.trees[r].draft_depths[1:] for r in rows])    # n-gram nodes: no draft call
+        order, C, depth_of = self._pooled(rows)                                        # depth(N), N = 1..total
         owner = torch.cat([torch.full((self.trees[r].size,), k) for k, r in enumerate(rows)])
-        order = torch.argsort(values, descending=True)
-        R, total = len(rows), values.numel()
-        expected = R + torch.cumsum(values[order], 0)                                  # E(N), N = 1..total
-        depth_of = torch.cummax(depths[order], 0).values.double()                      # depth(N)
+        R, total = len(rows), C.numel()
+        expected = R + C                                                               # E(N)
         a, b = self.target_fit()
         c0, c1 = self.draft_fit()
         N = torch.arange(1, total + 1, dtype=torch.float64)

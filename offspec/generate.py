@@ -259,8 +259,9 @@ class Engine:
         planner = BudgetPlanner(start=128 if self.device.type == "cuda" else 32, max_budget=self.max_tree_budget,
                                 max_depth=max((r.tree.max_depth for r in requests), default=32))
         while rows or queue:
-            limit = (planner.rows_worth(B) if adapt_rows else None) or B
-            while free and queue and len(rows) < limit:          # refill: the next prompts take free rows
+            # refill: the next prompts take free rows (auto concurrency: as many as the costs favour)
+            limit = ((planner.rows_worth(B) if adapt_rows else None) or B) if free and queue else 0
+            while free and queue and len(rows) < limit:
                 index, request = queue.pop()
                 try:
                     rows.append(self._admit(index, request, free[-1], t_cache, d_cache))

@@ -59,17 +59,24 @@ def test_a_row_at_the_edge_of_its_tree_gets_a_larger_tree_and_finished_rows_are_
     assert "sure" not in p.trees and p.budget("new row") == 16
 
 
-def test_plain_decoding_when_no_tree_pays_and_trees_come_back_when_they_do():
-    """Expensive draft calls and a target pass that costs every extra token: every budget goes to 0 (plain
-    decoding, no draft call); when later passes show extra tokens are cheap, the rows' last trees are used again."""
+def plain_decoding_planner():
+    """Two rows of weak trees, expensive draft calls and a target pass that costs every extra token (0.1 s a
+    token: speculation's nodes are not free): plain decoding wins."""
     weak = {r: wide([0.02] * 8) for r in ("a", "b")}
     p = BudgetPlanner(start=8, max_budget=64, max_depth=4)
     for row in weak:
         p.budget(row)
-    for n, t in ((2, 0.2), (10, 1.0), (18, 1.8)):          # 0.1 s a token: speculation's nodes are not free
+    for n, t in ((2, 0.2), (10, 1.0), (18, 1.8)):
         p.passes.append((n, t))
     p.explored_low = True
     p.observe(weak, draft_seconds=0.5, target_seconds=1.0, pass_tokens=18)
+    return p
+
+
+def test_plain_decoding_when_no_tree_pays_and_trees_come_back_when_they_do():
+    """Expensive draft calls and a target pass that costs every extra token: every budget goes to 0 (plain
+    decoding, no draft call); when later passes show extra tokens are cheap, the rows' last trees are used again."""
+    p = plain_decoding_planner()
     assert p.budget("a") == p.budget("b") == 0
     for _ in range(32):                                     # plain passes now; then extra tokens turn out free
         p.observe({}, draft_seconds=0.0, target_seconds=1.0, pass_tokens=2)
@@ -84,14 +91,7 @@ def test_plain_decoding_when_no_tree_pays_and_trees_come_back_when_they_do():
 def test_plain_decoding_still_times_a_tree_now_and_then():
     """One bad tree measurement (a busy machine, an unlucky round) must not turn trees off for good: while plain
     decoding wins, trees are grown again after 4 plain rounds, then after 8, 16 and at most 32."""
-    weak = {r: wide([0.02] * 8) for r in ("a", "b")}
-    p = BudgetPlanner(start=8, max_budget=64, max_depth=4)
-    for row in weak:
-        p.budget(row)
-    for n, t in ((2, 0.2), (10, 1.0), (18, 1.8)):
-        p.passes.append((n, t))
-    p.explored_low = True
-    p.observe(weak, draft_seconds=0.5, target_seconds=1.0, pass_tokens=18)
+    p = plain_decoding_planner()
     assert p.budget("a") == 0
     budgets = []
     for _ in range(128):
@@ -104,14 +104,7 @@ def test_plain_decoding_still_times_a_tree_now_and_then():
 def test_a_row_joining_while_plain_decoding_wins_decodes_plainly_until_trees_are_timed_again():
     """Its draft need not read its prompt while no tree pays: it starts at 0, and grows its first tree at the
     next probe (or at once when only such rows are left)."""
-    weak = {r: wide([0.02] * 8) for r in ("a", "b")}
-    p = BudgetPlanner(start=8, max_budget=64, max_depth=4)
-    for row in weak:
-        p.budget(row)
-    for n, t in ((2, 0.2), (10, 1.0), (18, 1.8)):
-        p.passes.append((n, t))
-    p.explored_low = True
-    p.observe(weak, draft_seconds=0.5, target_seconds=1.0, pass_tokens=18)
+    p = plain_decoding_planner()
     assert p.budget("a") == 0 and p.budget("new") == 0
     while p.budget("a") == 0:                               # plain rounds until the probe
         p.observe({}, draft_seconds=0.0, target_seconds=0.2, pass_tokens=3)

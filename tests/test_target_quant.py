@@ -414,6 +414,22 @@ def test_a_dense_store_from_before_quantization_still_opens(tmp_path):
 
 # ---------------------------------------------------------------- on a real GPU (scripts/gpu_check.py runs these)
 
+def layers_and_their_dequantization(cfg, quant, device):
+    """Random fp32 layers, their quantized layout, and each layer packed and dequantized on `device`: what any
+    way of running the quantized layers there must give bit for bit."""
+    from offspec.quant import target_layout
+    g = torch.Generator().manual_seed(0)
+    weights = {i: {name: torch.randn(shape, generator=g) for name, shape in layer_shapes(cfg).items()}
+               for i in range(cfg.n_layers)}
+    layout = target_layout(cfg, torch.float32, quant)
+    expected = {}
+    for i in range(cfg.n_layers):
+        block = torch.empty(layout.nbytes, dtype=torch.uint8)
+        layout.pack(weights[i], block)
+        expected[i] = dequantized(layout, block.to(device))[1]
+    return weights, layout, expected
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("quant", QUANTS)
@@ -422,18 +438,9 @@ def test_cuda_streamed_quantized_equals_resident_quantized(tmp_path, quant, mode
     """On CUDA: bitsandbytes' dequantization into the slot runs on the copy stream (dequantize_4bit.out / in-place
     int8), with no hidden synchronization in a pass, and gives the resident quantized layers bit for bit."""
     from offspec.offload import open_target_layers
-    from offspec.quant import target_layout
     cfg = replace(CFG, n_layers=7)
-    g = torch.Generator().manual_seed(0)
-    weights = {i: {name: torch.randn(shape, generator=g) for name, shape in layer_shapes(cfg).items()}
-               for i in range(cfg.n_layers)}
     device = torch.device("cuda")
-    layout = target_layout(cfg, torch.float32, quant)
-    expected = {}
-    for i in range(cfg.n_layers):
-        block = torch.empty(layout.nbytes, dtype=torch.uint8)
-        layout.pack(weights[i], block)
-        expected[i] = dequantized(layout, block.to(device))[1]
+    weights, _, expected = layers_and_their_dequantization(cfg, quant, device)
     offload = OffloadConfig(mode=mode, n_slots=3)
     with open_target_layers(weights.__getitem__, cfg, offload, device, torch.float32, store_dir=str(tmp_path / "s"),
                             progress=False, quant=quant) as target:
@@ -518,18 +525,10 @@ def test_cuda_held_resident_layers_equal_dequantized_resident(tmp_path, quant):
     (beside the ring's copies on the copy stream), with no hidden synchronization in a pass, give the
     dequantized layers bit for bit; every pass dequantizes again."""
     from offspec.offload import Placement, open_target_layers
-    from offspec.quant import QuantizedResident, target_layout
+    from offspec.quant import QuantizedResident
     cfg = replace(CFG, n_layers=7)
-    g = torch.Generator().manual_seed(0)
-    weights = {i: {name: torch.randn(shape, generator=g) for name, shape in layer_shapes(cfg).items()}
-               for i in range(cfg.n_layers)}
     device = torch.device("cuda")
-    layout = target_layout(cfg, torch.float32, quant)
-    expected = {}
-    for i in range(cfg.n_layers):
-        block = torch.empty(layout.nbytes, dtype=torch.uint8)
-        layout.pack(weights[i], block)
-        expected[i] = dequantized(layout, block.to(device))[1]
+    weights, layout, expected = layers_and_their_dequantization(cfg, quant, device)
     placement = Placement("cpu", cfg.n_layers, layout.dense.nbytes, resident=(0, 1, 2), n_slots=2,
                           slot_nbytes=layout.nbytes + layout.dense.nbytes, held_nbytes=layout.nbytes)
     with open_target_layers(weights.__getitem__, cfg, OffloadConfig(mode="cpu", n_slots=2), device, torch.float32,

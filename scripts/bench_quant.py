@@ -38,6 +38,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))                  # this checkout's offspec
 sys.path.insert(0, str(ROOT / "scripts"))      # _common, also when imported as a module by the tests
 import _common  # noqa: E402
+import _stats  # noqa: E402
 from offspec.config import OffloadConfig, RuntimeConfig, TreeConfig  # noqa: E402
 from offspec.generate import GenerationRequest, run  # noqa: E402
 from offspec.kv_cache import KVCache  # noqa: E402
@@ -46,6 +47,7 @@ from offspec.load import load_engine, parse_dtype  # noqa: E402
 SECTION = "bench_quant"
 CPU = torch.device("cpu")
 QUANTS = ("none", "int8", "nf4")
+INTERLEAVED = "interleaved"   # speed rows measured by the alternating protocol (rows without it ran in blocks)
 PROSE_TOPICS = ("assignment", "exceptions", "import", "class", "function", "for", "try", "with")
 
 
@@ -141,51 +143,63 @@ def measure_quality(args, target_dir, rows: list[dict]) -> None:
 
 
 def measure_speed(args, target_dir, draft_dir, rows: list[dict]) -> None:
+    """Per regime, every quantization's engine is loaded at once and their runs alternate: for each prompt and
+    repeat, each quantization runs once, in an order shuffled per (prompt, repeat). A drive that changes speed
+    for minutes (it did: bf16 passes went from 1.9 s to 1.07 s between two block-ordered runs) then slows every
+    quantization alike, and each (prompt, repeat) is a pair measured seconds apart."""
     from offspec.demo import humaneval_prompts
     from offspec.prompt import encode_prompt
 
     dtype = parse_dtype(args.dtype)
     prompts = humaneval_prompts(args.prompts)
+    quants = args.quants.split(",")
+    tree = TreeConfig(budget=args.tree_budget)
     for regime in args.regimes.split(","):
-        for quant in QUANTS:
-            key = dict(part="speed", regime=regime, quant=quant, dtype=args.dtype, new_tokens=args.new_tokens,
-                       slots=args.slots, tree_budget=args.tree_budget)
-            todo = [p for p in prompts if not has(rows, id=p["id"], **key)]
-            if not todo:
-                continue
-            print(f"== speed, {regime}, target {quant}: loading", file=sys.stderr)
-            needs_store = regime == "disk" or quant != "none"
-            offload = OffloadConfig(mode=regime, n_slots=args.slots,
-                                    store_dir=store_dir(args, quant) if needs_store else None)
-            loaded = load_engine(target_dir, draft_dir, offload,
-                                 RuntimeConfig(device=CPU, dtype=dtype, draft_quant="int8", target_quant=quant))
-            eng = loaded.engine
-            try:
-                warm = encode_prompt(eng.tokenizer, prompts[0]["prompt"])
-                tree = TreeConfig(budget=args.tree_budget)
-                run(eng, GenerationRequest(prompt_ids=tuple(warm), max_new_tokens=4, tree=tree,
-                                           ignore_eos=True))                               # warm-up, not counted
-                for p in todo:
-                    ids = encode_prompt(eng.tokenizer, p["prompt"])
-                    report, steps = run(eng, GenerationRequest(prompt_ids=tuple(ids), max_new_tokens=args.new_tokens,
-                                                               tree=tree, ignore_eos=True), offload=regime)
-                    decode = steps[1:]
-                    row = dict(key, id=p["id"], seconds_per_token=report.seconds_per_token,
-                               tokens_per_pass=report.tokens_per_pass, passes=report.passes,
-                               # what one pass moves: every streamed layer's block, as the plan counts it
-                               # (the streamer's own byte count lags: it counts copies once they completed)
-                               gb_per_pass=loaded.plan.streamed_bytes / 1e9,
-                               dequant_s_per_pass=statistics.fmean(s.dequant_seconds for s in decode),
-                               wait_s_per_pass=statistics.fmean(s.wait_seconds for s in decode),
-                               target_s_per_pass=statistics.fmean(s.target_seconds for s in decode),
-                               draft_s_per_pass=statistics.fmean(s.draft_seconds for s in decode),
-                               tokens=report.tokens, weights_source=report.weights_source)
-                    rows.append(row)
-                    append_row(args.rows, row)
-                    print(f"   {p['id']}: {report.seconds_per_token:.3f} s/token, {row['gb_per_pass']:.2f} GB/pass, "
-                          f"dequant {row['dequant_s_per_pass']:.2f} s/pass", file=sys.stderr)
-            finally:
-                eng.close()
+        key = dict(part="speed", protocol=INTERLEAVED, regime=regime, dtype=args.dtype, new_tokens=args.new_tokens,
+                   slots=args.slots, tree_budget=args.tree_budget)
+        todo = [(p, repeat, q) for p in prompts for repeat in range(args.repeats)
+                for q in _stats.shuffled_order(quants, p["id"], repeat)
+                if not has(rows, id=p["id"], repeat=repeat, quant=q, **key)]
+        if not todo:
+            continue
+        print(f"== speed, {regime}: loading {', '.join(quants)}", file=sys.stderr)
+        engines = {}
+        try:
+            for quant in quants:
+                needs_store = regime == "disk" or quant != "none"
+                offload = OffloadConfig(mode=regime, n_slots=args.slots,
+                                        store_dir=store_dir(args, quant) if needs_store else None)
+                engines[quant] = load_engine(target_dir, draft_dir, offload,
+                                             RuntimeConfig(device=CPU, dtype=dtype, draft_quant="int8",
+                                                           target_quant=quant))
+                warm = encode_prompt(engines[quant].engine.tokenizer, prompts[0]["prompt"])
+                run(engines[quant].engine, GenerationRequest(prompt_ids=tuple(warm), max_new_tokens=4, tree=tree,
+                                                             ignore_eos=True))                 # warm-up, not counted
+            for p, repeat, quant in todo:
+                loaded = engines[quant]
+                ids = encode_prompt(loaded.engine.tokenizer, p["prompt"])
+                report, steps = run(loaded.engine, GenerationRequest(prompt_ids=tuple(ids),
+                                                                     max_new_tokens=args.new_tokens, tree=tree,
+                                                                     ignore_eos=True), offload=regime)
+                decode = steps[1:]
+                row = dict(key, quant=quant, id=p["id"], repeat=repeat, seconds_per_token=report.seconds_per_token,
+                           tokens_per_pass=report.tokens_per_pass, passes=report.passes,
+                           # what one pass moves: every streamed layer's block, as the plan counts it
+                           # (the streamer's own byte count lags: it counts copies once they completed)
+                           gb_per_pass=loaded.plan.streamed_bytes / 1e9,
+                           dequant_s_per_pass=statistics.fmean(s.dequant_seconds for s in decode),
+                           wait_s_per_pass=statistics.fmean(s.wait_seconds for s in decode),
+                           target_s_per_pass=statistics.fmean(s.target_seconds for s in decode),
+                           draft_s_per_pass=statistics.fmean(s.draft_seconds for s in decode),
+                           tokens=report.tokens, weights_source=report.weights_source, stamp=_stats.stamp())
+                rows.append(row)
+                append_row(args.rows, row)
+                print(f"   {p['id']} #{repeat} {quant}: {report.seconds_per_token:.3f} s/token, "
+                      f"{row['target_s_per_pass']:.2f} s/pass, {row['gb_per_pass']:.2f} GB/pass, "
+                      f"dequant {row['dequant_s_per_pass']:.2f} s/pass", file=sys.stderr)
+        finally:
+            for loaded in engines.values():
+                loaded.engine.close()
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:
@@ -193,6 +207,51 @@ def common_prefix(a: list[int], b: list[int]) -> int:
     while n < min(len(a), len(b)) and a[n] == b[n]:
         n += 1
     return n
+
+
+def speed_table(rows: list[dict], paired: bool) -> str:
+    """One line per (regime, quantization). paired: the rows carry `repeat`, and each quantization's run of a
+    (prompt, repeat) is compared with bf16's run of the same (prompt, repeat)."""
+    def per_prompt(mine: list[dict], k: str) -> dict[str, float]:
+        by_prompt: dict[str, list[float]] = {}
+        for r in mine:
+            by_prompt.setdefault(r["id"], []).append(r[k])
+        return {pid: statistics.median(v) for pid, v in by_prompt.items()}
+
+    table = []
+    for regime in ("disk", "cpu"):
+        base = [r for r in rows if r["regime"] == regime and r["quant"] == "none"]
+        for quant in QUANTS:
+            mine = [r for r in rows if r["regime"] == regime and r["quant"] == quant]
+            if not mine:
+                continue
+            med = lambda k: statistics.median(per_prompt(mine, k).values())   # noqa: E731
+            gb = med("gb_per_pass")
+            ratio = f"{gb / statistics.median(r['gb_per_pass'] for r in base):.2f}x" if base else "–"
+            line = [regime, quant]
+            if paired:
+                line += [_stats.fmt_ci(_stats.median_ci(per_prompt(mine, "seconds_per_token").values())),
+                         _stats.fmt_ci(_stats.median_ci(per_prompt(mine, "target_s_per_pass").values()), 2)]
+                ref = {(r["id"], r["repeat"]): r for r in base}
+                pairs = [(r, ref[r["id"], r["repeat"]]) for r in mine if (r["id"], r["repeat"]) in ref]
+                for k in ("seconds_per_token", "target_s_per_pass"):
+                    if quant == "none" or not pairs:
+                        line.append("–")
+                        continue
+                    cell = _stats.ratio_ci([a[k] for a, _ in pairs], [b[k] for _, b in pairs])
+                    faster = sum(a[k] < b[k] for a, b in pairs)
+                    line.append(f"{_stats.fmt_ci(cell, 2, key='ratio', suffix='x')}, {faster}/{len(pairs)} faster")
+            else:
+                line += [f"{med('seconds_per_token'):.3f}", f"{med('target_s_per_pass'):.2f}"]
+            line += [f"{med('tokens_per_pass'):.2f}", f"{gb:.3f} ({ratio})", f"{med('wait_s_per_pass'):.2f}",
+                     f"{med('dequant_s_per_pass'):.2f}", f"{med('draft_s_per_pass'):.2f}",
+                     f"{len({r['id'] for r in mine})} x {len(mine) // len({r['id'] for r in mine})}"]
+            table.append(line)
+    headers = ["regime", "target", "s/token", "target s/pass"]
+    if paired:
+        headers += ["s/token vs bf16", "s/pass vs bf16"]
+    headers += ["tokens/pass", "GB per pass", "wait s/pass", "dequant s/pass", "draft s/round", "prompts x runs"]
+    return _common.markdown_table(headers, table)
 
 
 def report(args, rows: list[dict], started: float, load_at_start: str) -> str:
@@ -239,29 +298,27 @@ def report(args, rows: list[dict], started: float, load_at_start: str) -> str:
                 _common.markdown_table(["target", "identical outputs", "median tokens before the first difference",
                                         "same token at the same position"], table), ""]
     speed = [r for r in rows if r["part"] == "speed" and r["dtype"] == args.dtype]
-    if speed:
-        table = []
-        for regime in ("disk", "cpu"):
-            base = [r for r in speed if r["regime"] == regime and r["quant"] == "none"]
-            for quant in QUANTS:
-                mine = [r for r in speed if r["regime"] == regime and r["quant"] == quant]
-                if not mine:
-                    continue
-                med = lambda k: statistics.median(r[k] for r in mine)   # noqa: E731
-                gb = med("gb_per_pass")
-                ratio = f"{gb / statistics.median(r['gb_per_pass'] for r in base):.2f}x" if base else "–"
-                table.append([regime, quant, f"{med('seconds_per_token'):.3f}", f"{med('tokens_per_pass'):.2f}",
-                              f"{gb:.3f} ({ratio})", f"{med('target_s_per_pass'):.2f}", f"{med('wait_s_per_pass'):.2f}",
-                              f"{med('dequant_s_per_pass'):.2f}", f"{med('draft_s_per_pass'):.2f}", str(len(mine))])
-        r0 = speed[0]
-        out += [f"Speed: demo pair, dyspec with a tree budget of {r0['tree_budget']}, int8 draft copy, {r0['slots']} ring slots, "
-                f"{r0['new_tokens']} new tokens per HumanEval prompt (chat template), medians over prompts. disk = "
-                f"O_DIRECT reads (every pass reads the drive cold), cpu = the layers in host RAM. Dequantization runs "
-                f"on the copy worker, overlapped with compute, so it is not a part of the pass time it is listed "
-                f"beside; 'wait' is the part of the pass compute stood still for layers.", "",
-                _common.markdown_table(["regime", "target", "s/token", "tokens/pass", "GB per pass",
-                                        "target s/pass", "wait s/pass", "dequant s/pass", "draft s/round", "prompts"],
-                                       table), ""]
+    interleaved = [r for r in speed if r.get("protocol") == INTERLEAVED]
+    if interleaved:
+        r0 = interleaved[0]
+        out += [f"Speed: demo pair, dyspec with a tree budget of {r0['tree_budget']}, int8 draft copy, {r0['slots']} ring "
+                f"slots, {r0['new_tokens']} new tokens per HumanEval prompt (chat template). disk = O_DIRECT reads "
+                f"(every pass reads the drive cold), cpu = the layers in host RAM. All quantizations' engines were "
+                f"loaded at once and their runs alternated: each prompt ran once per quantization per repeat, in an "
+                f"order shuffled per (prompt, repeat), so a drive that changes speed for minutes slows all alike. "
+                f"A prompt's value is the median of its repeats; cells are medians over prompts with a bootstrap "
+                f"95% interval. 'vs bf16' is the ratio of medians over (prompt, repeat) pairs, the pair measured "
+                f"back to back, with a paired bootstrap interval, and how many pairs were faster. The quantized "
+                f"target is another model (its output differs), so its tokens per pass differ too: s/pass is the "
+                f"stream's own cost, s/token what a user waits. Dequantization runs on the copy worker, overlapped "
+                f"with compute; 'wait' is the part of the pass compute stood still for layers.", "",
+                speed_table(interleaved, paired=True), "", _stats.provenance_text(interleaved), ""]
+    blocks = [r for r in speed if r.get("protocol") != INTERLEAVED]
+    if blocks:
+        r0 = blocks[0]
+        out += [f"Earlier, block-ordered (each quantization's prompts ran together, one run each; the drive's speed "
+                f"changed between blocks, so these do not compare quantizations): tree budget {r0['tree_budget']}, "
+                f"{r0['new_tokens']} new tokens, medians over prompts.", "", speed_table(blocks, paired=False), ""]
     return "\n".join(out)
 
 
@@ -273,7 +330,9 @@ def parse_args():
     p.add_argument("--chunk-tokens", type=int, default=512, help="quality: tokens per chunk")
     p.add_argument("--greedy-prompts", type=int, default=4, help="quality: HumanEval prompts for free-running greedy")
     p.add_argument("--greedy-tokens", type=int, default=32, help="quality: new tokens per free-running greedy prompt")
-    p.add_argument("--prompts", type=int, default=2, help="speed: HumanEval prompts per regime and quantization")
+    p.add_argument("--prompts", type=int, default=4, help="speed: HumanEval prompts per regime and quantization")
+    p.add_argument("--repeats", type=int, default=3, help="speed: runs of each (prompt, quantization), alternating")
+    p.add_argument("--quants", default=",".join(QUANTS), help="speed: comma-separated quantizations to alternate")
     p.add_argument("--new-tokens", type=int, default=64, help="speed: new tokens per prompt")
     p.add_argument("--regimes", default="disk,cpu", help="speed: comma-separated disk, cpu")
     p.add_argument("--slots", type=int, default=8, help="speed: ring slots (as bench_peers)")

@@ -486,6 +486,32 @@ def test_bench_quant_report_from_rows(tmp_path):
     assert bench.common_prefix([1, 2, 3], [1, 2, 4]) == 2
 
 
+def test_bench_quant_pairs_each_run_with_bf16s_run_of_the_same_prompt_and_repeat():
+    """The alternating protocol: nf4's run of (prompt, repeat) is compared with bf16's run of that (prompt, repeat),
+    measured seconds apart, not with bf16's median; repeats fold into a per-prompt median."""
+    from types import SimpleNamespace
+
+    from scripts_module import load_script
+    bench = load_script("bench_quant")
+    # the drive is slow in repeat 0 and fast in repeat 1; nf4 is 0.8x bf16 within each repeat
+    bf16 = {("H/0", 0): 2.0, ("H/0", 1): 1.0, ("H/1", 0): 4.0, ("H/1", 1): 2.0}
+    rows = []
+    for (pid, repeat), seconds in bf16.items():
+        for quant, scale in (("none", 1.0), ("nf4", 0.8)):
+            rows.append(dict(part="speed", protocol=bench.INTERLEAVED, regime="disk", quant=quant, dtype="bfloat16",
+                             new_tokens=4, slots=8, tree_budget=32, id=pid, repeat=repeat,
+                             seconds_per_token=seconds * scale, target_s_per_pass=seconds * scale * 4,
+                             tokens_per_pass=2.0, gb_per_pass=2.6 if quant == "none" else 0.7,
+                             dequant_s_per_pass=0.5, wait_s_per_pass=0.1, draft_s_per_pass=0.2))
+    text = bench.report(SimpleNamespace(dtype="bfloat16", chunk_tokens=512), rows, 0.0, "0 / 0 / 0")
+    line = next(x for x in text.splitlines() if x.startswith("| disk | nf4 |"))
+    assert "0.80x [0.80, 0.80], 4/4 faster" in line      # every pair: the drive's phases cancel
+    assert line.count("4/4 faster") == 2                  # s/token and s/pass
+    assert line.startswith("| disk | nf4 | 1.800 ")       # per-prompt medians of repeats (1.2, 2.4), then their median
+    assert "| 2 x 2 |" in line
+    assert "block-ordered" not in text
+
+
 def test_cli_held_resident_layers_and_a_held_draft(pair, tmp_path):
     """--resident-quant on and --draft-quant nf4 / int8-held through the CLI: the JSON report says which target
     and which draft ran and where the layers were held; the output is the quantized target's plain greedy."""

@@ -6,18 +6,28 @@ reached and accepted (the expected accepted length of a tree is the sum of those
 every row adds its bonus token. The best budget minimizes t_round(N) / E(N). All three ingredients are
 measured while generating:
   t_target(n) = a + b * n     least squares over the passes seen (n = tokens in the pass, every row's)
-  t_draft(N)  = c0 * (depth(N) + 1) + c1 * N
-                              one catch-up call plus one batched call per depth (rows grow in lockstep), each
-                              costing c0 plus c1 per tree node it runs on (the N nodes are each run once to
-                              get their children). Least squares over the rounds' growth calls (the catch-up
-                              left out: after plain rounds it feeds many tokens at once). c1 is what makes a
-                              wide tree dear where a draft call is compute (a CPU: 1 row 0.07 s, 16 rows
-                              0.21 s for the 0.5B draft) and cheap where it is latency (a GPU: c1 ~ 0), so
-                              the planner picks chain-like trees on the one and bushy ones on the other.
+  t_draft(N)  = c0 * (k_calls * depth(N) + 1) + c1 * k_nodes * N + e * R
+                              one catch-up call (each row's root, e a token) plus the growth's batched calls
+                              (rows grow in lockstep), c0 each plus c1 per working-tree node they run on.
+                              (c0, c1): least squares over the rounds' growth calls and nodes run on. Growth
+                              runs the draft on more nodes than it keeps (DySpec expands candidates it then
+                              drops; measured 2-3x on the demo pair) and calls to its working tree's depth:
+                              k_nodes and k_calls are the measured ratios (nodes run on / nodes kept, calls /
+                              the kept trees' deepest draft call), so that a budget of N kept nodes is priced
+                              by the draft work it takes. c1 is what makes a wide tree dear where a draft
+                              call is compute (a CPU) and cheap where it is latency (a GPU: c1 ~ 0), so the
+                              planner picks chain-like trees on the one and bushy ones on the other.
+  e           seconds a token of the catch-up calls (total over total): feeding tokens, no tree work
   E(N)        from the values of each row's last tree, merged and sorted (cumulative)
 With several rows in a pass, the N best nodes over ALL rows' candidates are the pass's node budget shared by
 value: row r's budget is the number of its nodes among them, so rows whose drafts do well get more of the
 pass. With one row this is the single-sequence planner.
+
+Plain decoding (no tree, no draft call) competes with the best trees every round. Its hidden cost: the drafts
+fall behind, and the first tree round after it feeds every row's backlog (on a CPU at 8 rows, 32 plain rounds
+are 256 draft tokens, ~5 s, the time of ~18 plain passes). So the switch back to trees is charged that backlog,
+spread over the tokens the rows have left, and the probes that re-time trees while plain decoding wins grow
+one row's tree only, the row whose draft is least behind.
 """
 from __future__ import annotations
 
@@ -34,7 +44,7 @@ from .config import AUTO_MAX_TREE_BUDGET
 class DraftWork:
     """A round's draft growth, for the planner's t_draft fit."""
     calls: int = 0          # batched growth forwards (one per depth step, every row's frontier together)
-    nodes: int = 0          # tree nodes they ran on, all rows
+    nodes: int = 0          # working-tree nodes they ran on, all rows
 
 
 ROW_GAIN = 0.05     # auto concurrency: a row in flight must add at least 5% to the predicted tokens/s to be worth it
@@ -52,17 +62,22 @@ class BudgetPlanner:
         self.max_depth = max_depth            # TreeConfig.max_depth: trees that reach it can only grow wider
         self.passes: deque[tuple[int, float]] = deque(maxlen=32)   # (tokens in pass, seconds)
         self.drafts: deque[tuple[int, int, float]] = deque(maxlen=32)  # growth (calls, nodes run on, seconds)
+        self.kept: deque[tuple[int, int]] = deque(maxlen=32)           # ... and its trees (deepest call, nodes)
+        self.catch_ups: deque[tuple[int, float]] = deque(maxlen=32)    # catch-up calls (tokens fed, seconds)
         self.explored_low = False
         self.plain_rounds = 0                         # plain-decoding rounds since trees were last grown
         self.probe_after = FIRST_PROBE                # ... after this many, grow trees once to re-time them
+        self.plain_wins = False                       # the last choice was plain decoding
         self.trees: dict[Hashable, object] = {}       # row -> its last tree (TokenTree)
         self.alloc: dict[Hashable, int] = {}          # row -> its budget for the next round
+        self.behind: dict[Hashable, int] = {}         # row -> tokens its draft has not read (its next catch-up)
+        self.left: dict[Hashable, int] = {}           # row -> tokens it may still generate
 
     def budget(self, row: Hashable) -> int:
         """Row's tree budget for this round: a new row starts at `start` (or what the pass has left), or at 0
         while plain decoding wins (its draft need not read its prompt until trees pay again)."""
         if row not in self.alloc:
-            self.alloc[row] = 0 if self.plain_rounds > 0 else self._left(self.start)
+            self.alloc[row] = 0 if self.plain_wins else self._left(self.start)
         return self.alloc[row]
 
     def _left(self, want: int) -> int:
@@ -71,28 +86,56 @@ class BudgetPlanner:
 
     def forget(self, row: Hashable) -> None:
         """Row finished: its tree no longer counts."""
-        self.trees.pop(row, None)
-        self.alloc.pop(row, None)
+        for table in (self.trees, self.alloc, self.behind, self.left):
+            table.pop(row, None)
 
     def observe(self, trees: dict, draft_seconds: float, target_seconds: float, pass_tokens: int,
-                timed: bool = True, draft_calls: Optional[int] = None, draft_nodes: Optional[int] = None) -> None:
+                timed: bool = True, draft_calls: Optional[int] = None, draft_nodes: Optional[int] = None,
+                catch_up: Optional[tuple[int, float]] = None, behind: Optional[dict] = None,
+                left: Optional[dict] = None) -> None:
         """trees: this round's tree of each planned row; draft_seconds: its growth calls (the catch-up left out),
-        draft_calls and draft_nodes: how many there were and the tree nodes they ran on, all rows (default: the
-        deepest tree's depth and every tree's size); the target pass's seconds and its tokens (every row's).
-        timed=False (a round that also prefilled a new prompt, in the target and the draft): its trees'
-        values count, its seconds do not, since the prefill's cost is not a tree's.
+        draft_calls and draft_nodes: how many there were and the working-tree nodes they ran on, all rows
+        (default: the kept trees' deepest draft call and their size); the target pass's seconds and its tokens
+        (every row's). timed=False (a round that also prefilled a new prompt, in the target and the draft): its
+        trees' values count, its seconds do not, since the prefill's cost is not a tree's.
+        catch_up: (tokens fed, seconds) of the round's catch-up call (counted even in a round that prefilled: the
+        draft's prefill is the catch-up, timed on its own).
+        behind / left: per row, the tokens its draft has not read and the tokens it may still generate, after
+        this round (what a switch from plain decoding back to trees would cost, and what it is spread over).
         A round without trees (every budget 0: plain decoding was the better deal) still refines t_target,
         and the choice is made again from the rows' last trees, so trees come back when they pay again."""
         if timed:
             self.passes.append((pass_tokens, target_seconds))
         grown = {row: t for row, t in trees.items() if t.size > 0}
         if grown and timed:
-            calls = draft_calls if draft_calls is not None else max(t.depth for t in grown.values())
-            nodes = draft_nodes if draft_nodes is not None else sum(t.size for t in grown.values())
+            deepest = max(max(int(t.draft_depths[1:].max()) for t in grown.values()), 1)
+            size = sum(t.size for t in grown.values())
+            calls = draft_calls if draft_calls is not None else deepest
+            nodes = draft_nodes if draft_nodes is not None else size
             self.drafts.append((max(calls, 1), nodes, draft_seconds))
+            self.kept.append((deepest, size))
+        if catch_up is not None and catch_up[0] > 0:
+            self.catch_ups.append(catch_up)
+        self.behind.update(behind or {})
+        self.left.update(left or {})
         self.trees.update(grown)
         if self.drafts and self.passes:
             self._choose()
+
+    def working_ratios(self) -> tuple[float, float]:
+        """(k_calls, k_nodes): growth calls per level of the kept trees' deepest draft call, and working-tree
+        nodes run on per node kept, over the rounds in the fit (1, 1 before any)."""
+        depth = sum(d for d, _ in self.kept)
+        size = sum(n for _, n in self.kept)
+        if not depth or not size:
+            return 1.0, 1.0
+        return sum(c for c, _, _ in self.drafts) / depth, sum(n for _, n, _ in self.drafts) / size
+
+    def catch_up_fit(self) -> float:
+        """e: seconds a token fed by the catch-up calls (their total over their tokens); without any yet, the
+        growth's c1 (a draft forward row, like a catch-up token)."""
+        tokens = sum(n for n, _ in self.catch_ups)
+        return sum(t for _, t in self.catch_ups) / tokens if tokens else self.draft_fit()[1]
 
     def draft_fit(self) -> tuple[float, float]:
         """(c0, c1) of a draft call's cost c0 + c1 * nodes, both >= 0. With too few or too alike rounds to tell
@@ -129,7 +172,7 @@ class BudgetPlanner:
         make every prompt wait longer. For R' rows the node values seen so far are taken as every row's, pooled:
         R' rows offer R'/R copies of the R current rows' sorted values v (k of the pooled best nodes -> N =
         k R'/R nodes), so
-            rate(R') = max over k of  (R' + R'/R C(k)) / (c0 (depth(k) + 1) + c1 N + a + b (N + R')),
+            rate(R') = max over k of  (R' + R'/R C(k)) / (t_draft(N) + a + b (N + R')),
         k = 0 being plain decoding (no draft call), C the cumulative sum of v. The answer: the fewest rows whose
         rate is within ROW_GAIN of the best rate up to `most`. None until trees and passes were timed."""
         rows = list(self.trees)
@@ -141,12 +184,14 @@ class BudgetPlanner:
         k = torch.arange(C.numel(), dtype=torch.float64)
         a, b = self.target_fit()
         c0, c1 = self.draft_fit()
+        k_calls, k_nodes = self.working_ratios()
+        e = self.catch_up_fit()
         R = len(rows)
         rates = []
         for n_rows in range(1, most + 1):
             m = n_rows / R
             N = m * k
-            seconds = c0 * (depth + 1) + c1 * N + a + b * (N + n_rows)
+            seconds = c0 * (k_calls * depth + 1) + c1 * k_nodes * N + e * n_rows + a + b * (N + n_rows)
             seconds[0] = a + b * n_rows                          # no tree: no draft call
             seconds[N > self.max_budget] = float("inf")          # one pass verifies at most max_budget nodes
             rates.append(float(((n_rows + m * C) / seconds.clamp_min(1e-12)).max()))
@@ -161,13 +206,30 @@ class BudgetPlanner:
         order = torch.argsort(values, descending=True)
         return order, torch.cumsum(values[order], 0), torch.cummax(depths[order], 0).values.double()
 
+    def _least_behind(self, rows: list) -> Hashable:
+        """The row whose draft has the least to read before it can grow a tree (first of equals)."""
+        return min(rows, key=lambda r: self.behind.get(r, 0))
+
+    def _switch_cost(self) -> float:
+        """Seconds per token of going back to trees after plain rounds: every planned row's draft backlog beyond
+        its root (which every tree round feeds, and t_draft counts), e a token, spread over the tokens the rows
+        have left. 0 in steady tree rounds, and without backlog figures."""
+        rows = list(self.alloc)
+        backlog = sum(max(self.behind.get(r, 1) - 1, 0) for r in rows)
+        if not backlog:
+            return 0.0
+        left = sum(self.left.get(r, 1) for r in rows)
+        return self.catch_up_fit() * backlog / max(left, 1)
+
     def _choose(self) -> None:
         rows = [r for r in self.alloc if r in self.trees]
-        if not rows:                       # only rows that joined while plain decoding won: time their trees
+        if not rows:
+            # Only rows that joined while plain decoding won, whose drafts never read their prompts: time one
+            # tree, of the row least behind, before deciding for them all.
             self.plain_rounds = 0
             self.alloc = dict.fromkeys(self.alloc, 0)
-            for r in self.alloc:
-                self.alloc[r] = self._left(self.start)
+            if self.alloc:
+                self.alloc[self._least_behind(list(self.alloc))] = self._left(self.start)
             return
         order, C, depth_of = self._pooled(rows)                                        # depth(N), N = 1..total
         owner = torch.cat([torch.full((self.trees[r].size,), k) for k, r in enumerate(rows)])
@@ -175,8 +237,9 @@ class BudgetPlanner:
         expected = R + C                                                               # E(N)
         a, b = self.target_fit()
         c0, c1 = self.draft_fit()
+        k_calls, k_nodes = self.working_ratios()
         N = torch.arange(1, total + 1, dtype=torch.float64)
-        seconds = c0 * (depth_of + 1) + c1 * N + a + b * (N + R)
+        seconds = c0 * (k_calls * depth_of + 1) + c1 * k_nodes * N + self.catch_up_fit() * R + a + b * (N + R)
         best = int(torch.argmin((seconds / expected)[:self.max_budget])) + 1
         if len({n for n, _ in self.passes}) < 3 and not self.explored_low:
             # Too few distinct pass sizes to know b: try small trees once to measure the slope.
@@ -184,34 +247,39 @@ class BudgetPlanner:
             for r in rows:
                 self.alloc[r] = max(1, self.trees[r].size // 4)
             return
-        if (a + b * R) / R < float((seconds / expected)[best - 1]):
+        switch = self._switch_cost() if self.plain_wins else 0.0
+        mine = torch.bincount(owner[order[:best]], minlength=R).tolist()               # row r's nodes in the best N
+        if (a + b * R) / R < float((seconds / expected)[best - 1]) + switch:
             # No tree at all beats every tree: plain decoding (no draft calls) for every row this round. The
             # trees are then no longer measured, and one bad round (a busy machine, an unlucky tree) must not
-            # switch them off for good: after probe_after plain rounds the best trees are grown once anyway, and
-            # each probe that plain decoding still beats doubles the wait (4, 8, 16, 32 rounds).
+            # switch them off for good: after probe_after plain rounds one row's best tree is grown anyway (the
+            # row least behind: its catch-up is the cheapest), and each probe that plain decoding still beats
+            # doubles the wait (4, 8, 16, 32 rounds).
+            self.plain_wins = True
             self.plain_rounds += 1
-            if self.plain_rounds < self.probe_after:
-                for r in rows:
-                    self.alloc[r] = 0
-                return
-            self.plain_rounds, self.probe_after = 0, min(2 * self.probe_after, LAST_PROBE)
-        else:
-            self.plain_rounds, self.probe_after = 0, FIRST_PROBE
-        mine = torch.bincount(owner[order[:best]], minlength=R).tolist()               # row r's nodes in the best N
+            self.alloc = dict.fromkeys(self.alloc, 0)
+            if self.plain_rounds >= self.probe_after:
+                self.plain_rounds, self.probe_after = 0, min(2 * self.probe_after, LAST_PROBE)
+                probe = self._least_behind(rows)
+                self.alloc[probe] = self._budget_of(self.trees[probe], mine[rows.index(probe)])
+            return
+        self.plain_wins, self.plain_rounds, self.probe_after = False, 0, FIRST_PROBE
         for k, r in enumerate(rows):
-            tree = self.trees[r]
-            if mine[k] >= tree.size and tree.depth < self.max_depth:
-                # The optimum takes all of this row's tree: look further. (A tree already as deep as allowed
-                # would only get wider, at values below everything it holds: the edge is where it stops.)
-                self.alloc[r] = min(self.max_budget, max(2 * tree.size, 2))
-            else:
-                self.alloc[r] = min(self.max_budget, max(1, mine[k]))
+            self.alloc[r] = self._budget_of(self.trees[r], mine[k])
         allotted = sum(self.alloc[r] for r in rows)
         if allotted > self.max_budget:        # rows looking further share what one pass may verify
             for r in rows:
                 self.alloc[r] = max(1, self.alloc[r] * self.max_budget // allotted)
         for r in [r for r in self.alloc if r not in self.trees and self.alloc[r] == 0]:
             self.alloc[r] = self._left(self.start)   # joined while plain decoding won: grows its first tree now
+
+    def _budget_of(self, tree, mine: int) -> int:
+        """A row's next budget from its last tree and its share `mine` of the best N nodes."""
+        if mine >= tree.size and tree.depth < self.max_depth:
+            # The optimum takes all of this row's tree: look further. (A tree already as deep as allowed would
+            # only get wider, at values below everything it holds: the edge is where it stops.)
+            return min(self.max_budget, max(2 * tree.size, 2))
+        return min(self.max_budget, max(1, mine))
 
 
 @dataclass(frozen=True)

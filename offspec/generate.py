@@ -123,6 +123,11 @@ class _Row:
         # A round with a larger budget than the floor's (the auto planner probing) must reach below it: no floor.
         self.round_floor = self.floor if self.round_budget <= self.floor_budget else 0.0
 
+    def tokens_left(self) -> int:
+        """The most tokens it may still generate: to its max_new_tokens or the context end (EOS may come first)."""
+        end = min(self.stops.max_new_tokens, self.stops.context_tokens or self.stops.max_new_tokens)
+        return max(end - len(self.generated), 0)
+
     def commit(self, engine: "Engine", tree: TokenTree, verdict, t_cache: KVCache, d_cache: Optional[KVCache],
                pass_tokens: int, draft_s: float, target_s: float, stream: "StreamDelta", rows_in_pass: int,
                observed: AcceptanceCounts) -> Step:
@@ -256,7 +261,11 @@ class Engine:
         free = list(range(B))[::-1]
         rows: list[_Row] = []
         # One planner for every auto-budget row: it shares each pass's node budget among them by node value.
-        planner = BudgetPlanner(start=128 if self.device.type == "cuda" else 32, max_budget=self.max_tree_budget,
+        # First trees: 128 nodes a row on a GPU, where a pass costs its transfer whatever it computes; on a CPU a
+        # pass and a draft call are compute, so the first pass's 32 nodes are shared by its rows (8 rows: 4 each;
+        # the first rounds also read every prompt into the draft, the dearest trees of the job).
+        start = 128 if self.device.type == "cuda" else max(1, 32 // B)
+        planner = BudgetPlanner(start=start, max_budget=self.max_tree_budget,
                                 max_depth=max((r.tree.max_depth for r in requests), default=32))
         while rows or queue:
             # refill: the next prompts take free rows (auto concurrency: as many as the costs favour)
@@ -275,18 +284,13 @@ class Engine:
             self._ration_prefill(rows, t_cache, planner if prefill_per_pass is None else prefill_per_pass)
             with Timer(self.device) as draft_timer:
                 with Timer(self.device) as catch_up_timer:
-                    root_logits = self._catch_up(rows, d_cache)
+                    root_logits, fed = self._catch_up(rows, d_cache)
                 work = DraftWork()
                 trees = self._grow_all(rows, root_logits, d_cache, work)
             stream_before = self._stream_stats()
             with Timer(self.device) as target_timer:
                 q_logits, pass_tokens = self._verify_pass(rows, trees, t_cache)          # [(N_r, V)]
             stream = self._stream_delta(stream_before)
-            # A round that prefilled a new prompt (target and draft) says little about the cost of trees.
-            steady = all(fed == tree.n_nodes for fed, tree in zip(pass_tokens, trees))
-            planner.observe({row.index: tree for row, tree in zip(rows, trees) if row.auto},
-                            draft_timer.seconds - catch_up_timer.seconds, target_timer.seconds, sum(pass_tokens),
-                            timed=steady, draft_calls=work.calls, draft_nodes=work.nodes)
             finished = []
             for row, tree, q, n_tokens in zip(rows, trees, q_logits, pass_tokens):
                 if row.round_feed is not None:                      # joining: a chunk of its prompt, no tokens yet
@@ -301,6 +305,17 @@ class Engine:
                 yield RowStep(row.index, step)
                 if step.finish_reason is not None:
                     finished.append(row)
+            # After the commits, so that what each row's draft has not read is known (a switch from plain
+            # decoding back to trees pays it). A round that prefilled a new prompt (target and draft) says little
+            # about the cost of trees.
+            steady = all(fed == tree.n_nodes for fed, tree in zip(pass_tokens, trees))
+            going = [row for row in rows if row.auto and row not in finished]
+            planner.observe({row.index: tree for row, tree in zip(rows, trees) if row.auto},
+                            draft_timer.seconds - catch_up_timer.seconds, target_timer.seconds, sum(pass_tokens),
+                            timed=steady, draft_calls=work.calls, draft_nodes=work.nodes,
+                            catch_up=(fed, catch_up_timer.seconds),
+                            behind={row.index: len(row.seq) - d_cache.lengths[row.cache_row] for row in going},
+                            left={row.index: row.tokens_left() for row in going})
             if after_round is not None:
                 after_round(rows, t_cache, d_cache)
             for row in finished:
@@ -359,13 +374,13 @@ class Engine:
                     calibrator=Calibrator() if speculative and request.tree.calibrate else None)
 
     # ------------------------------------------------------------ draft
-    def _catch_up(self, rows: list["_Row"], cache: Optional[KVCache]) -> dict[int, torch.Tensor]:
+    def _catch_up(self, rows: list["_Row"], cache: Optional[KVCache]) -> tuple[dict[int, torch.Tensor], int]:
         """One packed draft forward feeding every growing row what its draft cache has not seen (ending with
-        its root): {row position in `rows`: the draft's logits after its root, (V_draft,)}. Rows with budget 0
-        this round (plain decoding) are left behind; they catch up the next time they grow a tree."""
+        its root): ({row position in `rows`: the draft's logits after its root, (V_draft,)}, tokens fed). Rows
+        with budget 0 this round (plain decoding) are left behind; they catch up the next time they grow a tree."""
         growing = [i for i, r in enumerate(rows) if r.round_budget > 0]
         if not growing:
-            return {}
+            return {}, 0
         draft, dev = self.draft, self.device
         # Catch up, packed: row i feeds seq[Ld:] at slots Ld.. and reads the distribution after its root.
         spans, tokens, positions, last = [], [], [], []
@@ -380,7 +395,7 @@ class Engine:
             cache.set_length(start + len(new), row.cache_row)
         logits = draft.forward(self.vocab.draft_input(torch.tensor(tokens, device=dev)), torch.tensor(positions, device=dev),
                                spans, cache, logit_rows=torch.tensor(last, device=dev), chunk=self.prefill_chunk)
-        return dict(zip(growing, logits))
+        return dict(zip(growing, logits)), len(tokens)
 
     def _grow_all(self, rows: list["_Row"], root_logits: dict[int, torch.Tensor], cache: Optional[KVCache],
                   work: Optional[DraftWork] = None) -> list[TokenTree]:

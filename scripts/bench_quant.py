@@ -24,6 +24,7 @@ Examples:
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import statistics
@@ -200,6 +201,8 @@ def measure_speed(args, target_dir, draft_dir, rows: list[dict]) -> None:
         finally:
             for loaded in engines.values():
                 loaded.engine.close()
+            engines.clear()
+            gc.collect()     # the engines hold reference cycles: free their memory before the next regime plans
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:

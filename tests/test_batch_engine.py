@@ -330,3 +330,37 @@ def test_auto_concurrency_refills_only_the_rows_the_costs_favour(engine, monkeyp
         assert max(seen) == most_seen
         for i, request in enumerate(requests):
             assert tokens[i] == alone(engine, request)[0], i
+
+
+def test_while_plain_decoding_wins_a_probe_grows_one_tree_the_least_behind(engine, monkeypatch):
+    """Costs under which no tree pays (every token of a pass and of a draft call costs the same): after the
+    first rounds, the rows decode plainly, and each probe that re-times trees grows the tree of one row only,
+    the one whose draft has the least to read. The engine hands the planner each row's backlog and tokens
+    left after the commits, and the catch-up's tokens; the outputs stay each request's own."""
+    from offspec.costmodel import BudgetPlanner
+    monkeypatch.setattr(BudgetPlanner, "target_fit", lambda self: (0.0, 1.0))
+    monkeypatch.setattr(BudgetPlanner, "draft_fit", lambda self: (1.0, 1.0))
+    rounds = []                                   # per round: (rows that grew, backlog and tokens left after it)
+    observe = BudgetPlanner.observe
+
+    def spy(self, trees, *args, **kwargs):
+        rounds.append(({r for r, t in trees.items() if t.size > 0}, kwargs["behind"], kwargs["left"],
+                       kwargs["catch_up"]))
+        observe(self, trees, *args, **kwargs)
+    monkeypatch.setattr(BudgetPlanner, "observe", spy)
+    requests = [GenerationRequest(prompt_ids=p, max_new_tokens=n, ignore_eos=True)          # auto tree budget
+                for p, n in zip(prompts(3), [40, 34, 28])]
+    tokens, _, _ = batched(engine, requests, concurrency=3)
+    mine = rounds[:]                              # the runs alone below add theirs to the spy's list
+    for i, request in enumerate(requests):
+        assert tokens[i] == alone(engine, request)[0], i
+    assert len(mine[0][0]) == 3 and mine[0][3][0] == sum(len(r.prompt_ids) for r in requests)  # prompts read
+    first_plain = next(k for k, (grew, *_) in enumerate(mine) if not grew)
+    assert all(len(grew) == 3 for grew, *_ in mine[:first_plain])          # the first rounds time trees
+    probes = [k for k, (grew, *_) in enumerate(mine) if k > first_plain and grew]
+    assert len(probes) >= 2 and all(len(mine[k][0]) == 1 for k in range(first_plain, len(mine)) if mine[k][0])
+    for k in probes:
+        (grew,), behind = mine[k][0], mine[k - 1][1]
+        assert behind[grew] == min(behind.values()) and mine[k][3][0] == behind[grew]   # its catch-up, alone
+    for (_, _, left, _), (_, _, later, _) in zip(mine, mine[1:]):
+        assert all(0 <= later[r] < left[r] for r in later)          # tokens left shrink every round

@@ -38,7 +38,8 @@ def test_rows_whose_drafts_do_well_get_more_of_the_pass():
 
 
 def test_one_row_is_the_single_sequence_planner():
-    """With one row the shared planner picks what minimizes (draft + target seconds) / (1 + sum of values)."""
+    """With one row the shared planner picks what minimizes (draft + target seconds) / (1 + sum of values), the
+    draft's being a catch-up call (c0 and the root's e) and one growth call a depth (c0 and c1 a node)."""
     values = [0.6 ** k for k in range(1, 17)]      # falling fast: the optimum lies inside the tree
     p = planner_after({"only": wide(values)})
     b = p.budget("only")
@@ -46,7 +47,7 @@ def test_one_row_is_the_single_sequence_planner():
 
     def cost(n):
         c0, c1 = p.draft_fit()
-        return (c0 * 2 + c1 * n + a + slope * (n + 1)) / (1 + sum(values[:n]))
+        return (c0 * 2 + c1 * n + p.catch_up_fit() + a + slope * (n + 1)) / (1 + sum(values[:n]))
     assert 1 <= b <= 16 and cost(b) == min(cost(n) for n in range(1, 17))
 
 
@@ -102,24 +103,96 @@ def test_plain_decoding_still_times_a_tree_now_and_then():
 
 
 def test_a_row_joining_while_plain_decoding_wins_decodes_plainly_until_trees_are_timed_again():
-    """Its draft need not read its prompt while no tree pays: it starts at 0, and grows its first tree at the
-    next probe (or at once when only such rows are left)."""
+    """Its draft need not read its prompt while no tree pays: it starts at 0, is not the probe (its draft is the
+    furthest behind), and grows its first tree when trees win again (or first of all, when only such rows are
+    left: one of them, the least behind, times a tree for all)."""
     p = plain_decoding_planner()
     assert p.budget("a") == 0 and p.budget("new") == 0
+    backlog = {"a": 2, "b": 2, "new": 40}
     while p.budget("a") == 0:                               # plain rounds until the probe
-        p.observe({}, draft_seconds=0.0, target_seconds=0.2, pass_tokens=3)
-    assert p.budget("new") == 8
+        p.observe({}, draft_seconds=0.0, target_seconds=0.2, pass_tokens=3, behind=backlog)
+    assert p.budget("new") == 0
+    p.passes.clear()
+    p.passes.extend([(2, 1.0), (40, 1.0), (80, 1.0)])      # extra tokens and draft calls turn out free:
+    p.drafts.clear()                                        # trees win again
+    p.drafts.append((1, 1, 0.0))
+    p.observe({}, draft_seconds=0.0, target_seconds=1.0, pass_tokens=2)
+    assert p.budget("a") > 0 and p.budget("new") == 8
     p = BudgetPlanner(start=8, max_budget=64)
-    p.plain_rounds = 1                                      # plain decoding won, then its rows finished
+    p.plain_wins = True                                     # plain decoding won, then its rows finished
     p.budget("late")
+    p.budget("later")
     p.passes.append((2, 0.2))
     p.drafts.append((1, 1, 0.1))
-    p.observe({}, draft_seconds=0.0, target_seconds=0.2, pass_tokens=1)
-    assert p.budget("late") == 8
+    p.observe({}, draft_seconds=0.0, target_seconds=0.2, pass_tokens=1, behind={"late": 30, "later": 12})
+    assert p.budget("late") == 0 and p.budget("later") == 8
+
+
+def test_a_probe_grows_one_tree_the_row_whose_draft_is_least_behind():
+    """While plain decoding wins, the probe that re-times trees pays a catch-up for every row it grows: it grows
+    one, the cheapest to catch up."""
+    p = plain_decoding_planner()
+    budgets = (0, 0)
+    while budgets == (0, 0):
+        p.observe({}, draft_seconds=0.0, target_seconds=0.2, pass_tokens=2, behind={"a": 9, "b": 3})
+        budgets = (p.budget("a"), p.budget("b"))
+    assert budgets[0] == 0 and budgets[1] > 0
+
+
+def switching_planner(behind: int, left: int):
+    """Plain decoding won; now the rows' trees are 10% cheaper a token than plain decoding, before the drafts'
+    backlog (`behind` tokens a row, e = 0.01 s a token) is counted; `left`: tokens a row may still generate."""
+    p = BudgetPlanner(start=8, max_budget=64, max_depth=4)
+    for row in ("a", "b"):
+        p.budget(row)
+    p.explored_low, p.plain_wins = True, True
+    for n, t in ((2, 1.0), (10, 1.0), (18, 1.0)):           # a pass costs 1 s, whatever its size
+        p.passes.append((n, t))
+    p.drafts.extend([(1, 0, 0.0), (1, 100, 1.0), (2, 100, 1.0)])   # growth: c0 = 0, c1 = 0.01 s a node
+    p.catch_ups.append((100, 1.0))                                  # catch-up: e = 0.01 s a token
+    trees = {r: chain([0.6, 0.2]) for r in ("a", "b")}
+    # best tree: N = 2 (one 0.6 node a row): (0.01 N + 0.01 R + 1) / (2 + 1.2) = 0.325 s a token; plain: 0.5 s
+    p.observe(trees, draft_seconds=0.0, target_seconds=1.0, pass_tokens=2, timed=False,
+              behind={"a": behind, "b": behind}, left={"a": left, "b": left})
+    return p
+
+
+def test_going_back_to_trees_pays_the_drafts_backlog_over_the_tokens_left():
+    """Trees save 0.175 s a token; a backlog of 401 tokens a row costs 0.01 s each: 8 s, worth it over 100
+    tokens a row (0.04 s a token) and not over 10 (0.4 s a token)."""
+    assert switching_planner(behind=401, left=100).budget("a") > 0
+    assert switching_planner(behind=401, left=10).budget("a") == 0
+    assert switching_planner(behind=1, left=1).budget("a") > 0       # no backlog: only the per-round cost
+
+
+def test_kept_nodes_are_priced_by_the_draft_work_they_took_and_catch_ups_by_their_own():
+    """Growth runs the draft on more working-tree nodes than it keeps, and calls to its working tree's depth:
+    the fit is per call and per node run, and a budget of N kept nodes is priced by the measured ratios (here
+    3 nodes run and 1.5 calls per node and level kept). A catch-up call, which feeds tokens without tree work,
+    is priced by its own seconds a token and leaves the growth fit alone."""
+    p = BudgetPlanner()
+    p.passes.append((2, 0.2))
+    for depth, width in ((4, 1), (2, 3), (4, 2)):
+        tree = TokenTree(0, capacity=depth * width + 1)
+        for _ in range(width):
+            parent = 0
+            for k in range(depth):
+                parent = tree.add(parent, k + 1, 0.5)
+        calls, nodes = depth * 3 // 2, 3 * depth * width
+        p.budget("r")
+        p.observe({"r": tree}, draft_seconds=0.01 * calls + 0.002 * nodes, target_seconds=0.2, pass_tokens=5,
+                  draft_calls=calls, draft_nodes=nodes)
+    c0, c1 = p.draft_fit()
+    assert abs(c0 - 0.01) < 1e-9 and abs(c1 - 0.002) < 1e-9
+    assert p.working_ratios() == (1.5, 3.0)
+    assert p.catch_up_fit() == c1                        # no catch-up seen yet: a draft forward row's cost
+    p.observe({}, draft_seconds=0.0, target_seconds=0.2, pass_tokens=2, catch_up=(200, 0.1))
+    p.observe({}, draft_seconds=0.0, target_seconds=0.2, pass_tokens=2, catch_up=(50, 0.05))
+    assert p.draft_fit() == (c0, c1) and abs(p.catch_up_fit() - 0.15 / 250) < 1e-12
 
 
 def test_a_compute_bound_draft_gets_narrower_trees():
-    """t_draft = c0 per call + c1 per node run: where a draft call costs by its rows (a CPU), low-value side
+    """t_draft = c0 per call + c1 per node kept: where a draft call costs by its rows (a CPU), low-value side
     nodes cost more than they return and the tree shrinks to its likely spine; where it costs by the call (a
     GPU), the same nodes are worth verifying."""
     def tree():
@@ -145,7 +218,8 @@ def test_a_compute_bound_draft_gets_narrower_trees():
 
 
 def planner_costing(a, b, c0=0.01, c1=0.0, tree=lambda: chain([0.8 ** k for k in range(1, 9)]), rows=4):
-    """A planner whose fits are exactly t_target(n) = a + b n and t_draft = c0 per call + c1 per node."""
+    """A planner whose fits are exactly t_target(n) = a + b n and t_draft = c0 per call + c1 per node (catch-up
+    tokens: c1 too, none having been timed)."""
     trees = {r: tree() for r in range(rows)}
     p = BudgetPlanner(start=16, max_budget=1024, max_depth=32)
     for r in trees:
@@ -175,6 +249,7 @@ def test_auto_concurrency_stops_where_rows_no_longer_add_tokens_per_second():
     p, R = compute, 4
     a, b = p.target_fit()
     c0, c1 = p.draft_fit()
+    e = p.catch_up_fit()
     values = sorted((float(v) for r in p.trees for v in p.trees[r].values[1:]), reverse=True)
 
     def rate(n_rows):
@@ -182,7 +257,8 @@ def test_auto_concurrency_stops_where_rows_no_longer_add_tokens_per_second():
         for k in range(1, len(values) + 1):
             depth = (k + R - 1) // R            # the pooled best k nodes of 4 equal chains reach this depth
             N = m * k
-            best = max(best, (n_rows + m * sum(values[:k])) / (c0 * (depth + 1) + c1 * N + a + b * (N + n_rows)))
+            best = max(best, (n_rows + m * sum(values[:k])) / (c0 * (depth + 1) + c1 * N + e * n_rows + a
+                                                               + b * (N + n_rows)))
         return best
     rates = [rate(n) for n in range(1, 17)]
     assert compute.rows_worth(16) == next(n for n, r in enumerate(rates, 1) if r >= (1 - ROW_GAIN) * max(rates))

@@ -23,6 +23,12 @@ With several rows in a pass, the N best nodes over ALL rows' candidates are the 
 value: row r's budget is the number of its nodes among them, so rows whose drafts do well get more of the
 pass. With one row this is the single-sequence planner.
 
+The model's tree rounds are checked against what they did: after each round in which every row grew a tree, the
+ratio of its measured seconds per token to the model's prediction for the trees it grew is kept, and the best
+tree's predicted seconds per token is scaled by the median of the last 8 before it is compared with plain
+decoding's (measured directly: a + b R over R rows). Whatever the model misses (node values that overestimate
+acceptance, draft or verification work it does not count) then counts in the choice.
+
 Plain decoding (no tree, no draft call) competes with the best trees every round. Its hidden cost: the drafts
 fall behind, and the first tree round after it feeds every row's backlog (on a CPU at 8 rows, 32 plain rounds
 are 256 draft tokens, ~5 s, the time of ~18 plain passes). So the switch back to trees is charged that backlog,
@@ -31,6 +37,7 @@ one row's tree only, the row whose draft is least behind.
 """
 from __future__ import annotations
 
+import statistics
 from collections import deque
 from dataclasses import dataclass
 from typing import Hashable, Optional
@@ -48,6 +55,7 @@ class DraftWork:
 
 
 ROW_GAIN = 0.05     # auto concurrency: a row in flight must add at least 5% to the predicted tokens/s to be worth it
+YIELD_ROUNDS = 8     # the tree rounds whose measured / predicted seconds per token scale the trees' prediction
 FIRST_PROBE = 4      # while plain decoding wins, trees are grown again after 4 plain rounds, then 8, 16, 32
 LAST_PROBE = 32
 
@@ -64,6 +72,7 @@ class BudgetPlanner:
         self.drafts: deque[tuple[int, int, float]] = deque(maxlen=32)  # growth (calls, nodes run on, seconds)
         self.kept: deque[tuple[int, int]] = deque(maxlen=32)           # ... and its trees (deepest call, nodes)
         self.catch_ups: deque[tuple[int, float]] = deque(maxlen=32)    # catch-up calls (tokens fed, seconds)
+        self.misses: deque[float] = deque(maxlen=YIELD_ROUNDS)        # tree rounds' measured / predicted s/token
         self.explored_low = False
         self.plain_rounds = 0                         # plain-decoding rounds since trees were last grown
         self.probe_after = FIRST_PROBE                # ... after this many, grow trees once to re-time them
@@ -92,7 +101,7 @@ class BudgetPlanner:
     def observe(self, trees: dict, draft_seconds: float, target_seconds: float, pass_tokens: int,
                 timed: bool = True, draft_calls: Optional[int] = None, draft_nodes: Optional[int] = None,
                 catch_up: Optional[tuple[int, float]] = None, behind: Optional[dict] = None,
-                left: Optional[dict] = None) -> None:
+                left: Optional[dict] = None, yielded: Optional[int] = None) -> None:
         """trees: this round's tree of each planned row; draft_seconds: its growth calls (the catch-up left out),
         draft_calls and draft_nodes: how many there were and the working-tree nodes they ran on, all rows
         (default: the kept trees' deepest draft call and their size); the target pass's seconds and its tokens
@@ -102,6 +111,8 @@ class BudgetPlanner:
         draft's prefill is the catch-up, timed on its own).
         behind / left: per row, the tokens its draft has not read and the tokens it may still generate, after
         this round (what a switch from plain decoding back to trees would cost, and what it is spread over).
+        yielded: the tokens the round's rows emitted (accepted + bonus, before any stop's cut): with every row
+        growing a tree, it and the round's seconds are checked against the model's prediction for those trees.
         A round without trees (every budget 0: plain decoding was the better deal) still refines t_target,
         and the choice is made again from the rows' last trees, so trees come back when they pay again."""
         if timed:
@@ -116,11 +127,33 @@ class BudgetPlanner:
             self.kept.append((deepest, size))
         if catch_up is not None and catch_up[0] > 0:
             self.catch_ups.append(catch_up)
+        if yielded and timed and grown and len(grown) == len(trees) and self.passes:
+            spent = draft_seconds + (catch_up[1] if catch_up is not None else 0.0) + target_seconds
+            predicted, tokens = self._round_cost(list(grown.values()), len(trees))
+            self.misses.append((spent / yielded) / (predicted / tokens))
         self.behind.update(behind or {})
         self.left.update(left or {})
         self.trees.update(grown)
         if self.drafts and self.passes:
             self._choose()
+
+    def round_seconds(self, N, depth, R):
+        """t_draft(N) + t_target(N + R): the model's seconds of a round of R rows verifying N tree nodes whose
+        deepest draft call is at `depth` (numbers or tensors of them)."""
+        a, b = self.target_fit()
+        c0, c1 = self.draft_fit()
+        k_calls, k_nodes = self.working_ratios()
+        return c0 * (k_calls * depth + 1) + c1 * k_nodes * N + self.catch_up_fit() * R + a + b * (N + R)
+
+    def _round_cost(self, trees: list, R: int) -> tuple[float, float]:
+        """The model's (seconds, expected tokens) of a round of R rows growing these trees."""
+        N = sum(t.size for t in trees)
+        depth = max(int(t.draft_depths[1:].max()) for t in trees)
+        return self.round_seconds(N, depth, R), R + sum(float(t.values[1:].sum()) for t in trees)
+
+    def miss(self) -> float:
+        """Median of the recent tree rounds' measured / predicted seconds per token (1 before any)."""
+        return statistics.median(self.misses) if self.misses else 1.0
 
     def working_ratios(self) -> tuple[float, float]:
         """(k_calls, k_nodes): growth calls per level of the kept trees' deepest draft call, and working-tree
@@ -183,15 +216,12 @@ class BudgetPlanner:
         C, depth = torch.cat([zero, C]), torch.cat([zero, depth])          # C(k), depth(k) for k = 0 (no tree) ..
         k = torch.arange(C.numel(), dtype=torch.float64)
         a, b = self.target_fit()
-        c0, c1 = self.draft_fit()
-        k_calls, k_nodes = self.working_ratios()
-        e = self.catch_up_fit()
         R = len(rows)
         rates = []
         for n_rows in range(1, most + 1):
             m = n_rows / R
             N = m * k
-            seconds = c0 * (k_calls * depth + 1) + c1 * k_nodes * N + e * n_rows + a + b * (N + n_rows)
+            seconds = self.round_seconds(N, depth, n_rows)
             seconds[0] = a + b * n_rows                          # no tree: no draft call
             seconds[N > self.max_budget] = float("inf")          # one pass verifies at most max_budget nodes
             rates.append(float(((n_rows + m * C) / seconds.clamp_min(1e-12)).max()))
@@ -236,10 +266,8 @@ class BudgetPlanner:
         R, total = len(rows), C.numel()
         expected = R + C                                                               # E(N)
         a, b = self.target_fit()
-        c0, c1 = self.draft_fit()
-        k_calls, k_nodes = self.working_ratios()
         N = torch.arange(1, total + 1, dtype=torch.float64)
-        seconds = c0 * (k_calls * depth_of + 1) + c1 * k_nodes * N + self.catch_up_fit() * R + a + b * (N + R)
+        seconds = self.round_seconds(N, depth_of, R)
         best = int(torch.argmin((seconds / expected)[:self.max_budget])) + 1
         if len({n for n, _ in self.passes}) < 3 and not self.explored_low:
             # Too few distinct pass sizes to know b: try small trees once to measure the slope.
@@ -249,7 +277,7 @@ class BudgetPlanner:
             return
         switch = self._switch_cost() if self.plain_wins else 0.0
         mine = torch.bincount(owner[order[:best]], minlength=R).tolist()               # row r's nodes in the best N
-        if (a + b * R) / R < float((seconds / expected)[best - 1]) + switch:
+        if (a + b * R) / R < float((seconds / expected)[best - 1]) * self.miss() + switch:
             # No tree at all beats every tree: plain decoding (no draft calls) for every row this round. The
             # trees are then no longer measured, and one bad round (a busy machine, an unlucky tree) must not
             # switch them off for good: after probe_after plain rounds one row's best tree is grown anyway (the

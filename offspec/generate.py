@@ -291,7 +291,7 @@ class Engine:
             with Timer(self.device) as target_timer:
                 q_logits, pass_tokens = self._verify_pass(rows, trees, t_cache)          # [(N_r, V)]
             stream = self._stream_delta(stream_before)
-            finished = []
+            finished, yielded = [], 0
             for row, tree, q, n_tokens in zip(rows, trees, q_logits, pass_tokens):
                 if row.round_feed is not None:                      # joining: a chunk of its prompt, no tokens yet
                     yield RowStep(row.index, Step(tokens=[], accepted=0, tree_size=0, tree_depth=0,
@@ -302,6 +302,7 @@ class Engine:
                 verdict, judged = self._accept(tree, q, row.request.sampling, row.generator)
                 step = row.commit(self, tree, verdict, t_cache, d_cache, n_tokens, draft_timer.seconds,
                                   target_timer.seconds, stream, len(rows), observe(tree, judged))
+                yielded += step.accepted + 1 if row.auto else 0
                 yield RowStep(row.index, step)
                 if step.finish_reason is not None:
                     finished.append(row)
@@ -315,7 +316,7 @@ class Engine:
                             timed=steady, draft_calls=work.calls, draft_nodes=work.nodes,
                             catch_up=(fed, catch_up_timer.seconds),
                             behind={row.index: len(row.seq) - d_cache.lengths[row.cache_row] for row in going},
-                            left={row.index: row.tokens_left() for row in going})
+                            left={row.index: row.tokens_left() for row in going}, yielded=yielded)
             if after_round is not None:
                 after_round(rows, t_cache, d_cache)
             for row in finished:

@@ -30,8 +30,8 @@ decoding's (measured directly: a + b R over R rows). Whatever the model misses (
 acceptance, draft or verification work it does not count) then counts in the choice.
 
 Plain decoding (no tree, no draft call) competes with the best trees every round. Its hidden cost: the drafts
-fall behind, and the first tree round after it feeds every row's backlog (on a CPU at 8 rows, 32 plain rounds
-are 256 draft tokens, ~5 s, the time of ~18 plain passes). So the switch back to trees is charged that backlog,
+fall behind, and the first tree round after it feeds every row's backlog (at 8 rows, 32 plain rounds are 256
+draft tokens to read before any tree grows). So the switch back to trees is charged that backlog,
 spread over the tokens the rows have left, and the probes that re-time trees while plain decoding wins grow
 one row's tree only, the row whose draft is least behind.
 """

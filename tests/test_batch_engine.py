@@ -340,6 +340,8 @@ def test_while_plain_decoding_wins_a_probe_grows_one_tree_the_least_behind(engin
     from offspec.costmodel import BudgetPlanner
     monkeypatch.setattr(BudgetPlanner, "target_fit", lambda self: (0.0, 1.0))
     monkeypatch.setattr(BudgetPlanner, "draft_fit", lambda self: (1.0, 1.0))
+    monkeypatch.setattr(BudgetPlanner, "catch_up_fit", lambda self: 1.0)
+    monkeypatch.setattr(BudgetPlanner, "miss", lambda self: 1.0)     # the model is taken at its word
     rounds = []                                   # per round: (rows that grew, backlog and tokens left after it)
     observe = BudgetPlanner.observe
 

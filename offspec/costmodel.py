@@ -69,8 +69,8 @@ class BudgetPlanner:
                                               # plan counted logits for that many
         self.max_depth = max_depth            # TreeConfig.max_depth: trees that reach it can only grow wider
         self.passes: deque[tuple[int, float]] = deque(maxlen=32)   # (tokens in pass, seconds)
-        self.drafts: deque[tuple[int, int, float]] = deque(maxlen=32)  # growth (calls, nodes run on, seconds)
-        self.kept: deque[tuple[int, int]] = deque(maxlen=32)           # ... and its trees (deepest call, nodes)
+        # growth rounds: (calls, working-tree nodes run on, the kept trees' deepest draft call, nodes kept, seconds)
+        self.drafts: deque[tuple[int, int, int, int, float]] = deque(maxlen=32)
         self.catch_ups: deque[tuple[int, float]] = deque(maxlen=32)    # catch-up calls (tokens fed, seconds)
         self.misses: deque[float] = deque(maxlen=YIELD_ROUNDS)        # tree rounds' measured / predicted s/token
         self.explored_low = False
@@ -119,18 +119,18 @@ class BudgetPlanner:
             self.passes.append((pass_tokens, target_seconds))
         grown = {row: t for row, t in trees.items() if t.size > 0}
         if grown and timed:
-            deepest = max(max(int(t.draft_depths[1:].max()) for t in grown.values()), 1)
+            deepest = max(int(t.draft_depths[1:].max()) for t in grown.values())   # 0: n-gram nodes only
             size = sum(t.size for t in grown.values())
             calls = draft_calls if draft_calls is not None else deepest
             nodes = draft_nodes if draft_nodes is not None else size
-            self.drafts.append((max(calls, 1), nodes, draft_seconds))
-            self.kept.append((deepest, size))
+            self.drafts.append((max(calls, 1), nodes, max(deepest, 1), size, draft_seconds))
         if catch_up is not None and catch_up[0] > 0:
             self.catch_ups.append(catch_up)
-        if yielded and timed and grown and len(grown) == len(trees) and self.passes:
+        if yielded and timed and grown and len(grown) == len(trees):
             spent = draft_seconds + (catch_up[1] if catch_up is not None else 0.0) + target_seconds
-            predicted, tokens = self._round_cost(list(grown.values()), len(trees))
-            self.misses.append((spent / yielded) / (predicted / tokens))
+            predicted = self.round_seconds(size, deepest, len(trees))
+            expected = len(trees) + sum(float(t.values[1:].sum()) for t in grown.values())
+            self.misses.append((spent / yielded) / (predicted / expected))
         self.behind.update(behind or {})
         self.left.update(left or {})
         self.trees.update(grown)
@@ -145,12 +145,6 @@ class BudgetPlanner:
         k_calls, k_nodes = self.working_ratios()
         return c0 * (k_calls * depth + 1) + c1 * k_nodes * N + self.catch_up_fit() * R + a + b * (N + R)
 
-    def _round_cost(self, trees: list, R: int) -> tuple[float, float]:
-        """The model's (seconds, expected tokens) of a round of R rows growing these trees."""
-        N = sum(t.size for t in trees)
-        depth = max(int(t.draft_depths[1:].max()) for t in trees)
-        return self.round_seconds(N, depth, R), R + sum(float(t.values[1:].sum()) for t in trees)
-
     def miss(self) -> float:
         """Median of the recent tree rounds' measured / predicted seconds per token (1 before any)."""
         return statistics.median(self.misses) if self.misses else 1.0
@@ -158,11 +152,10 @@ class BudgetPlanner:
     def working_ratios(self) -> tuple[float, float]:
         """(k_calls, k_nodes): growth calls per level of the kept trees' deepest draft call, and working-tree
         nodes run on per node kept, over the rounds in the fit (1, 1 before any)."""
-        depth = sum(d for d, _ in self.kept)
-        size = sum(n for _, n in self.kept)
+        calls, nodes, depth, size = (sum(r[i] for r in self.drafts) for i in range(4))
         if not depth or not size:
             return 1.0, 1.0
-        return sum(c for c, _, _ in self.drafts) / depth, sum(n for _, n, _ in self.drafts) / size
+        return calls / depth, nodes / size
 
     def catch_up_fit(self) -> float:
         """e: seconds a token fed by the catch-up calls (their total over their tokens); without any yet, the
@@ -173,9 +166,9 @@ class BudgetPlanner:
     def draft_fit(self) -> tuple[float, float]:
         """(c0, c1) of a draft call's cost c0 + c1 * nodes, both >= 0. With too few or too alike rounds to tell
         the two apart, c1 = 0: every call costs the mean per call (the latency-bound model)."""
-        calls = torch.tensor([c for c, _, _ in self.drafts], dtype=torch.float64)
-        nodes = torch.tensor([n for _, n, _ in self.drafts], dtype=torch.float64)
-        ts = torch.tensor([t for _, _, t in self.drafts], dtype=torch.float64)
+        calls = torch.tensor([r[0] for r in self.drafts], dtype=torch.float64)
+        nodes = torch.tensor([r[1] for r in self.drafts], dtype=torch.float64)
+        ts = torch.tensor([r[-1] for r in self.drafts], dtype=torch.float64)
         per_call = (float(ts.sum() / calls.sum()), 0.0)
         A = torch.stack([calls, nodes], 1)
         if calls.numel() < 3 or torch.linalg.matrix_rank(A) < 2:

@@ -302,7 +302,7 @@ class Engine:
                 verdict, judged = self._accept(tree, q, row.request.sampling, row.generator)
                 step = row.commit(self, tree, verdict, t_cache, d_cache, n_tokens, draft_timer.seconds,
                                   target_timer.seconds, stream, len(rows), observe(tree, judged))
-                yielded += step.accepted + 1 if row.auto else 0
+                yielded += (step.accepted + 1) if row.auto else 0
                 yield RowStep(row.index, step)
                 if step.finish_reason is not None:
                     finished.append(row)

@@ -86,7 +86,7 @@ def test_plain_decoding_when_no_tree_pays_and_trees_come_back_when_they_do():
     for n in (40, 80, 120):
         p.observe({}, draft_seconds=0.0, target_seconds=1.0, pass_tokens=n)
     p.drafts.clear()
-    p.drafts.append((1, 1, 0.0))                            # ... and draft calls turn out free
+    p.drafts.append((1, 1, 1, 1, 0.0))                      # ... and draft calls turn out free
     p.observe({}, draft_seconds=0.0, target_seconds=1.0, pass_tokens=2)
     assert p.budget("a") > 0 and p.budget("b") > 0
 
@@ -117,7 +117,7 @@ def test_a_row_joining_while_plain_decoding_wins_decodes_plainly_until_trees_are
     p.passes.clear()
     p.passes.extend([(2, 1.0), (40, 1.0), (80, 1.0)])      # extra tokens and draft calls turn out free:
     p.drafts.clear()                                        # trees win again
-    p.drafts.append((1, 1, 0.0))
+    p.drafts.append((1, 1, 1, 1, 0.0))
     p.observe({}, draft_seconds=0.0, target_seconds=1.0, pass_tokens=2)
     assert p.budget("a") > 0 and p.budget("new") == 8
     p = BudgetPlanner(start=8, max_budget=64)
@@ -125,7 +125,7 @@ def test_a_row_joining_while_plain_decoding_wins_decodes_plainly_until_trees_are
     p.budget("late")
     p.budget("later")
     p.passes.append((2, 0.2))
-    p.drafts.append((1, 1, 0.1))
+    p.drafts.append((1, 1, 1, 1, 0.1))
     p.observe({}, draft_seconds=0.0, target_seconds=0.2, pass_tokens=1, behind={"late": 30, "later": 12})
     assert p.budget("late") == 0 and p.budget("later") == 8
 
@@ -150,7 +150,7 @@ def switching_planner(behind: int, left: int):
     p.explored_low, p.plain_wins = True, True
     for n, t in ((2, 1.0), (10, 1.0), (18, 1.0)):           # a pass costs 1 s, whatever its size
         p.passes.append((n, t))
-    p.drafts.extend([(1, 0, 0.0), (1, 100, 1.0), (2, 100, 1.0)])   # growth: c0 = 0, c1 = 0.01 s a node
+    p.drafts.extend([(1, 0, 1, 0, 0.0), (1, 100, 1, 100, 1.0), (2, 100, 2, 100, 1.0)])   # c0 = 0, c1 = 0.01 s a node
     p.catch_ups.append((100, 1.0))                                  # catch-up: e = 0.01 s a token
     trees = {r: chain([0.6, 0.2]) for r in ("a", "b")}
     # best tree: N = 2 (one 0.6 node a row): (0.01 N + 0.01 R + 1) / (2 + 1.2) = 0.325 s a token; plain: 0.5 s
@@ -205,8 +205,8 @@ def test_tree_rounds_that_yield_less_than_predicted_count_against_trees():
             p.budget(row)
         p.explored_low = True
         p.passes.extend([(2, 1.0), (10, 1.0), (18, 1.0)])         # a pass costs 1 s, whatever its size
-        p.drafts.extend([(1, 0, 0.0), (1, 100, 1.0), (2, 100, 1.0)])
-        p.kept.extend([(1, 0), (1, 100), (2, 100)])               # c0 = 0, c1 = 0.01 s a node; nothing dropped
+        # c0 = 0, c1 = 0.01 s a node; nothing dropped (as many nodes kept as run on)
+        p.drafts.extend([(1, 0, 1, 0, 0.0), (1, 100, 1, 100, 1.0), (2, 100, 2, 100, 1.0)])
         p.catch_ups.append((100, 1.0))                            # e = 0.01 s a token
         trees = {r: chain([0.6, 0.2]) for r in ("a", "b")}
         # the model: 1 + 0.01 (4 nodes) + 0.01 (2 roots) = 1.06 s for 2 + 1.6 tokens; measured: 1.06 s, `yielded`
@@ -236,7 +236,7 @@ def test_a_compute_bound_draft_gets_narrower_trees():
         p = planner_after({"r": tree()})
         p.drafts.clear()
         for calls, nodes in ((4, 4), (4, 40), (8, 16), (6, 30)):
-            p.drafts.append((calls, nodes, 0.01 * calls + per_node * nodes))
+            p.drafts.append((calls, nodes, calls, nodes, 0.01 * calls + per_node * nodes))
         c0, c1 = p.draft_fit()
         assert abs(c0 - 0.01) < 1e-9 and abs(c1 - per_node) < 1e-9
         p.observe({"r": tree()}, draft_seconds=0.0, target_seconds=1.0, pass_tokens=40, timed=False)
@@ -254,7 +254,7 @@ def planner_costing(a, b, c0=0.01, c1=0.0, tree=lambda: chain([0.8 ** k for k in
     for n in (8, 40, 80):
         p.passes.append((n, a + b * n))
     for calls, nodes in ((4, 4), (4, 40), (8, 16), (6, 30)):
-        p.drafts.append((calls, nodes, c0 * calls + c1 * nodes))
+        p.drafts.append((calls, nodes, calls, nodes, c0 * calls + c1 * nodes))
     p.explored_low = True
     p.observe(trees, draft_seconds=0.0, target_seconds=0.0, pass_tokens=40, timed=False)
     return p

@@ -345,7 +345,11 @@ def parse_args():
     p.add_argument("--rows", default=None, help="append each row to this JSONL file; a rerun skips what it holds")
     p.add_argument("--report-only", action="store_true", help="measure nothing: report the rows in --rows")
     p.add_argument("--write-docs", action="store_true", help="replace the bench_quant section of docs/benchmarks.md")
-    return p.parse_args()
+    args = p.parse_args()
+    unknown = [q for q in args.quants.split(",") if q not in QUANTS]
+    if unknown:
+        p.error(f"--quants: {', '.join(unknown)} is not one of {', '.join(QUANTS)}")
+    return args
 
 
 def main() -> int:

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Iterator, Optional, Sequence, Union
 
 from .errors import BudgetError, InputError
+from .feed import RequestFeed
 from .metrics import RunReport, Step
 
 
@@ -213,7 +214,7 @@ def result_record(item: PromptItem, report) -> dict:
 class PromptDone:
     """A finished prompt: its report (the result line is made from it) and the Steps of its passes (the job's
     totals are counted from them)."""
-    request: int                     # index in the requests given to run_prompts
+    request: int                     # index in the requests given to run_prompts (with a feed: its key)
     report: RunReport
     steps: list[Step]
 
@@ -225,19 +226,25 @@ class PromptRefused:
     error: InputError
 
 
-def run_prompts(engine, requests: Sequence, concurrency: int, prefill_per_pass: Optional[int] = None,
-                adapt_rows: bool = False) -> Iterator[Union[PromptDone, PromptRefused]]:
-    """Engine.run_batch over `requests` (GenerationRequests), one event per prompt as each finishes.
+def run_prompts(engine, requests: Union[Sequence, RequestFeed], concurrency: int,
+                prefill_per_pass: Optional[int] = None, adapt_rows: bool = False
+                ) -> Iterator[Union[PromptDone, PromptRefused]]:
+    """Engine.run_batch over `requests` (GenerationRequests, or a RequestFeed that may be put more while the job
+    runs: a Ray worker's), one event per prompt as each finishes; an event's `request` is the request's
+    position in the list, or its key in the feed.
     adapt_rows: concurrency is the most in flight, the measured costs may keep fewer (auto concurrency)."""
     from . import generate    # report_of looked up at call time (tests interrupt a job there)
 
-    steps: dict[int, list[Step]] = {}
-    for event in engine.run_batch(requests, concurrency=concurrency, prefill_per_pass=prefill_per_pass,
+    feed = requests if isinstance(requests, RequestFeed) else RequestFeed.of(requests)
+    steps: dict = {}
+    for event in engine.run_batch(feed, concurrency=concurrency, prefill_per_pass=prefill_per_pass,
                                   adapt_rows=adapt_rows):
         if event.error is not None:
+            feed.forget(event.request)
             yield PromptRefused(event.request, event.error)
             continue
         steps.setdefault(event.request, []).append(event.step)
         if event.step.finish_reason is not None:
-            done = steps.pop(event.request)
-            yield PromptDone(event.request, generate.report_of(engine, requests[event.request], done), done)
+            done, request = steps.pop(event.request), feed.request(event.request)
+            feed.forget(event.request)
+            yield PromptDone(event.request, generate.report_of(engine, request, done), done)

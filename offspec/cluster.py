@@ -5,11 +5,14 @@ writes the result file, so resume and exactly-once stay where they are for a one
       skip ids already in OUT, tokenize every prompt
       probe one worker's machine, make its memory plan ──►  (a task placed the way a worker is placed)
       start N actors: num_gpus=1 | num_cpus, memory = the plan's host bytes
-      hand each idle worker a chunk of prompts ─────────►  load the engine once (again after a restart)
-                                                            Engine.run_batch over the chunk (batched trees),
+      keep each worker's feed topped up ───────────────►  load the engine once (again after a restart)
+        (its rows' worth of prompts waiting)               Engine.run_batch over its feed (batched trees): a
+                                                            finished row takes the next prompt at the next pass,
+                                                            while the driver keeps putting more in
       write each finished prompt's line ◄───────────────── one event per prompt as it finishes
-      a worker's process dies: the prompts of its chunk not yet received go back to the front of the queue;
-      Ray restarts the process (up to MAX_RESTARTS), which loads again and takes new chunks.
+      the queue is empty: close the feeds ──────────────►  the run ends when its rows do
+      a worker's process dies: the prompts given to it and not yet received go back to the front of the queue;
+      Ray restarts the process (up to MAX_RESTARTS), which loads again and is fed again.
 
 Nothing is lost (a prompt leaves the queue for good only when its line is written) and nothing is duplicated
 (the driver writes an id once; a killed worker's stream ends at its death). A killed driver takes its actors
@@ -21,10 +24,11 @@ import fcntl
 import math
 import os
 import socket
+import threading
 import time
 from collections import deque
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 from typing import Callable, Iterator, Optional, Sequence, Union
 
 import torch
@@ -32,10 +36,12 @@ import torch
 from .batch import PromptDone, PromptRefused, run_prompts
 from .config import OffloadConfig, RunLimits, RuntimeConfig
 from .errors import BudgetError, InputError, OffspecError
+from .feed import RequestFeed
 
 MAX_RESTARTS = 3              # Ray restarts a dead worker's process this many times, then it is gone for good
-CHUNK_ROUNDS = 4              # a worker is handed up to this many times its concurrency prompts at once: its rows
-                              # refill from the chunk, so only a chunk's last prompts run with rows empty
+FEED_ROUNDS = 2               # a worker's feed is kept at this many times its concurrency prompts given and not
+                              # yet back: its rows in flight and as many waiting, so a finished row is refilled at
+                              # the next pass (the driver's answer to that row's line arrives passes later)
 LOCAL_OBJECT_STORE = 128 << 20  # a local Ray's object store (Ray's minimum is 75 MiB): results are small
 WAIT_SECONDS = 1.0            # the driver wakes at least this often (Ctrl-C, the progress bar's clock)
 PLACEMENT_NOTICE_SECONDS = 60  # no worker loaded after this long: say what Ray is waiting for
@@ -80,12 +86,18 @@ class WorkerInfo:
 
 
 class BatchWorker:
-    """A Ray actor's body: one engine, loaded on the first call (and again in a process Ray restarted)."""
+    """A Ray actor's body: one engine, loaded on the first call (and again in a process Ray restarted).
+
+    A threaded actor (two threads): `give` and `close` reach the feed of a `run` while that run is busy. Each
+    run has its own feed, named by the driver's run number, so prompts given to a run that died with an
+    earlier process never enter a later run."""
 
     def __init__(self, spec: WorkerSpec):
         self.spec = spec
         self.loaded = None
         self.info: Optional[WorkerInfo] = None
+        self.feeds: dict[int, RequestFeed] = {}          # run number -> its feed
+        self.feeds_lock = threading.Lock()
         torch.set_num_threads(spec.cpus)
 
     def load(self) -> WorkerInfo:
@@ -107,14 +119,32 @@ class BatchWorker:
                                    self.loaded.plan.layers_line(), time.perf_counter() - start)
         return self.info
 
-    def run(self, chunk: list) -> Iterator[Union[PromptDone, PromptRefused]]:
-        """chunk: [(request index on the driver, GenerationRequest)]; one event per prompt as it finishes (a
-        Ray streaming generator: the driver receives each as it is yielded)."""
+    def _feed(self, run: int) -> RequestFeed:
+        with self.feeds_lock:
+            return self.feeds.setdefault(run, RequestFeed())
+
+    def give(self, run: int, items: list) -> None:
+        """items: [(request index on the driver, GenerationRequest)] for run number `run`."""
+        self._feed(run).put(items)
+
+    def close(self, run: int, given: int) -> None:
+        """Run number `run` gets nothing beyond the `given` prompts the driver gave it in all (this call may
+        overtake the last give): it ends when its rows do."""
+        self._feed(run).close(after=given)
+
+    def run(self, run: int, tokens_a_row: int) -> Iterator[Union[PromptDone, PromptRefused]]:
+        """Every prompt given to run number `run` until it is closed; one event per prompt as it finishes,
+        named by the driver's request index (a Ray streaming generator: the driver receives each as it is
+        yielded). tokens_a_row: the most prompt + new tokens of any prompt of the job (sizes the caches)."""
         self.load()
-        requests = [request for _, request in chunk]
-        for event in run_prompts(self.loaded.engine, requests, self.spec.limits.concurrency,
-                                 self.spec.prefill_per_pass, self.spec.adapt_rows):
-            yield replace(event, request=chunk[event.request][0])
+        feed = self._feed(run)
+        feed.tokens_a_row = tokens_a_row
+        try:
+            yield from run_prompts(self.loaded.engine, feed, self.spec.limits.concurrency,
+                                   self.spec.prefill_per_pass, self.spec.adapt_rows)
+        finally:
+            with self.feeds_lock:
+                self.feeds.pop(run, None)
 
 
 @contextmanager
@@ -154,7 +184,7 @@ class WorkerReport:
     engine_seconds: float = 0.0         # its share of the passes it ran (draft + target time; a pass of R rows / R each)
     load_seconds: float = 0.0           # engine loads, restarts included
     restarts: int = 0                   # its process died and Ray restarted it
-    requeued: int = 0                   # prompts of its chunks handed back to the queue by those deaths
+    requeued: int = 0                   # prompts given to it and handed back to the queue by those deaths
     peak_host_gb: float = 0.0           # the largest peak resident set its processes reported
 
     def to_dict(self) -> dict:
@@ -177,8 +207,12 @@ class WorkerReport:
 class _Worker:
     report: WorkerReport
     actor: object                                   # the Ray actor handle
-    chunk: list = field(default_factory=list)       # request indices handed out, not yet received
-    busy: bool = False                              # loading, or running a chunk
+    given: list = field(default_factory=list)       # request indices given to it, not yet received
+    ready: bool = False                             # loaded (a loading or restarting worker is given nothing)
+    run: int = 0                                    # its current (or last) run's number
+    run_given: int = 0                              # prompts given to that run in all
+    running: bool = False                           # that run's stream is open
+    closed: bool = False                            # ... and its feed is closed: it ends when its rows do
     gone: bool = False                              # dead for good (restarts spent)
 
 
@@ -253,7 +287,8 @@ class Cluster:
     def start(self, spec: WorkerSpec, n_workers: int, host_bytes: int) -> None:
         """n_workers actors, each claiming one GPU (cuda) or spec.cpus cores, and host_bytes of memory."""
         options = dict(num_cpus=spec.cpus, num_gpus=1 if spec.runtime.device.type == "cuda" else 0,
-                       memory=max(1, host_bytes), max_restarts=MAX_RESTARTS, max_task_retries=0)
+                       memory=max(1, host_bytes), max_restarts=MAX_RESTARTS, max_task_retries=0,
+                       max_concurrency=2)     # a run, and the driver's give/close beside it (BatchWorker)
         self.needs = (f"{spec.cpus} CPU{'s' if spec.cpus > 1 else ''}"
                       + (", 1 GPU" if options["num_gpus"] else "") + f" and {host_bytes / 1e9:.1f} GB of memory")
         actor_class = self.ray.remote(BatchWorker).options(**options)
@@ -262,42 +297,48 @@ class Cluster:
 
     # ------------------------------------------------------------ the job
     def run(self, requests: Sequence, concurrency: int) -> Iterator[Union[PromptDone, PromptRefused]]:
-        """Every request once, as workers finish them (any order). Workers load as soon as they are placed; an
-        idle worker takes the next chunk from the queue's front."""
+        """Every request once, as workers finish them (any order). Workers load as soon as they are placed; a
+        loaded worker's feed is kept topped up from the queue's front (`settle`)."""
         ray = self.ray
         queue = deque(range(len(requests)))
         open_requests = set(range(len(requests)))      # neither written nor refused yet
+        tokens_a_row = max((len(r.prompt_ids) + r.max_new_tokens for r in requests), default=1)
         waiting: dict = {}                              # load ref or run stream -> (worker, kind)
         for worker in self.workers:
             waiting[worker.actor.load.remote()] = (worker, "load")
-            worker.busy = True
         started, noticed = time.monotonic(), False
 
-        def hand_out(worker: _Worker) -> None:
-            live = sum(not w.gone for w in self.workers)
-            size = max(1, min(CHUNK_ROUNDS * concurrency, math.ceil(len(queue) / max(live, 1))))
-            worker.chunk = [queue.popleft() for _ in range(min(size, len(queue)))]
-            worker.busy = bool(worker.chunk)
-            if worker.chunk:
-                stream = worker.actor.run.remote([(i, requests[i]) for i in worker.chunk])
-                waiting[stream] = (worker, "run")
+        def settle() -> None:
+            """Top up every loaded worker's feed to FEED_ROUNDS x concurrency prompts given and not yet back
+            (never more than its share of the queue, so the last prompts spread over the workers), starting a
+            run where none is open; once the queue is empty, close the open feeds so their runs end."""
+            live = sum(w.ready and not w.gone for w in self.workers)
+            for worker in self.workers:
+                if not worker.ready or worker.gone or worker.closed:   # a closed run must end before the next
+                    continue
+                want = min(FEED_ROUNDS * concurrency - len(worker.given), math.ceil(len(queue) / max(live, 1)))
+                items = [queue.popleft() for _ in range(max(0, min(want, len(queue))))]
+                if items and not worker.running:
+                    worker.run, worker.run_given, worker.running = worker.run + 1, 0, True
+                    waiting[worker.actor.run.remote(worker.run, tokens_a_row)] = (worker, "run")
+                if items:
+                    worker.actor.give.remote(worker.run, [(i, requests[i]) for i in items])
+                    worker.given += items
+                    worker.run_given += len(items)
+                if not queue and worker.running:
+                    worker.actor.close.remote(worker.run, worker.run_given)
+                    worker.closed = True
 
         def lost(worker: _Worker, error) -> None:
             """The worker's process died: its unfinished prompts go back first in line; Ray restarts it."""
             report = worker.report
             report.restarts += 1
-            report.requeued += len(worker.chunk)
-            queue.extendleft(reversed(worker.chunk))
+            report.requeued += len(worker.given)
+            queue.extendleft(reversed(worker.given))
             self.notify(f"{report.name} (pid {report.pid}) died ({type(error).__name__}); "
-                        f"{len(worker.chunk)} prompts back in the queue, Ray restarts it")
-            worker.chunk = []
+                        f"{len(worker.given)} prompts back in the queue, Ray restarts it")
+            worker.given, worker.ready, worker.running, worker.closed = [], False, False, False
             waiting[worker.actor.load.remote()] = (worker, "load")   # answered once Ray has restarted it
-            feed_idle()
-
-        def feed_idle() -> None:
-            for other in self.workers:
-                if not other.gone and not other.busy and queue:
-                    hand_out(other)
 
         while open_requests:
             if not waiting:
@@ -317,7 +358,7 @@ class Cluster:
                 try:
                     info = self._get(key)
                 except ray.exceptions.ActorDiedError as e:       # restarts spent, or it cannot start at all
-                    worker.gone, worker.busy = True, False
+                    worker.gone = True
                     self.notify(f"{worker.report.name} is gone: {_first_line(e)}")
                     continue
                 except ray.exceptions.RayActorError:            # still restarting: ask again
@@ -325,20 +366,24 @@ class Cluster:
                     continue
                 worker.report.pid, worker.report.node, worker.report.device = info.pid, info.node, info.device
                 worker.report.load_seconds += info.load_seconds
-                hand_out(worker)
+                worker.ready = True
+                settle()
                 continue
             try:
                 ref = next(key)
-            except StopIteration:                               # the chunk is done
-                hand_out(worker)
+            except StopIteration:                               # the run ended: its feed was closed and is done
+                worker.running = worker.closed = False
+                settle()
                 continue
             try:
                 event = self._get(ref)
             except ray.exceptions.RayActorError as e:
                 lost(worker, e)
+                settle()
                 continue
             waiting[key] = (worker, "run")
-            worker.chunk.remove(event.request)
+            worker.given.remove(event.request)
+            settle()
             if event.request not in open_requests:             # never twice, whatever a retry might send
                 continue
             open_requests.discard(event.request)

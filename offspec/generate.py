@@ -13,9 +13,8 @@ token, and the bonus token becomes the next root.
 from __future__ import annotations
 
 import itertools
-from dataclasses import field
-from dataclasses import asdict, dataclass
-from typing import Callable, Iterator, Optional, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Callable, Iterator, Optional, Sequence, Union
 
 import torch
 
@@ -25,6 +24,7 @@ from .config import AUTO_MAX_TREE_BUDGET, DEFAULT_PREFILL_CHUNK, SamplingConfig,
 from .costmodel import BudgetPlanner, DraftWork
 from .grow import grow_steps
 from .errors import InputError
+from .feed import RequestFeed
 from .kv_cache import KVCache
 from .metrics import Step, Timer
 from .model import Model, RowSpan
@@ -222,11 +222,16 @@ class Engine:
                 raise event.error
             yield event.step
 
-    def run_batch(self, requests: Sequence[GenerationRequest], concurrency: int = 1,
+    def run_batch(self, requests: Union[Sequence[GenerationRequest], RequestFeed], concurrency: int = 1,
                   after_round: Optional[Callable[[list["_Row"], KVCache, Optional[KVCache]], None]] = None,
                   prefill_per_pass: Optional[int] = None, adapt_rows: bool = False) -> Iterator["RowStep"]:
         """Run many requests, up to `concurrency` at a time, every target pass serving all of them: yield a
         RowStep per request per pass (its Step, or the error that refused it) as passes complete.
+
+        requests: a list (RowStep.request is the position in it), or a RequestFeed (feed.py) that may be put
+        more requests while the batch runs (RowStep.request is the key it was put with): a free row takes the
+        next waiting request before each pass; with no row in flight the batch waits for one, and it ends
+        when the feed is closed and every row has finished.
 
         A request's output does not depend on which others share its passes: each row has its own caches'
         row, generator (seeded from its own sampling.seed), tree and stop state, and attention never looks
@@ -249,15 +254,21 @@ class Engine:
         if self.max_concurrency is not None and concurrency > self.max_concurrency:
             raise InputError(f"concurrency {concurrency} is more than the engine was planned for "
                              f"({self.max_concurrency}); load it with RunLimits(concurrency={concurrency})")
-        queue = list(enumerate(requests))[::-1]                  # popped from the end: in order
-        B = max(1, min(concurrency, len(requests)))
+        feed = requests if isinstance(requests, RequestFeed) else RequestFeed.of(requests)
         # One cache row per request in flight, each holding prompt + generated tokens + one round's tree and its
         # root, never more than the context: a round's tree shrinks to the room left before the context end.
-        capacity = min(self.max_context, max((len(r.prompt_ids) + r.max_new_tokens + self._tree_room(r) + 2
-                                              for r in requests), default=2))
+        if feed.known is not None:
+            B = max(1, min(concurrency, len(feed.known)))
+            row_tokens = max((len(r.prompt_ids) + r.max_new_tokens + self._tree_room(r) + 2 for r in feed.known),
+                             default=2)
+            speculative = any(self.speculative(r) for r in feed.known)
+        else:
+            B, speculative = concurrency, self.draft is not None
+            row_tokens = (feed.tokens_a_row or self.max_context) + (self.max_tree_budget if speculative else 0) + 2
+        capacity = min(self.max_context, row_tokens)
         t_cache = KVCache.for_model(self.target.cfg, capacity, self.target.dtype, self.device, batch=B)
         d_cache = (KVCache.for_model(self.draft.cfg, capacity, self.draft.dtype, self.device, batch=B)
-                   if any(self.speculative(r) for r in requests) else None)
+                   if speculative else None)
         free = list(range(B))[::-1]
         rows: list[_Row] = []
         # One planner for every auto-budget row: it shares each pass's node budget among them by node value.
@@ -265,16 +276,16 @@ class Engine:
         # pass and a draft call are compute, so the first pass's 32 nodes are shared by its rows (8 rows: 4 each;
         # the first rounds also read every prompt into the draft, the dearest trees of the job).
         start = 128 if self.device.type == "cuda" else max(1, 32 // B)
-        planner = BudgetPlanner(start=start, max_budget=self.max_tree_budget,
-                                max_depth=max((r.tree.max_depth for r in requests), default=32))
-        while rows or queue:
+        planner = BudgetPlanner(start=start, max_budget=self.max_tree_budget, max_depth=0)
+        while rows or feed.wait():          # with no row in flight: wait for a request, or end with the feed
             # refill: the next prompts take free rows (auto concurrency: as many as the costs favour)
-            limit = ((planner.rows_worth(B) if adapt_rows else None) or B) if free and queue else 0
-            while free and queue and len(rows) < limit:
-                index, request = queue.pop()
+            limit = ((planner.rows_worth(B) if adapt_rows else None) or B) if free and feed.waiting() else 0
+            while free and len(rows) < limit and (taken := feed.take()) is not None:
+                index, request = taken
                 try:
-                    rows.append(self._admit(index, request, free[-1], t_cache, d_cache))
+                    rows.append(self._admit(index, request, free[-1], t_cache, d_cache, capacity))
                     free.pop()
+                    planner.max_depth = max(planner.max_depth, request.tree.max_depth)
                 except InputError as err:
                     yield RowStep(index, None, err)
             if not rows:
@@ -354,7 +365,7 @@ class Engine:
         return request.tree.budget if request.tree.budget is not None else self.max_tree_budget
 
     def _admit(self, index: int, request: GenerationRequest, cache_row: int, t_cache: KVCache,
-               d_cache: Optional[KVCache]) -> "_Row":
+               d_cache: Optional[KVCache], capacity: int) -> "_Row":
         prompt = list(request.prompt_ids)
         if not prompt:
             raise InputError("the prompt is empty")
@@ -364,6 +375,9 @@ class Engine:
                              f"({self.max_tree_budget}); load it with a larger tree budget")
         if len(prompt) + 1 >= self.max_context:
             raise InputError(f"the prompt has {len(prompt)} tokens but the context holds only {self.max_context}")
+        needed = min(len(prompt) + request.max_new_tokens + self._tree_room(request) + 2, self.max_context)
+        if needed > capacity:   # an open feed's tokens_a_row was too small for this request
+            raise InputError(f"the request needs {needed} tokens a row but this batch's rows hold {capacity}")
         t_cache.set_length(0, cache_row)
         if d_cache is not None:
             d_cache.set_length(0, cache_row)

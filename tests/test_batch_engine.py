@@ -116,6 +116,92 @@ def test_a_row_at_the_context_end_beside_others(engine):
         assert (tokens[i], reasons[i]) == alone(engine, request)
 
 
+def test_requests_put_while_the_batch_runs_take_free_rows_at_the_next_pass(engine):
+    """An open RequestFeed (a Ray worker's): each time a row finishes, the next request is put into the feed
+    (as the driver does on receiving its line); it takes the free row at the next pass, so every pass until
+    the feed runs dry has both rows, and each output equals the request alone. The batch ends once the feed
+    is closed and its rows have finished."""
+    from offspec.feed import RequestFeed
+
+    requests = [GenerationRequest(prompt_ids=p, max_new_tokens=n, tree=TreeConfig(policy="dyspec", budget=12),
+                                  ignore_eos=True) for p, n in zip(prompts(6), (9, 5, 14, 3, 8, 6))]
+    feed = RequestFeed(tokens_a_row=max(len(r.prompt_ids) + r.max_new_tokens for r in requests))
+    feed.put([(0, requests[0]), (1, requests[1])])
+    later = list(enumerate(requests))[2:]
+    tokens, rows_until_dry = {i: [] for i in range(len(requests))}, []
+    for event in engine.run_batch(feed, concurrency=2):
+        assert event.error is None, event.error
+        tokens[event.request] += event.step.tokens
+        if later:
+            rows_until_dry.append(event.step.rows_in_pass)
+        if event.step.finish_reason is not None:
+            if later:
+                feed.put([later.pop(0)])
+            else:
+                feed.close()
+    assert rows_until_dry and set(rows_until_dry) == {2}
+    for i, request in enumerate(requests):
+        assert tokens[i] == alone(engine, request)[0]
+
+
+def test_with_no_row_in_flight_the_batch_waits_for_the_feed(engine):
+    """An open, empty feed: run_batch waits (no busy loop, no early end) until another thread puts a
+    request, and ends when that thread closes the feed."""
+    import threading
+    from offspec.feed import RequestFeed
+
+    request = GenerationRequest(prompt_ids=prompts(1)[0], max_new_tokens=5, ignore_eos=True)
+    feed = RequestFeed(tokens_a_row=len(request.prompt_ids) + 5)
+
+    def driver():
+        feed.put([("late", request)])
+        feed.close()
+
+    timer = threading.Timer(0.3, driver)
+    timer.start()
+    try:
+        events = list(engine.run_batch(feed, concurrency=2))
+    finally:
+        timer.join()
+    assert {e.request for e in events} == {"late"}
+    assert [t for e in events for t in e.step.tokens] == alone(engine, request)[0]
+
+
+def test_a_request_longer_than_an_open_feed_said_is_refused(pair):
+    """An open feed's rows hold tokens_a_row + the largest tree; a request needing more is refused in one line
+    (it would overrun its cache row), the others run."""
+    from offspec.feed import RequestFeed
+
+    small_trees = load_engine(pair[0], pair[1], OffloadConfig(), RUNTIME, progress=False,
+                              limits=RunLimits(concurrency=2, tree_budget=8)).engine
+    fits, too_long = (GenerationRequest(prompt_ids=p, max_new_tokens=n, tree=TreeConfig(budget=8))
+                      for p, n in zip(prompts(2), (4, 60)))
+    feed = RequestFeed(tokens_a_row=len(fits.prompt_ids) + 4)
+    feed.put([("fits", fits), ("too long", too_long)])
+    feed.close()
+    events = list(small_trees.run_batch(feed, concurrency=2))
+    refused = [e for e in events if e.error is not None]
+    assert [e.request for e in refused] == ["too long"] and "rows hold" in str(refused[0].error)
+    assert any(e.request == "fits" and e.step.finish_reason for e in events if e.error is None)
+
+
+def test_a_feed_closed_ahead_of_its_last_put_stays_open_for_it():
+    """A Ray actor's calls may run out of order: the driver's close(after=n) can arrive before its last put;
+    the feed ends only once n requests came, and refuses more."""
+    from offspec.feed import RequestFeed
+
+    feed = RequestFeed()
+    feed.put([(0, "a")])
+    feed.close(after=2)
+    assert feed.wait() and feed.take() == (0, "a") and feed.waiting() == 0
+    feed.put([(1, "b")])                     # the put the close overtook
+    assert feed.wait() and feed.take() == (1, "b")
+    assert not feed.wait()                   # closed and empty: returns at once
+    with pytest.raises(ValueError, match="closed"):
+        feed.put([(2, "c")])
+    assert RequestFeed.of(["x", "y"]).known == ["x", "y"]
+
+
 def test_concurrency_above_the_plan_is_refused(engine):
     from offspec.errors import InputError
     with pytest.raises(InputError, match="concurrency 6 is more than the engine was planned for"):

@@ -2,7 +2,8 @@
 
 One Ray for the whole module (its start costs seconds); the CLI joins it with --ray-address, as it would join a
 cluster. Checked: 2 workers == 1 worker == no Ray, token for token (greedy, float32), every prompt exactly once;
-a worker's process killed mid-chunk (its prompts go to the queue, Ray restarts it); the driver killed with
+one worker's feed topped up as prompts finish (one run for the whole job); a worker's process killed while
+it runs (the prompts given to it go back to the queue, Ray restarts it); the driver killed with
 SIGKILL, then the same command resumes; --workers without Ray, and a job the cluster cannot place, in one line."""
 import json
 import os
@@ -129,17 +130,39 @@ def test_a_prompt_a_worker_refuses_is_skipped_in_one_line(m, ray_address, tmp_pa
     assert "skipped 1 bad" in result.stderr
 
 
-def test_a_worker_killed_mid_chunk_loses_and_duplicates_nothing(m, ray_address):
-    """os.kill(SIGKILL) on a worker's process while its chunk is running: the prompts of the chunk not yet
-    received go back to the queue, Ray restarts the process, and every prompt still comes back exactly once
-    with the tokens of one engine."""
+def job(m, concurrency):
+    """The prompts as GenerationRequests (in file order) and a worker spec of `concurrency` rows."""
     tokenizer, tree = load_tokenizer(m.target), TreeConfig(budget=8)
     rows = [json.loads(line) for line in m.prompts.read_text().splitlines()]
     requests = [GenerationRequest(prompt_ids=tuple(encode_prompt(tokenizer, r["prompt"])),
                                   max_new_tokens=r["max_new_tokens"], tree=tree) for r in rows]
     spec = WorkerSpec(target=str(m.target), draft=str(m.draft), demo=False, offload=OffloadConfig(), runtime=RUNTIME,
-                      limits=RunLimits(context=256, tree_budget=8, sampling=False, concurrency=1), prefill_per_pass=None,
-                      cpus=1)
+                      limits=RunLimits(context=256, tree_budget=8, sampling=False, concurrency=concurrency),
+                      prefill_per_pass=None, cpus=1)
+    return rows, requests, spec
+
+
+def test_one_worker_runs_the_whole_job_in_one_run_its_feed_topped_up(m, ray_address):
+    """The driver keeps the worker's feed at twice its rows and puts a prompt in each time one comes back, so
+    the 12 prompts go through ONE run_batch (no pause between hand-outs with rows draining) and the run ends
+    when the driver closes the emptied queue's feed."""
+    rows, requests, spec = job(m, concurrency=2)
+    with Cluster(ray) as cluster:
+        cluster.start(spec, 1, host_bytes=1 << 30)
+        got = {}
+        for event in cluster.run(requests, concurrency=2):
+            assert isinstance(event, PromptDone) and event.request not in got
+            got[event.request] = event.report.tokens
+        worker = cluster.workers[0]
+        assert worker.run == 1 and worker.run_given == N_PROMPTS and worker.given == [] and worker.closed
+    assert [got[i] for i in range(N_PROMPTS)] == [m.reference[r["id"]] for r in rows]
+
+
+def test_a_worker_killed_while_it_runs_loses_and_duplicates_nothing(m, ray_address):
+    """os.kill(SIGKILL) on a worker's process while it runs: the prompts given to it and not yet received go
+    back to the queue, Ray restarts the process, and every prompt still comes back exactly once with the
+    tokens of one engine."""
+    rows, requests, spec = job(m, concurrency=1)
     notes = []
     with Cluster(ray, notify=notes.append) as cluster:
         cluster.start(spec, 2, host_bytes=1 << 30)
@@ -149,8 +172,8 @@ def test_a_worker_killed_mid_chunk_loses_and_duplicates_nothing(m, ray_address):
             assert isinstance(event, PromptDone) and event.request not in got
             got[event.request] = event.report.tokens
             if victim is None:            # the first prompt back: kill a worker that still has prompts to run
-                victim = next(w for w in cluster.workers if w.chunk and w.report.pid is not None)
-                victim_pid, unfinished = victim.report.pid, len(victim.chunk)
+                victim = next(w for w in cluster.workers if w.given and w.report.pid is not None)
+                victim_pid, unfinished = victim.report.pid, len(victim.given)
                 os.kill(victim_pid, signal.SIGKILL)
     assert [got[i] for i in range(N_PROMPTS)] == [m.reference[r["id"]] for r in rows]
     assert victim.report.restarts == 1 and 1 <= victim.report.requeued <= unfinished

@@ -16,8 +16,11 @@ per pass, GB streamed per token, and each prompt's latency (s/token over its own
             (disk: device_map layers -> "disk", pages of the weight files dropped before every forward;
             cpu: weights in host RAM). Its tokens are checked against offspec's (bf16: agreement, not identity).
 
-Rows are appended to --rows as they finish, one per (prompt set, regime, system, B), so an interrupted run
-resumes.
+Every cell runs --repeats times (default 3): each repeat runs all the cells in an order shuffled for (prompt set,
+repeat), so no cell always runs first or last (a drive or a machine that changes speed lands on every cell). The
+table gives each cell's median over its repeats with the [min, max] of tokens/s, and × B=1 as the ratio of the
+medians. Rows are appended to --rows as they finish, one per (prompt set, regime, system, B, repeat), so an
+interrupted run resumes; rows from before repeats count as repeat 0.
 
 --predict (no measurement): the cost model's PREDICTION for a 70B target (Llama-3.1-70B shapes, 1B draft) on one
 24 GB GPU with 192 GB of host RAM for B = 1..64 prompts in flight: the memory plan at each B (fewer resident
@@ -47,6 +50,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _common  # noqa: E402
+import _stats  # noqa: E402
 from offspec.batch import auto_concurrency  # noqa: E402
 from offspec.config import OffloadConfig, RunLimits, RuntimeConfig, TreeConfig  # noqa: E402
 from offspec.demo import ensure_demo_models  # noqa: E402
@@ -73,6 +77,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--none-concurrency", default="8", help="B values of offspec --tree none (empty: none)")
     p.add_argument("--regimes", default="disk,cpu", help="disk, cpu (comma separated)")
     p.add_argument("--tree-budget", default="auto", help="offspec tree budget (auto or a number)")
+    p.add_argument("--repeats", type=int, default=3, help="runs of every cell, in an order shuffled per repeat")
     p.add_argument("--disk-io", default="direct", choices=["direct", "buffered"], help="disk regime reads")
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--rows", default=None, help="JSONL file the rows are appended to (resume: done cells are skipped)")
@@ -142,9 +147,10 @@ def load_rows(path) -> list[dict]:
     if path is None or not os.path.exists(path):
         return []
     rows = [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
-    for row in rows:                   # rows from before prompt sets were all HumanEval
+    for row in rows:                   # rows from before prompt sets were all HumanEval, before repeats one run
         row.setdefault("prompt_set", "code")
         row.get("settings", {}).setdefault("prompt_set", "code")
+        row.setdefault("repeat", 0)
     return rows
 
 
@@ -241,27 +247,45 @@ def concurrency_values(text: str) -> list:
     return [b if b == "auto" else int(b) for b in text.split(",") if b]
 
 
+def cells_of(rows: list[dict]) -> dict:
+    """(prompt set, regime, system, B) -> that cell's rows, one per repeat."""
+    cells: dict = {}
+    for r in rows:
+        cells.setdefault((r["prompt_set"], r["regime"], r["system"], r["concurrency"]), []).append(r)
+    return cells
+
+
+def median_of(runs: list[dict], key: str):
+    values = [r[key] for r in runs if r.get(key) is not None]
+    return statistics.median(values) if values else None
+
+
 def report(rows: list[dict], args) -> tuple[list[str], list[list[str]]]:
-    headers = ["prompts", "regime", "system", "B", "tokens/s", "× B=1", "passes", "prompts/pass", "tokens/pass",
-               "GB/token", "prompt s/token (median)", "agrees with offspec B=1"]
-    out = []
-    cells = [(s, r) for s in ("code", "chat") for r in ("disk", "cpu")
-             if any(x["prompt_set"] == s and x["regime"] == r for x in rows)]
-    for prompt_set, regime in cells:
-        here = [r for r in rows if r["regime"] == regime and r["prompt_set"] == prompt_set]
-        base = next((r for r in here if r["system"] == "offspec" and r["concurrency"] == 1), None)
-        order = {"offspec": 0, "offspec --tree none": 1}
-        for r in sorted(here, key=lambda r: (order.get(r["system"], 2), cell_order(r["concurrency"]))):
-            speedup = r["tokens_per_second"] / base["tokens_per_second"] if base else None
-            agree = (statistics.mean(agreement(base["tokens"][i], r["tokens"][i]) for i in base["tokens"])
-                     if base else None)
-            f = _common.fmt
-            B = r["concurrency"] if r["concurrency"] != "auto" else f"auto (≤ {r['most_in_flight']})"
-            out.append([prompt_set, regime, r["system"], B, f(r["tokens_per_second"]),
-                        f"{speedup:.2f}×" if speedup else "–", str(round(r["passes"])),
-                        f(r["rows_per_pass"]) if r.get("rows_per_pass") else "–", f(r["tokens_per_pass"]),
-                        f(r.get("gb_streamed_per_token") or 0.0), f(r["median_prompt_seconds_per_token"]),
-                        f"{agree:.0%}" if agree is not None else "–"])
+    """One line per cell: medians over its repeats (tokens/s with [min, max] when it ran more than once)."""
+    headers = ["prompts", "regime", "system", "B", "runs", "tokens/s [min, max]", "× B=1", "passes", "prompts/pass",
+               "tokens/pass", "GB/token", "prompt s/token (median)", "agrees with offspec B=1"]
+    out, cells = [], cells_of(rows)
+    order = {"offspec": 0, "offspec --tree none": 1}
+    for key in sorted(cells, key=lambda k: (("code", "chat").index(k[0]), ("disk", "cpu").index(k[1]),
+                                            order.get(k[2], 2), cell_order(k[3]))):
+        prompt_set, regime, system, B = key
+        runs = cells[key]
+        base = cells.get((prompt_set, regime, "offspec", 1))
+        speed = [r["tokens_per_second"] for r in runs]
+        speedup = statistics.median(speed) / median_of(base, "tokens_per_second") if base else None
+        first_base = min(base, key=lambda r: r["repeat"]) if base else None
+        agree = (statistics.mean(agreement(first_base["tokens"][i], r["tokens"][i])
+                                 for r in runs for i in first_base["tokens"]) if base else None)
+        f = _common.fmt
+        most = sorted({r["most_in_flight"] for r in runs if r.get("most_in_flight")})
+        shown_B = B if B != "auto" else f"auto (≤ {'/'.join(map(str, most))})"
+        speed_text = f(statistics.median(speed)) + (f" [{min(speed):.3f}, {max(speed):.3f}]" if len(runs) > 1 else "")
+        out.append([prompt_set, regime, system, shown_B, str(len(runs)), speed_text,
+                    f"{speedup:.2f}×" if speedup else "–", str(round(median_of(runs, "passes"))),
+                    f(median_of(runs, "rows_per_pass")) if median_of(runs, "rows_per_pass") else "–",
+                    f(median_of(runs, "tokens_per_pass")), f(median_of(runs, "gb_streamed_per_token") or 0.0),
+                    f(median_of(runs, "median_prompt_seconds_per_token")),
+                    f"{agree:.0%}" if agree is not None else "–"])
     return headers, out
 
 
@@ -275,22 +299,24 @@ def measure_set(models: Models, target_dir, prompt_set: str, args, all_rows: lis
     settings = {"prompts": args.prompts, "new_tokens": args.new_tokens, "tree_budget": args.tree_budget,
                 "dtype": args.dtype, "disk_io": args.disk_io, "prompt_set": prompt_set}
     rows = [r for r in all_rows if r.get("settings") == settings]
-    done = {(r["regime"], r["system"], r["concurrency"]) for r in rows}
+    done = {(r["regime"], r["system"], r["concurrency"], r["repeat"]) for r in rows}
+    cells = []
     for regime in args.regimes.split(","):
-        cells = [("offspec", b) for b in concurrency_values(args.concurrency)]
-        cells += [("offspec --tree none", b) for b in concurrency_values(args.none_concurrency)]
+        cells += [(regime, "offspec", b) for b in concurrency_values(args.concurrency)]
+        cells += [(regime, "offspec --tree none", b) for b in concurrency_values(args.none_concurrency)]
         if args.peer:
-            cells += [("transformers", int(b)) for b in args.peer_concurrency.split(",")]
-        for system, B in cells:
-            if (regime, system, B) in done:
+            cells += [(regime, "transformers", int(b)) for b in args.peer_concurrency.split(",")]
+    for repeat in range(args.repeats):
+        for regime, system, B in _stats.shuffled_order(cells, prompt_set, repeat):
+            if (regime, system, B, repeat) in done:
                 continue
-            print(f"[{prompt_set} {regime}] {system} B={B} ...", file=sys.stderr)
+            print(f"[{prompt_set} {regime}] {system} B={B} (repeat {repeat + 1}/{args.repeats}) ...", file=sys.stderr)
             cell = (offspec_cell(models, regime, requests, B, args, os.path.join(tmp, "store"),
                                  plain=system != "offspec")
                     if system.startswith("offspec") else
                     peer_cell(target_dir, regime, prompt_ids, B, args, os.path.join(tmp, "hf-offload")))
             row = {"prompt_set": prompt_set, "regime": regime, "system": system, **cell, "settings": settings,
-                   "commit": _common.git_commit(),
+                   "repeat": repeat, "commit": _common.git_commit(),
                    "time": time.strftime("%Y-%m-%d %H:%M:%S"), "load_average": _common.load_average()}
             rows.append(row)
             append_row(args.rows, row)
@@ -302,9 +328,10 @@ def goal_lines(rows: list[dict]) -> list[str]:
     """Issue #11's goals, per prompt set, from the cold-disk rows: B=8 >= 3x the tokens/s of B=1, and >= 4x
     transformers' batched generate at B=8."""
     lines = []
+    cells = cells_of(rows)
     for prompt_set in ("code", "chat"):
-        disk = {(r["system"], r["concurrency"]): r["tokens_per_second"] for r in rows
-                if r["regime"] == "disk" and r["prompt_set"] == prompt_set}
+        disk = {(system, B): median_of(runs, "tokens_per_second")
+                for (s, regime, system, B), runs in cells.items() if regime == "disk" and s == prompt_set}
         b8, b1, peer = disk.get(("offspec", 8)), disk.get(("offspec", 1)), disk.get(("transformers", 8))
         if b8 is None:
             continue
@@ -318,6 +345,9 @@ def goal_lines(rows: list[dict]) -> list[str]:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.repeats < 1:
+        print(f"bench_batch: --repeats must be at least 1, not {args.repeats}", file=sys.stderr)
+        return 2
     if args.predict:
         text = predict(args, load_rows(args.rows))
         print(text)
@@ -341,7 +371,9 @@ def main(argv=None) -> int:
             f"{args.prompts} prompts of each set (code: HumanEval, chat: MT-Bench first turns; chat template), "
             f"{args.new_tokens} new tokens each (EOS ignored), "
             f"{args.dtype}, greedy, tree budget {args.tree_budget}; demo pair (1.5B target, 0.5B draft, int8 draft "
-            "copy). tokens/s = all prompts' tokens / the job's wall time; a pass streams every target layer once "
+            "copy). tokens/s = all prompts' tokens / the job's wall time, the median over the cell's runs (runs: "
+            "each in an order shuffled per repeat) with their [min, max]; × B=1 = the ratio of the medians; the other "
+            "columns are medians over the runs too. A pass streams every target layer once "
             "for all prompts in flight. Prompt s/token = each prompt's own passes' time over its tokens (the "
             "latency a prompt sees), median over prompts. Agreement: the share of each prompt's tokens before the "
             "first difference from offspec at B=1, mean over prompts (bf16: batched matmuls round differently).",

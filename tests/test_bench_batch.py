@@ -1,0 +1,92 @@
+"""scripts/bench_batch.py's model-free parts: repeats in shuffled order, resume, and the table over repeats."""
+import json
+from types import SimpleNamespace
+
+import pytest
+
+from scripts_module import load_script
+
+bench = load_script("bench_batch")
+_stats = load_script("_stats")
+
+
+@pytest.fixture
+def fake_cells(monkeypatch):
+    """measure_set without models: every cell returns a row whose tokens/s is its call number."""
+    calls = []
+
+    def offspec_cell(models, regime, requests, B, args, store_dir, plain=False):
+        calls.append((regime, "offspec --tree none" if plain else "offspec", B))
+        return {"tokens_per_second": float(len(calls)), "concurrency": B}
+
+    def peer_cell(target_dir, regime, prompt_ids, B, args, offload_folder):
+        calls.append((regime, "transformers", B))
+        return {"tokens_per_second": float(len(calls)), "concurrency": B}
+
+    monkeypatch.setattr(bench, "offspec_cell", offspec_cell)
+    monkeypatch.setattr(bench, "peer_cell", peer_cell)
+    monkeypatch.setattr(bench, "load_prompt_set", lambda name, n: [(f"{name}/{i}", "text") for i in range(n)])
+    monkeypatch.setattr(bench, "encode_prompt", lambda tokenizer, text: [5, 6, 7])
+    return calls
+
+
+def test_every_cell_runs_once_a_repeat_in_a_shuffled_order_and_a_rerun_resumes(fake_cells, tmp_path):
+    rows_path = tmp_path / "rows.jsonl"
+    args = bench.parse_args(["--prompts", "2", "--concurrency", "1,2,auto", "--none-concurrency", "2",
+                             "--peer-concurrency", "2", "--regimes", "cpu", "--repeats", "2", "--rows", str(rows_path)])
+    models = SimpleNamespace(tokenizer=None)
+    rows = bench.measure_set(models, "target", "code", args, [], str(tmp_path))
+    cells = [("cpu", "offspec", 1), ("cpu", "offspec", 2), ("cpu", "offspec", "auto"),
+             ("cpu", "offspec --tree none", 2), ("cpu", "transformers", 2)]
+    assert fake_cells == _stats.shuffled_order(cells, "code", 0) + _stats.shuffled_order(cells, "code", 1)
+    assert sorted(fake_cells, key=str) == sorted(cells * 2, key=str)
+    assert [r["repeat"] for r in rows] == [0] * 5 + [1] * 5
+    stored = bench.load_rows(rows_path)
+    assert [(r["regime"], r["system"], r["concurrency"], r["repeat"]) for r in stored] == \
+        [(r["regime"], r["system"], r["concurrency"], r["repeat"]) for r in rows]
+
+    # a third repeat asked later: only it runs; the first two come from the rows file
+    fake_cells.clear()
+    args3 = bench.parse_args(["--prompts", "2", "--concurrency", "1,2,auto", "--none-concurrency", "2",
+                              "--peer-concurrency", "2", "--regimes", "cpu", "--repeats", "3", "--rows", str(rows_path)])
+    rows3 = bench.measure_set(models, "target", "code", args3, bench.load_rows(rows_path), str(tmp_path))
+    assert fake_cells == _stats.shuffled_order(cells, "code", 2)
+    assert len(rows3) == 15 and sorted(r["repeat"] for r in rows3) == [0] * 5 + [1] * 5 + [2] * 5
+
+
+def row(system, B, speed, repeat, regime="disk", prompt_set="code", tokens=None):
+    return {"prompt_set": prompt_set, "regime": regime, "system": system, "concurrency": B, "repeat": repeat,
+            "tokens_per_second": speed, "passes": 10, "rows_per_pass": 1.0, "tokens_per_pass": 4.0,
+            "gb_streamed_per_token": 0.1, "median_prompt_seconds_per_token": 1 / speed, "most_in_flight": B,
+            "tokens": tokens or {"0": [1, 2, 3, 4]}}
+
+
+def test_the_table_gives_each_cell_the_median_of_its_repeats_and_its_range():
+    rows = [row("offspec", 1, s, k) for k, s in enumerate((1.0, 3.0, 2.0))]
+    rows += [row("offspec", 8, s, k, tokens={"0": [1, 2, 9, 9]}) for k, s in enumerate((9.0, 6.0, 7.5))]
+    rows += [row("transformers", 8, 2.0, 0)]
+    headers, table = bench.report(rows, None)
+    by_cell = {(line[2], line[3]): dict(zip(headers, line)) for line in table}
+    assert by_cell[("offspec", 1)]["runs"] == "3"
+    assert by_cell[("offspec", 1)]["tokens/s [min, max]"] == "2.000 [1.000, 3.000]"
+    assert by_cell[("offspec", 8)]["tokens/s [min, max]"] == "7.500 [6.000, 9.000]"
+    assert by_cell[("offspec", 8)]["× B=1"] == "3.75×"                   # 7.5 / 2.0: the medians' ratio
+    assert by_cell[("offspec", 8)]["agrees with offspec B=1"] == "50%"
+    assert by_cell[("transformers", 8)]["tokens/s [min, max]"] == "2.000"  # one run: no range
+    assert bench.goal_lines(rows) == [
+        "- code, cold disk: offspec B=8 7.50 tokens/s = 3.75× offspec B=1 (2.00); goal ≥ 3×: met",
+        "- code, cold disk: offspec B=8 7.50 tokens/s = 3.75× transformers B=8 (2.00); goal ≥ 4×: NOT met"]
+
+
+def test_rows_from_before_repeats_count_as_repeat_0(tmp_path):
+    old = row("offspec", 1, 2.0, 0)
+    del old["repeat"], old["prompt_set"]
+    path = tmp_path / "old.jsonl"
+    path.write_text(json.dumps(old) + "\n")
+    (loaded,) = bench.load_rows(path)
+    assert loaded["repeat"] == 0 and loaded["prompt_set"] == "code"
+
+
+def test_repeats_below_one_is_one_line_and_exit_2(capsys):
+    assert bench.main(["--repeats", "0"]) == 2
+    assert "--repeats must be at least 1" in capsys.readouterr().err

@@ -33,7 +33,9 @@ Plain decoding (no tree, no draft call) competes with the best trees every round
 fall behind, and the first tree round after it feeds every row's backlog (at 8 rows, 32 plain rounds are 256
 draft tokens to read before any tree grows). So the switch back to trees is charged that backlog,
 spread over the tokens the rows have left, and the probes that re-time trees while plain decoding wins grow
-one row's tree only, the row whose draft is least behind.
+one row's tree only, the row whose draft is least behind. With probe_first (the engine on a CPU) a job starts in
+that state: one row's tree, the other rows' drafts reading nothing, and rows without a tree priced as copies of
+the rows with one (their draft work per node where the rounds cannot tell a call's cost from a node's).
 """
 from __future__ import annotations
 
@@ -63,8 +65,14 @@ LAST_PROBE = 32
 class BudgetPlanner:
     """Picks each round's tree budgets ("auto") from measured draft and target costs, for the rows in flight."""
 
-    def __init__(self, start: int = 32, max_budget: int = AUTO_MAX_TREE_BUDGET, max_depth: int = 32):
+    def __init__(self, start: int = 32, max_budget: int = AUTO_MAX_TREE_BUDGET, max_depth: int = 32,
+                 probe_first: Optional[int] = None):
         self.start = min(start, max_budget)   # a row's budget before any tree of it was seen
+        # probe_first: the job starts as if plain decoding had won, with ONE tree of this many nodes (the first
+        # row's), so the other rows' drafts read their prompts only once the measured costs say trees pay. Where a
+        # draft's prefill is compute as dear as the target's (a CPU), that read is most of what trees cost at many
+        # rows. None: every row starts with `start` (a GPU, where a streamed pass dwarfs the draft's prefill).
+        self.probe_first = min(probe_first, max_budget) if probe_first else None
         self.max_budget = max_budget          # nodes per pass, all rows together (+ at least one a row): the
                                               # plan counted logits for that many
         self.max_depth = max_depth            # TreeConfig.max_depth: trees that reach it can only grow wider
@@ -76,7 +84,7 @@ class BudgetPlanner:
         self.explored_low = False
         self.plain_rounds = 0                         # plain-decoding rounds since trees were last grown
         self.probe_after = FIRST_PROBE                # ... after this many, grow trees once to re-time them
-        self.plain_wins = False                       # the last choice was plain decoding
+        self.plain_wins = self.probe_first is not None  # the last choice was plain decoding
         self.trees: dict[Hashable, object] = {}       # row -> its last tree (TokenTree)
         self.alloc: dict[Hashable, int] = {}          # row -> its budget for the next round
         self.behind: dict[Hashable, int] = {}         # row -> tokens its draft has not read (its next catch-up)
@@ -84,9 +92,12 @@ class BudgetPlanner:
 
     def budget(self, row: Hashable) -> int:
         """Row's tree budget for this round: a new row starts at `start` (or what the pass has left), or at 0
-        while plain decoding wins (its draft need not read its prompt until trees pay again)."""
+        while plain decoding wins (its draft need not read its prompt until trees pay again); with probe_first,
+        the job's first row grows the one tree that times them."""
         if row not in self.alloc:
-            self.alloc[row] = 0 if self.plain_wins else self._left(self.start)
+            first = self.probe_first is not None and not self.trees and not any(self.alloc.values())
+            self.alloc[row] = (self._left(self.probe_first) if first else 0) if self.plain_wins \
+                else self._left(self.start)
         return self.alloc[row]
 
     def _left(self, want: int) -> int:
@@ -134,14 +145,15 @@ class BudgetPlanner:
         self.behind.update(behind or {})
         self.left.update(left or {})
         self.trees.update(grown)
-        if self.drafts and self.passes:
+        if self.passes and (self.drafts or not self.trees):   # no tree yet: time one (_choose)
             self._choose()
 
-    def round_seconds(self, N, depth, R):
+    def round_seconds(self, N, depth, R, unsure: str = "per call"):
         """t_draft(N) + t_target(N + R): the model's seconds of a round of R rows verifying N tree nodes whose
-        deepest draft call is at `depth` (numbers or tensors of them)."""
+        deepest draft call is at `depth` (numbers or tensors of them). unsure: draft_fit's model where the
+        rounds cannot tell its two costs apart."""
         a, b = self.target_fit()
-        c0, c1 = self.draft_fit()
+        c0, c1 = self.draft_fit(unsure)
         k_calls, k_nodes = self.working_ratios()
         return c0 * (k_calls * depth + 1) + c1 * k_nodes * N + self.catch_up_fit() * R + a + b * (N + R)
 
@@ -163,21 +175,24 @@ class BudgetPlanner:
         tokens = sum(n for n, _ in self.catch_ups)
         return sum(t for _, t in self.catch_ups) / tokens if tokens else self.draft_fit()[1]
 
-    def draft_fit(self) -> tuple[float, float]:
+    def draft_fit(self, unsure: str = "per call") -> tuple[float, float]:
         """(c0, c1) of a draft call's cost c0 + c1 * nodes, both >= 0. With too few or too alike rounds to tell
-        the two apart, c1 = 0: every call costs the mean per call (the latency-bound model)."""
+        the two apart (or a negative c1), one of the one-cost models: unsure="per call" (c1 = 0, every call costs
+        the mean per call: the latency-bound model, right for a tree the size of those measured), or "per node"
+        (c0 = 0, the mean per node: what more rows' trees cost at most, since their nodes share the calls)."""
         calls = torch.tensor([r[0] for r in self.drafts], dtype=torch.float64)
         nodes = torch.tensor([r[1] for r in self.drafts], dtype=torch.float64)
         ts = torch.tensor([r[-1] for r in self.drafts], dtype=torch.float64)
-        per_call = (float(ts.sum() / calls.sum()), 0.0)
+        per_call, per_node = (float(ts.sum() / calls.sum()), 0.0), (0.0, float(ts.sum() / nodes.sum()))
+        fallback = per_node if unsure == "per node" else per_call
         A = torch.stack([calls, nodes], 1)
         if calls.numel() < 3 or torch.linalg.matrix_rank(A) < 2:
-            return per_call
+            return fallback
         c0, c1 = torch.linalg.lstsq(A, ts[:, None]).solution[:, 0].tolist()
         if c1 < 0:
-            return per_call
+            return fallback
         if c0 < 0:
-            return 0.0, float(ts.sum() / nodes.sum())
+            return per_node
         return c0, c1
 
     def target_fit(self) -> tuple[float, float]:
@@ -247,21 +262,36 @@ class BudgetPlanner:
     def _choose(self) -> None:
         rows = [r for r in self.alloc if r in self.trees]
         if not rows:
-            # Only rows that joined while plain decoding won, whose drafts never read their prompts: time one
-            # tree, of the row least behind, before deciding for them all.
+            # Only rows that joined while plain decoding won (or the job's first rows, with probe_first), whose
+            # drafts never read their prompts: time one tree, of the row least behind, before deciding for them all.
             self.plain_rounds = 0
             self.alloc = dict.fromkeys(self.alloc, 0)
             if self.alloc:
-                self.alloc[self._least_behind(list(self.alloc))] = self._left(self.start)
+                self.alloc[self._least_behind(list(self.alloc))] = self._left(self.probe_first or self.start)
             return
-        order, C, depth_of = self._pooled(rows)                                        # depth(N), N = 1..total
-        owner = torch.cat([torch.full((self.trees[r].size,), k) for k, r in enumerate(rows)])
-        R, total = len(rows), C.numel()
-        expected = R + C                                                               # E(N)
+        # Rows without a tree yet (their drafts have not read their prompts) are taken to be like the rows with
+        # one: m = all rows / rows with a tree copies of those trees' pooled nodes. The best k of those nodes
+        # then stand for m k nodes verified in a pass of every row (m = 1 once every row has grown a tree). Their
+        # draft work is priced per node where the rounds cannot tell a call's cost from a node's: a few rows'
+        # trees say nothing of how the draft's cost grows with the nodes of many.
+        if self.plain_wins and len(rows) < len(self.alloc) and len(self.drafts) < 3:
+            # The rows without a tree would be priced from the probe's draft calls; with fewer than 3 of its rounds
+            # timed, the draft's cost per node cannot be told from its cost per call (draft_fit), and a tree for
+            # every row would look as cheap as one. Keep timing the probe, at another size each round.
+            for r in rows:
+                tree = self.trees[r]
+                self.alloc[r] = max(1, tree.size // 4) if not self.explored_low else self._budget_of(tree, tree.size)
+            self.explored_low = True
+            return
+        order, C, depth_of = self._pooled(rows)                                        # depth(k), k = 1..total
+        owner = torch.cat([torch.full((self.trees[r].size,), i) for i, r in enumerate(rows)])
+        R, total = len(self.alloc), C.numel()
+        m = R / len(rows)
+        expected = R + m * C                                                           # E(m k)
         a, b = self.target_fit()
-        N = torch.arange(1, total + 1, dtype=torch.float64)
-        seconds = self.round_seconds(N, depth_of, R)
-        best = int(torch.argmin((seconds / expected)[:self.max_budget])) + 1
+        kept = torch.arange(1, total + 1, dtype=torch.float64)                        # k
+        seconds = self.round_seconds(m * kept, depth_of, R, unsure="per node" if m > 1 else "per call")
+        best = int(torch.argmin((seconds / expected)[:max(1, int(self.max_budget / m))])) + 1
         if len({n for n, _ in self.passes}) < 3 and not self.explored_low:
             # Too few distinct pass sizes to know b: try small trees once to measure the slope.
             self.explored_low = True
@@ -269,7 +299,7 @@ class BudgetPlanner:
                 self.alloc[r] = max(1, self.trees[r].size // 4)
             return
         switch = self._switch_cost() if self.plain_wins else 0.0
-        mine = torch.bincount(owner[order[:best]], minlength=R).tolist()               # row r's nodes in the best N
+        mine = torch.bincount(owner[order[:best]], minlength=len(rows)).tolist()       # row r's nodes in the best k
         if (a + b * R) / R < float((seconds / expected)[best - 1]) * self.miss() + switch:
             # No tree at all beats every tree: plain decoding (no draft calls) for every row this round. The
             # trees are then no longer measured, and one bad round (a busy machine, an unlucky tree) must not
@@ -292,7 +322,8 @@ class BudgetPlanner:
             for r in rows:
                 self.alloc[r] = max(1, self.alloc[r] * self.max_budget // allotted)
         for r in [r for r in self.alloc if r not in self.trees and self.alloc[r] == 0]:
-            self.alloc[r] = self._left(self.start)   # joined while plain decoding won: grows its first tree now
+            # joined while plain decoding won: grows its first tree now, of a row's share of the best nodes
+            self.alloc[r] = self._left(max(1, round(best / len(rows))))
 
     def _budget_of(self, tree, mine: int) -> int:
         """A row's next budget from its last tree and its share `mine` of the best N nodes."""

@@ -272,11 +272,14 @@ class Engine:
         free = list(range(B))[::-1]
         rows: list[_Row] = []
         # One planner for every auto-budget row: it shares each pass's node budget among them by node value.
-        # First trees: 128 nodes a row on a GPU, where a pass costs its transfer whatever it computes; on a CPU a
-        # pass and a draft call are compute, so the first pass's 32 nodes are shared by its rows (8 rows: 4 each;
-        # the first rounds also read every prompt into the draft, the dearest trees of the job).
-        start = 128 if self.device.type == "cuda" else max(1, 32 // B)
-        planner = BudgetPlanner(start=start, max_budget=self.max_tree_budget, max_depth=0)
+        # First trees: 128 nodes a row on a GPU, where a pass costs its transfer whatever it computes. On a CPU a
+        # pass and a draft call are compute, and every row's first tree costs its draft reading its prompt (at 16
+        # rows that read was a tenth of the job, with plain decoding winning most rounds after it): the job starts
+        # with one row's 32-node tree, the others decoding plainly, and the planner grows theirs once it has timed
+        # that tree and trees pay (probe_first); rows joining later while trees pay share 32 nodes a pass.
+        gpu = self.device.type == "cuda"
+        planner = BudgetPlanner(start=128 if gpu else max(1, 32 // B), max_budget=self.max_tree_budget, max_depth=0,
+                                probe_first=None if gpu else 32)
         while rows or feed.wait():          # with no row in flight: wait for a request, or end with the feed
             # refill: the next prompts take free rows (auto concurrency: as many as the costs favour)
             limit = ((planner.rows_worth(B) if adapt_rows else None) or B) if free and feed.waiting() else 0

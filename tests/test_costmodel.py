@@ -117,8 +117,9 @@ def test_a_row_joining_while_plain_decoding_wins_decodes_plainly_until_trees_are
     p.passes.clear()
     p.passes.extend([(2, 1.0), (40, 1.0), (80, 1.0)])      # extra tokens and draft calls turn out free:
     p.drafts.clear()                                        # trees win again
-    p.drafts.append((1, 1, 1, 1, 0.0))
+    p.drafts.extend([(1, 1, 1, 1, 0.0), (2, 4, 2, 3, 0.0), (3, 9, 3, 6, 0.0)])
     p.observe({}, draft_seconds=0.0, target_seconds=1.0, pass_tokens=2)
+    # "new" grows its first tree, of a row's share of the best nodes: the two known rows' 16 nodes all pay
     assert p.budget("a") > 0 and p.budget("new") == 8
     p = BudgetPlanner(start=8, max_budget=64)
     p.plain_wins = True                                     # plain decoding won, then its rows finished
@@ -317,3 +318,50 @@ def test_held_resident_layers_add_their_dequantization_to_the_predicted_pass():
     plain = predict_seconds_per_token(48 * 10**9, setup, tokens_per_pass=8, draft_seconds_per_round=0.0)
     held = predict_seconds_per_token(24 * 10**9, setup, tokens_per_pass=8, draft_seconds_per_round=0.0, held_layers=50)
     assert plain["pass_seconds"] == 2.0 and abs(held["pass_seconds"] - (1.0 + 0.05)) < 1e-12
+
+
+def probe_first_job(draft_seconds_a_node: float, rows: int = 16) -> tuple[BudgetPlanner, list[dict]]:
+    """A job of `rows` rows started with probe_first: a prefill round, then rounds in which each row grows the
+    tree its budget allows (a chain of likely nodes: values 0.8, 0.64, ...), on a machine where a pass costs
+    1 s plus 1 ms a token and a draft call 10 ms plus `draft_seconds_a_node` a node it runs on. -> the planner
+    and every round's budgets."""
+    p = BudgetPlanner(start=2, max_budget=256, max_depth=32, probe_first=32)
+    names = [f"r{i}" for i in range(rows)]
+    history = []
+    for round_ in range(8):
+        budgets = {r: p.budget(r) for r in names}
+        history.append(budgets)
+        trees = {r: chain([0.8 ** k for k in range(1, min(b, 32) + 1)]) if b else TokenTree.root_only(0)
+                 for r, b in budgets.items()}
+        nodes = sum(t.size for t in trees.values())
+        depth = max(t.depth for t in trees.values())
+        p.observe(trees, draft_seconds=depth * 0.01 + nodes * draft_seconds_a_node,
+                  target_seconds=1.0 + 0.001 * (nodes + rows), pass_tokens=nodes + rows, timed=round_ > 0,
+                  catch_up=(nodes and 40, 0.01), behind={r: 1 if budgets[r] else 40 for r in names},
+                  left={r: 100 for r in names}, yielded=0)
+    return p, history
+
+
+def test_probe_first_times_one_rows_tree_before_any_other_draft_reads_its_prompt():
+    """On a CPU the job starts with one 32-node tree, the first row's; the others' budgets stay 0 (their drafts
+    read nothing) while the probe is timed at other sizes (32, 8, 16): fewer than 3 timed rounds cannot tell the
+    draft's cost a node from its cost a call. Then the rows without a tree are priced as copies of the probe's:
+    where a pass is a fixed second and draft nodes are cheap, every row grows a tree."""
+    p, history = probe_first_job(draft_seconds_a_node=1e-4)
+    assert history[0]["r0"] == 32 and all(b == 0 for r, b in history[0].items() if r != "r0")
+    assert [h["r0"] for h in history[1:4]] == [32, 8, 16]
+    assert all(b == 0 for h in history[:4] for r, b in h.items() if r != "r0")
+    assert all(b > 0 for b in history[4].values()) and sum(history[4].values()) <= 256 + 16
+
+
+def test_probe_first_keeps_plain_decoding_where_the_probes_draft_nodes_are_dear():
+    """The same job where a draft node costs 50 ms: 16 rows' trees would cost far more than the one shared pass
+    they save, so the others never grow one (their prompts are never read into the draft)."""
+    p, history = probe_first_job(draft_seconds_a_node=0.05)
+    assert all(b == 0 for h in history for r, b in h.items() if r != "r0")
+    assert p.plain_wins
+
+
+def test_one_row_with_probe_first_starts_as_without_it():
+    p = BudgetPlanner(start=32, max_budget=256, probe_first=32)
+    assert p.budget("only") == 32

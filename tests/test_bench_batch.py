@@ -90,3 +90,14 @@ def test_rows_from_before_repeats_count_as_repeat_0(tmp_path):
 def test_repeats_below_one_is_one_line_and_exit_2(capsys):
     assert bench.main(["--repeats", "0"]) == 2
     assert "--repeats must be at least 1" in capsys.readouterr().err
+
+
+def test_planner_trace_splits_the_job_into_tree_plain_and_prefill_rounds():
+    trace = load_script("planner_trace")
+    log = [dict(grown=2, timed=False, draft_s=1.0, catch_up_s=0.5, target_s=2.5, yielded=6),
+           dict(grown=2, timed=True, draft_s=0.2, catch_up_s=0.05, target_s=0.25, yielded=5),
+           dict(grown=0, timed=True, draft_s=0.0, catch_up_s=0.0, target_s=0.2, yielded=2),
+           dict(grown=0, timed=True, draft_s=0.0, catch_up_s=0.0, target_s=0.2, yielded=2)]
+    assert trace.summary(log) == ("tree rounds: 1 rounds, 5 tokens in 0.5 s (10.0 tokens/s); "
+                                  "plain rounds: 2 rounds, 4 tokens in 0.4 s (10.0 tokens/s); "
+                                  "prefill rounds: 1 rounds, 6 tokens in 4.0 s (1.5 tokens/s)")

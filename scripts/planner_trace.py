@@ -1,0 +1,100 @@
+#!/usr/bin/env python
+"""One batch job on the demo pair with the auto planner's every round logged: what the planner was shown
+(rows, rows that grew a tree, nodes, growth / catch-up / pass seconds, tokens fed, tokens yielded) and what it
+chose after (plain decoding or trees, its miss ratio, the budgets it gave). For diagnosing the planner, not a
+benchmark: one run, no repeats (scripts/bench_batch.py measures; its cpu regime has the same settings).
+
+  python scripts/planner_trace.py --concurrency 16 --prompts 32 --prompt-set chat --out trace.jsonl
+  python scripts/planner_trace.py --concurrency 8 --prompts 16 --tree none      # the plain baseline's wall time
+
+Per line of --out: rows, grown, nodes, draft_s (growth), catch_up (tokens fed), catch_up_s, target_s, pass_tokens,
+timed (False: a round that prefilled), yielded, then plain (plain decoding chosen for the next round), miss,
+budgets (their sum). The summary splits the job's seconds and tokens into tree rounds, plain rounds and prefill
+rounds.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _common  # noqa: E402
+from offspec import costmodel  # noqa: E402
+from offspec.config import OffloadConfig, RunLimits, RuntimeConfig, TreeConfig  # noqa: E402
+from offspec.demo import ensure_demo_models  # noqa: E402
+from offspec.generate import GenerationRequest  # noqa: E402
+from offspec.load import Models  # noqa: E402
+from offspec.prompt import encode_prompt  # noqa: E402
+from offspec.prompt_sets import load_prompt_set  # noqa: E402
+
+
+def traced(log: list):
+    """BudgetPlanner.observe, recording each round into `log`."""
+    observe = costmodel.BudgetPlanner.observe
+
+    def record(self, trees, draft_seconds, target_seconds, pass_tokens, timed=True, **kwargs):
+        grown = [t.size for t in trees.values() if t.size > 0]
+        fed, catch_up_s = kwargs.get("catch_up") or (0, 0.0)
+        entry = dict(rows=len(trees), grown=len(grown), nodes=sum(grown), draft_s=round(draft_seconds, 4),
+                     catch_up=fed, catch_up_s=round(catch_up_s, 4), target_s=round(target_seconds, 4),
+                     pass_tokens=pass_tokens, timed=timed, yielded=kwargs.get("yielded") or 0)
+        observe(self, trees, draft_seconds, target_seconds, pass_tokens, timed=timed, **kwargs)
+        log.append({**entry, "plain": self.plain_wins, "miss": round(self.miss(), 3),
+                    "budgets": sum(self.alloc.values())})
+    return record
+
+
+def summary(log: list) -> str:
+    def part(name, rounds):
+        seconds = sum(r["draft_s"] + r["catch_up_s"] + r["target_s"] for r in rounds)
+        tokens = sum(r["yielded"] for r in rounds)
+        rate = f"{tokens / seconds:.1f} tokens/s" if seconds else "–"
+        return f"{name}: {len(rounds)} rounds, {tokens} tokens in {seconds:.1f} s ({rate})"
+    return "; ".join([part("tree rounds", [r for r in log if r["grown"] and r["timed"]]),
+                      part("plain rounds", [r for r in log if not r["grown"] and r["timed"]]),
+                      part("prefill rounds", [r for r in log if not r["timed"]])])
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=_common.HelpFormatter)
+    p.add_argument("--concurrency", type=int, default=8, help="prompts in flight")
+    p.add_argument("--prompts", type=int, default=16, help="the first N prompts of the set")
+    p.add_argument("--prompt-set", default="chat", choices=["code", "chat"])
+    p.add_argument("--new-tokens", type=int, default=64, help="tokens a prompt (EOS ignored)")
+    p.add_argument("--tree", default="dyspec", help="growth policy (none: plain batched decoding, no planner)")
+    p.add_argument("--out", default=None, help="JSONL file for the per-round log")
+    args = p.parse_args(argv)
+    log: list = []
+    costmodel.BudgetPlanner.observe = traced(log)
+    target, draft = ensure_demo_models()
+    models = Models.open(target, draft)
+    ids = [encode_prompt(models.tokenizer, text) for _, text in load_prompt_set(args.prompt_set, args.prompts)]
+    requests = [GenerationRequest(prompt_ids=tuple(x), max_new_tokens=args.new_tokens, ignore_eos=True,
+                                  tree=TreeConfig(policy=args.tree)) for x in ids]
+    longest = max(map(len, ids)) + args.new_tokens
+    loaded = models.load(OffloadConfig(mode="none"), RuntimeConfig(dtype=torch.bfloat16, draft_quant="int8"),
+                         RunLimits(context=longest + 1026, sampling=False, concurrency=args.concurrency),
+                         progress=False)
+    started, tokens = time.perf_counter(), 0
+    for event in loaded.engine.run_batch(requests, concurrency=args.concurrency):
+        if event.error is not None:
+            raise SystemExit(f"planner_trace: {event.error}")
+        tokens += len(event.step.tokens)
+    wall = time.perf_counter() - started
+    print(f"B={args.concurrency} {args.tree}, {args.prompts} {args.prompt_set} prompts: {tokens} tokens in {wall:.1f} s, "
+          f"{tokens / wall:.2f} tokens/s")
+    if log:
+        print(summary(log))
+    if args.out:
+        Path(args.out).write_text("".join(json.dumps(r) + "\n" for r in log))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

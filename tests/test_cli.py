@@ -290,7 +290,8 @@ def test_batch_interrupted_then_resumed_loses_and_duplicates_nothing(m, tmp_path
     result = cli(*args)
     assert result.exit_code == 130 and "Traceback" not in result.output
     assert "rerun to resume" in result.stderr
-    assert [r["id"] for r in read_results(out)] == ids[:2]          # finished lines kept, each complete
+    kept = [r["id"] for r in read_results(out)]                   # finished lines kept, each complete (in the
+    assert len(kept) == len(set(kept)) == 2 and set(kept) <= set(ids)   # order rows finish: any, with 3 rows)
 
     monkeypatch.setattr(offspec.generate, "report_of", real_run)
     result = ok(cli(*args))

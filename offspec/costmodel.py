@@ -274,15 +274,6 @@ class BudgetPlanner:
         # then stand for m k nodes verified in a pass of every row (m = 1 once every row has grown a tree). Their
         # draft work is priced per node where the rounds cannot tell a call's cost from a node's: a few rows'
         # trees say nothing of how the draft's cost grows with the nodes of many.
-        if self.plain_wins and len(rows) < len(self.alloc) and len(self.drafts) < 3:
-            # The rows without a tree would be priced from the probe's draft calls; with fewer than 3 of its rounds
-            # timed, the draft's cost per node cannot be told from its cost per call (draft_fit), and a tree for
-            # every row would look as cheap as one. Keep timing the probe, at another size each round.
-            for r in rows:
-                tree = self.trees[r]
-                self.alloc[r] = max(1, tree.size // 4) if not self.explored_low else self._budget_of(tree, tree.size)
-            self.explored_low = True
-            return
         order, C, depth_of = self._pooled(rows)                                        # depth(k), k = 1..total
         owner = torch.cat([torch.full((self.trees[r].size,), i) for i, r in enumerate(rows)])
         R, total = len(self.alloc), C.numel()

@@ -95,9 +95,12 @@ class BudgetPlanner:
         while plain decoding wins (its draft need not read its prompt until trees pay again); with probe_first,
         the job's first row grows the one tree that times them."""
         if row not in self.alloc:
-            first = self.probe_first is not None and not self.trees and not any(self.alloc.values())
-            self.alloc[row] = (self._left(self.probe_first) if first else 0) if self.plain_wins \
-                else self._left(self.start)
+            if not self.plain_wins:
+                self.alloc[row] = self._left(self.start)
+            elif self.probe_first is not None and not self.trees and not any(self.alloc.values()):
+                self.alloc[row] = self._left(self.probe_first)      # the job's first row: the tree that times them
+            else:
+                self.alloc[row] = 0
         return self.alloc[row]
 
     def _left(self, want: int) -> int:

@@ -259,8 +259,7 @@ class Engine:
         # root, never more than the context: a round's tree shrinks to the room left before the context end.
         if feed.known is not None:
             B = max(1, min(concurrency, len(feed.known)))
-            row_tokens = max((len(r.prompt_ids) + r.max_new_tokens + self._tree_room(r) + 2 for r in feed.known),
-                             default=2)
+            row_tokens = max((self._row_tokens(r) for r in feed.known), default=2)
             speculative = any(self.speculative(r) for r in feed.known)
         else:
             B, speculative = concurrency, self.draft is not None
@@ -367,6 +366,11 @@ class Engine:
             return 0
         return request.tree.budget if request.tree.budget is not None else self.max_tree_budget
 
+    def _row_tokens(self, request: GenerationRequest) -> int:
+        """Cache slots a row of `request` may need: its prompt and new tokens, and one round's tree with its root
+        (what run_batch sizes the caches by and _admit checks an open feed's rows against)."""
+        return len(request.prompt_ids) + request.max_new_tokens + self._tree_room(request) + 2
+
     def _admit(self, index: int, request: GenerationRequest, cache_row: int, t_cache: KVCache,
                d_cache: Optional[KVCache], capacity: int) -> "_Row":
         prompt = list(request.prompt_ids)
@@ -378,7 +382,7 @@ class Engine:
                              f"({self.max_tree_budget}); load it with a larger tree budget")
         if len(prompt) + 1 >= self.max_context:
             raise InputError(f"the prompt has {len(prompt)} tokens but the context holds only {self.max_context}")
-        needed = min(len(prompt) + request.max_new_tokens + self._tree_room(request) + 2, self.max_context)
+        needed = min(self._row_tokens(request), self.max_context)
         if needed > capacity:   # an open feed's tokens_a_row was too small for this request
             raise InputError(f"the request needs {needed} tokens a row but this batch's rows hold {capacity}")
         t_cache.set_length(0, cache_row)

@@ -28,7 +28,9 @@ import _common  # noqa: E402
 from offspec import costmodel  # noqa: E402
 from offspec.config import OffloadConfig, RunLimits, RuntimeConfig, TreeConfig  # noqa: E402
 from offspec.demo import ensure_demo_models  # noqa: E402
+from offspec.errors import OffspecError  # noqa: E402
 from offspec.generate import GenerationRequest  # noqa: E402
+from offspec.grow import POLICIES  # noqa: E402
 from offspec.load import Models  # noqa: E402
 from offspec.prompt import encode_prompt  # noqa: E402
 from offspec.prompt_sets import load_prompt_set  # noqa: E402
@@ -67,9 +69,13 @@ def main(argv=None) -> int:
     p.add_argument("--prompts", type=int, default=16, help="the first N prompts of the set")
     p.add_argument("--prompt-set", default="chat", choices=["code", "chat"])
     p.add_argument("--new-tokens", type=int, default=64, help="tokens a prompt (EOS ignored)")
-    p.add_argument("--tree", default="dyspec", help="growth policy (none: plain batched decoding, no planner)")
+    p.add_argument("--tree", default="dyspec", choices=POLICIES,
+                   help="growth policy (none: plain batched decoding, no planner)")
     p.add_argument("--out", default=None, help="JSONL file for the per-round log")
     args = p.parse_args(argv)
+    for name in ("concurrency", "prompts", "new_tokens"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be at least 1")
     log: list = []
     costmodel.BudgetPlanner.observe = traced(log)
     target, draft = ensure_demo_models()
@@ -97,4 +103,8 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        sys.exit(main())
+    except OffspecError as err:
+        print(f"error: {err}", file=sys.stderr)
+        sys.exit(1)

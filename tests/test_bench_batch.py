@@ -101,3 +101,11 @@ def test_planner_trace_splits_the_job_into_tree_plain_and_prefill_rounds():
     assert trace.summary(log) == ("tree rounds: 1 rounds, 5 tokens in 0.5 s (10.0 tokens/s); "
                                   "plain rounds: 2 rounds, 4 tokens in 0.4 s (10.0 tokens/s); "
                                   "prefill rounds: 1 rounds, 6 tokens in 4.0 s (1.5 tokens/s)")
+
+
+@pytest.mark.parametrize("args", [["--concurrency", "0"], ["--new-tokens", "0"], ["--tree", "nonsense"]])
+def test_planner_trace_refuses_bad_arguments_in_one_line(args, capsys):
+    trace = load_script("planner_trace")
+    with pytest.raises(SystemExit) as stop:
+        trace.main(args)
+    assert stop.value.code == 2 and "Traceback" not in capsys.readouterr().err

@@ -60,7 +60,8 @@ from typing import Callable, Optional
 
 import torch
 
-import _common
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # this checkout's offspec, not an installed one
+import _common  # noqa: E402
 from offspec.checkpoint import Checkpoint
 from offspec.config import OffloadConfig
 from offspec.demo import DEFAULT_TARGET, ensure_demo_model, offspec_home

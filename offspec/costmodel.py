@@ -23,8 +23,9 @@ With several rows in a pass, the N best nodes over ALL rows' candidates are the 
 value: row r's budget is the number of its nodes among them, so rows whose drafts do well get more of the
 pass. With one row this is the single-sequence planner.
 
-The model's tree rounds are checked against what they did: after each round in which every row grew a tree, the
-ratio of its measured seconds per token to the model's prediction for the trees it grew is kept, and the best
+The model's tree rounds are checked against what they did: after each timed round in which a row grew a tree, the
+ratio of its measured seconds per token to the model's prediction for that round is kept (not after a round whose
+catch-up read a draft's backlog: that is the switch's cost, charged apart), and the best
 tree's predicted seconds per token is scaled by the median of the last 8 before it is compared with plain
 decoding's (measured directly: a + b R over R rows). Whatever the model misses (node values that overestimate
 acceptance, draft or verification work it does not count) then counts in the choice.
@@ -35,7 +36,11 @@ draft tokens to read before any tree grows). So the switch back to trees is char
 spread over the tokens the rows have left, and the probes that re-time trees while plain decoding wins grow
 one row's tree only, the row whose draft is least behind. With probe_first (the engine on a CPU) a job starts in
 that state: one row's tree, the other rows' drafts reading nothing, and rows without a tree priced as copies of
-the rows with one (their draft work per node where the rounds cannot tell a call's cost from a node's).
+the rows with one (their draft work per node where the rounds cannot tell a call's cost from a node's). Such a
+copy is an extrapolation from few rows, so trees spread to rows without one at most doubling the rows with one
+after each timed round (1, 2, 4, 8 ...): every step is measured before the next, and a wrong guess costs a few
+rows' trees, not every row's catch-up. A finished row's last tree stays as the reference for rows joining after
+it (the job's last 16), so a fresh wave of prompts is decided from trees already seen, not by timing a new one.
 """
 from __future__ import annotations
 
@@ -60,6 +65,10 @@ ROW_GAIN = 0.05     # auto concurrency: a row in flight must add at least 5% to 
 YIELD_ROUNDS = 8     # the tree rounds whose measured / predicted seconds per token scale the trees' prediction
 FIRST_PROBE = 4      # while plain decoding wins, trees are grown again after 4 plain rounds, then 8, 16, 32
 LAST_PROBE = 32
+PAST_TREES = 16      # finished rows' last trees kept as the reference for rows that join after them
+BACKLOG_FREE = 2     # a catch-up of at most 2 tokens a row is a tree round's own; more read a backlog (a switch)
+SWITCH_MARGIN = 0.1  # going back from plain decoding to trees wants them predicted 10% cheaper a token: near a tie
+                     # the switches' backlog reads and probes cost more than the trees return
 
 
 class BudgetPlanner:
@@ -86,6 +95,8 @@ class BudgetPlanner:
         self.probe_after = FIRST_PROBE                # ... after this many, grow trees once to re-time them
         self.plain_wins = self.probe_first is not None  # the last choice was plain decoding
         self.trees: dict[Hashable, object] = {}       # row -> its last tree (TokenTree)
+        self.past: deque = deque(maxlen=PAST_TREES)   # finished rows' last trees, newest last
+        self.timed = False                            # the last round observed was timed
         self.alloc: dict[Hashable, int] = {}          # row -> its budget for the next round
         self.behind: dict[Hashable, int] = {}         # row -> tokens its draft has not read (its next catch-up)
         self.left: dict[Hashable, int] = {}           # row -> tokens it may still generate
@@ -93,11 +104,12 @@ class BudgetPlanner:
     def budget(self, row: Hashable) -> int:
         """Row's tree budget for this round: a new row starts at `start` (or what the pass has left), or at 0
         while plain decoding wins (its draft need not read its prompt until trees pay again); with probe_first,
-        the job's first row grows the one tree that times them."""
+        the job's first row grows the one tree that times them (later rows have the finished rows' trees)."""
         if row not in self.alloc:
             if not self.plain_wins:
                 self.alloc[row] = self._left(self.start)
-            elif self.probe_first is not None and not self.trees and not any(self.alloc.values()):
+            elif (self.probe_first is not None and not self.trees and not self.past
+                  and not any(self.alloc.values())):
                 self.alloc[row] = self._left(self.probe_first)      # the job's first row: the tree that times them
             else:
                 self.alloc[row] = 0
@@ -108,7 +120,9 @@ class BudgetPlanner:
         return max(1, min(want, self.max_budget - sum(self.alloc.values())))
 
     def forget(self, row: Hashable) -> None:
-        """Row finished: its tree no longer counts."""
+        """Row finished: its tree no longer counts for a row, only as a reference for rows joining later."""
+        if row in self.trees:
+            self.past.append(self.trees[row])
         for table in (self.trees, self.alloc, self.behind, self.left):
             table.pop(row, None)
 
@@ -140,7 +154,8 @@ class BudgetPlanner:
             self.drafts.append((max(calls, 1), nodes, max(deepest, 1), size, draft_seconds))
         if catch_up is not None and catch_up[0] > 0:
             self.catch_ups.append(catch_up)
-        if yielded and timed and grown and len(grown) == len(trees):
+        steady = catch_up is None or catch_up[0] <= BACKLOG_FREE * len(trees)
+        if yielded and timed and grown and steady:
             spent = draft_seconds + (catch_up[1] if catch_up is not None else 0.0) + target_seconds
             predicted = self.round_seconds(size, deepest, len(trees))
             expected = len(trees) + sum(float(t.values[1:].sum()) for t in grown.values())
@@ -148,6 +163,7 @@ class BudgetPlanner:
         self.behind.update(behind or {})
         self.left.update(left or {})
         self.trees.update(grown)
+        self.timed = timed
         if self.passes and (self.drafts or not self.trees):   # no tree yet: time one (_choose)
             self._choose()
 
@@ -222,7 +238,7 @@ class BudgetPlanner:
         rows = list(self.trees)
         if not rows or not self.drafts or len({n for n, _ in self.passes}) < 2:
             return None
-        _, C, depth = self._pooled(rows)
+        _, C, depth = self._pooled([self.trees[r] for r in rows])
         zero = torch.zeros(1, dtype=torch.float64)
         C, depth = torch.cat([zero, C]), torch.cat([zero, depth])          # C(k), depth(k) for k = 0 (no tree) ..
         k = torch.arange(C.numel(), dtype=torch.float64)
@@ -239,11 +255,11 @@ class BudgetPlanner:
         best = max(rates)
         return next(n for n, rate in enumerate(rates, 1) if rate >= (1 - ROW_GAIN) * best)
 
-    def _pooled(self, rows: list) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The rows' last trees' nodes (roots left out) pooled and sorted by value, best first: (order, C, depth),
-        C[N-1] the sum of the N best values and depth[N-1] the deepest draft call they need (n-gram nodes: none)."""
-        values = torch.cat([self.trees[r].values[1:].double() for r in rows])
-        depths = torch.cat([self.trees[r].draft_depths[1:] for r in rows])
+    def _pooled(self, trees: list) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The trees' nodes (roots left out) pooled and sorted by value, best first: (order, C, depth), C[N-1] the
+        sum of the N best values and depth[N-1] the deepest draft call they need (n-gram nodes: none)."""
+        values = torch.cat([t.values[1:].double() for t in trees])
+        depths = torch.cat([t.draft_depths[1:] for t in trees])
         order = torch.argsort(values, descending=True)
         return order, torch.cumsum(values[order], 0), torch.cummax(depths[order], 0).values.double()
 
@@ -264,37 +280,45 @@ class BudgetPlanner:
 
     def _choose(self) -> None:
         rows = [r for r in self.alloc if r in self.trees]
-        if not rows:
+        # The rows' last trees say what a tree is worth; with none in flight (rows that joined while plain decoding
+        # won), the finished rows' last trees do.
+        reference = [self.trees[r] for r in rows] or list(self.past)
+        if not reference or not self.drafts:
             # Only rows that joined while plain decoding won (or the job's first rows, with probe_first), whose
-            # drafts never read their prompts: time one tree, of the row least behind, before deciding for them all.
+            # drafts never read their prompts, and no tree seen: time one tree, of the row least behind, before
+            # deciding for them all.
             self.plain_rounds = 0
             self.alloc = dict.fromkeys(self.alloc, 0)
             if self.alloc:
                 self.alloc[self._least_behind(list(self.alloc))] = self._left(self.probe_first or self.start)
             return
-        # Rows without a tree yet (their drafts have not read their prompts) are taken to be like the rows with
-        # one: m = all rows / rows with a tree copies of those trees' pooled nodes. The best k of those nodes
-        # then stand for m k nodes verified in a pass of every row (m = 1 once every row has grown a tree). Their
-        # draft work is priced per node where the rounds cannot tell a call's cost from a node's: a few rows'
-        # trees say nothing of how the draft's cost grows with the nodes of many.
-        order, C, depth_of = self._pooled(rows)                                        # depth(k), k = 1..total
-        owner = torch.cat([torch.full((self.trees[r].size,), i) for i, r in enumerate(rows)])
+        # Rows without a tree yet (their drafts have not read their prompts) are taken to be like the reference
+        # trees: m = all rows / reference trees copies of their pooled nodes. The best k of those nodes then stand
+        # for m k nodes verified in a pass of every row (m = 1 once every row has grown a tree). Their draft work
+        # is priced per node where the rounds cannot tell a call's cost from a node's: a few rows' trees say
+        # nothing of how the draft's cost grows with the nodes of many.
+        order, C, depth_of = self._pooled(reference)                                   # depth(k), k = 1..total
         R, total = len(self.alloc), C.numel()
-        m = R / len(rows)
+        m = R / len(reference)
         expected = R + m * C                                                           # E(m k)
         a, b = self.target_fit()
         kept = torch.arange(1, total + 1, dtype=torch.float64)                        # k
         seconds = self.round_seconds(m * kept, depth_of, R, unsure="per node" if m > 1 else "per call")
         best = int(torch.argmin((seconds / expected)[:max(1, int(self.max_budget / m))])) + 1
-        if len({n for n, _ in self.passes}) < 3 and not self.explored_low:
+        if rows and len({n for n, _ in self.passes}) < 3 and not self.explored_low:
             # Too few distinct pass sizes to know b: try small trees once to measure the slope.
             self.explored_low = True
             for r in rows:
                 self.alloc[r] = max(1, self.trees[r].size // 4)
             return
         switch = self._switch_cost() if self.plain_wins else 0.0
-        mine = torch.bincount(owner[order[:best]], minlength=len(rows)).tolist()       # row r's nodes in the best k
-        if (a + b * R) / R < float((seconds / expected)[best - 1]) * self.miss() + switch:
+        mine = [0] * len(rows)                                                         # row r's nodes in the best k
+        if rows:
+            owner = torch.cat([torch.full((self.trees[r].size,), i) for i, r in enumerate(rows)])
+            mine = torch.bincount(owner[order[:best]], minlength=len(rows)).tolist()
+        share = max(1, round(best / len(reference)))                                   # a reference tree's part
+        margin = 1 + SWITCH_MARGIN if self.plain_wins else 1.0
+        if (a + b * R) / R < float((seconds / expected)[best - 1]) * self.miss() * margin + switch:
             # No tree at all beats every tree: plain decoding (no draft calls) for every row this round. The
             # trees are then no longer measured, and one bad round (a busy machine, an unlucky tree) must not
             # switch them off for good: after probe_after plain rounds one row's best tree is grown anyway (the
@@ -303,10 +327,11 @@ class BudgetPlanner:
             self.plain_wins = True
             self.plain_rounds += 1
             self.alloc = dict.fromkeys(self.alloc, 0)
-            if self.plain_rounds >= self.probe_after:
+            if self.plain_rounds >= self.probe_after and self.alloc:
                 self.plain_rounds, self.probe_after = 0, min(2 * self.probe_after, LAST_PROBE)
-                probe = self._least_behind(rows)
-                self.alloc[probe] = self._budget_of(self.trees[probe], mine[rows.index(probe)])
+                probe = self._least_behind(rows or list(self.alloc))
+                self.alloc[probe] = (self._budget_of(self.trees[probe], mine[rows.index(probe)]) if rows
+                                     else self._left(share))
             return
         self.plain_wins, self.plain_rounds, self.probe_after = False, 0, FIRST_PROBE
         for k, r in enumerate(rows):
@@ -315,9 +340,13 @@ class BudgetPlanner:
         if allotted > self.max_budget:        # rows looking further share what one pass may verify
             for r in rows:
                 self.alloc[r] = max(1, self.alloc[r] * self.max_budget // allotted)
-        for r in [r for r in self.alloc if r not in self.trees and self.alloc[r] == 0]:
-            # joined while plain decoding won: grows its first tree now, of a row's share of the best nodes
-            self.alloc[r] = self._left(max(1, round(best / len(rows))))
+        # Rows that joined while plain decoding won grow their first tree now, of a reference tree's share of
+        # the best nodes, the least behind first, and at most as many as have a tree, after a timed round only:
+        # what the model extrapolated from few rows is measured at twice as many before it is trusted for more.
+        waiting = sorted((r for r in self.alloc if r not in self.trees and self.alloc[r] == 0),
+                         key=lambda r: self.behind.get(r, 0))
+        for r in waiting[:max(1, len(rows)) if self.timed else 0]:
+            self.alloc[r] = self._left(share)
 
     def _budget_of(self, tree, mine: int) -> int:
         """A row's next budget from its last tree and its share `mine` of the best N nodes."""

@@ -1,4 +1,6 @@
 """The auto budget planner: one node budget per pass, shared by node value among the rows in flight."""
+from collections import deque
+
 import torch
 
 from offspec.costmodel import BudgetPlanner
@@ -168,6 +170,26 @@ def test_going_back_to_trees_pays_the_drafts_backlog_over_the_tokens_left():
     assert switching_planner(behind=1, left=1).budget("a") > 0       # no backlog: only the per-round cost
 
 
+def test_going_back_to_trees_wants_them_clearly_cheaper():
+    """Near a tie, switching between plain decoding and trees costs more (backlog reads, probes) than the trees
+    return: trees predicted 5% cheaper a token keep trees that are running, but do not end plain decoding; 23%
+    cheaper do."""
+    def choice(value, plain_wins):
+        p = BudgetPlanner(start=8, max_budget=64, max_depth=4)
+        for row in ("a", "b"):
+            p.budget(row)
+        p.explored_low, p.plain_wins = True, plain_wins
+        p.passes.extend([(2, 1.0), (10, 1.0), (18, 1.0)])          # a pass costs 1 s, whatever its size
+        p.drafts.extend([(1, 0, 1, 0, 0.0), (1, 100, 1, 100, 0.0), (2, 100, 2, 100, 0.0)])   # free draft calls
+        p.catch_ups.append((100, 0.0))
+        # plain: 1 s for 2 tokens; trees: 1 s for 2 + 2 value tokens
+        p.observe({r: chain([value]) for r in ("a", "b")}, draft_seconds=0.0, target_seconds=1.0, pass_tokens=4,
+                  timed=False)
+        return p.budget("a") > 0
+    assert choice(0.05, plain_wins=False) and not choice(0.05, plain_wins=True)
+    assert choice(0.3, plain_wins=False) and choice(0.3, plain_wins=True)
+
+
 def test_kept_nodes_are_priced_by_the_draft_work_they_took_and_catch_ups_by_their_own():
     """Growth runs the draft on more working-tree nodes than it keeps, and calls to its working tree's depth:
     the fit is per call and per node run, and a budget of N kept nodes is priced by the measured ratios (here
@@ -217,6 +239,29 @@ def test_tree_rounds_that_yield_less_than_predicted_count_against_trees():
     hopeful, right = after_a_round(yielded=2), after_a_round(yielded=4)
     assert abs(hopeful.miss() - 1.8) < 1e-9 and abs(right.miss() - 0.9) < 1e-9
     assert hopeful.budget("a") == 0 and right.budget("a") > 0
+
+
+def test_a_round_where_some_rows_grew_trees_is_checked_against_the_model_too():
+    """One row of two grew a tree (the other decoded plainly): the round's measured seconds per token over the
+    model's prediction counts like an all-tree round's. A round whose catch-up read a draft's backlog (40 tokens
+    for 2 rows, after plain rounds) is not checked: that read is the switch's cost, charged apart (_switch_cost),
+    not a tree's."""
+    def after_a_round(yielded, catch_up):
+        p = BudgetPlanner(start=8, max_budget=64, max_depth=4)
+        for row in ("a", "b"):
+            p.budget(row)
+        p.explored_low = True
+        p.passes.extend([(2, 1.0), (10, 1.0), (18, 1.0)])         # a pass costs 1 s, whatever its size
+        p.drafts.extend([(1, 0, 1, 0, 0.0), (1, 100, 1, 100, 1.0), (2, 100, 2, 100, 1.0)])   # c1 = 0.01 s a node
+        p.catch_ups.append((100, 1.0))                            # e = 0.01 s a token
+        # the model: 1 + 0.01 (2 nodes) + 0.01 (2 roots) = 1.04 s for 2 + 0.8 tokens; measured: 1.04 s with the
+        # 2-token catch-up, `yielded`
+        p.observe({"a": chain([0.6, 0.2]), "b": TokenTree.root_only(0)}, draft_seconds=0.02, target_seconds=1.0,
+                  pass_tokens=4, draft_calls=2, draft_nodes=2, catch_up=catch_up, yielded=yielded)
+        return p
+    assert abs(after_a_round(yielded=2, catch_up=(2, 0.02)).miss() - 1.4) < 1e-9
+    assert abs(after_a_round(yielded=4, catch_up=(2, 0.02)).miss() - 0.7) < 1e-9
+    assert after_a_round(yielded=2, catch_up=(40, 0.4)).misses == deque()
 
 
 def test_a_compute_bound_draft_gets_narrower_trees():
@@ -320,15 +365,17 @@ def test_held_resident_layers_add_their_dequantization_to_the_predicted_pass():
     assert plain["pass_seconds"] == 2.0 and abs(held["pass_seconds"] - (1.0 + 0.05)) < 1e-12
 
 
-def probe_first_job(draft_seconds_a_node: float, rows: int = 16) -> tuple[BudgetPlanner, list[dict]]:
+def probe_first_job(draft_seconds_a_node: float, rows: int = 16, untimed=(0,), p=None, names=None, rounds=8
+                    ) -> tuple[BudgetPlanner, list[dict]]:
     """A job of `rows` rows started with probe_first: a prefill round, then rounds in which each row grows the
     tree its budget allows (a chain of likely nodes: values 0.8, 0.64, ...), on a machine where a pass costs
     1 s plus 1 ms a token and a draft call 10 ms plus `draft_seconds_a_node` a node it runs on. -> the planner
-    and every round's budgets."""
-    p = BudgetPlanner(start=2, max_budget=256, max_depth=32, probe_first=32)
-    names = [f"r{i}" for i in range(rows)]
+    and every round's budgets. untimed: the rounds that prefilled (not timed); p, names: go on with this
+    planner and these rows."""
+    p = p or BudgetPlanner(start=2, max_budget=256, max_depth=32, probe_first=32)
+    names = names or [f"r{i}" for i in range(rows)]
     history = []
-    for round_ in range(8):
+    for round_ in range(rounds):
         budgets = {r: p.budget(r) for r in names}
         history.append(budgets)
         trees = {r: chain([0.8 ** k for k in range(1, min(b, 32) + 1)]) if b else TokenTree.root_only(0)
@@ -336,7 +383,7 @@ def probe_first_job(draft_seconds_a_node: float, rows: int = 16) -> tuple[Budget
         nodes = sum(t.size for t in trees.values())
         depth = max(t.depth for t in trees.values())
         p.observe(trees, draft_seconds=depth * 0.01 + nodes * draft_seconds_a_node,
-                  target_seconds=1.0 + 0.001 * (nodes + rows), pass_tokens=nodes + rows, timed=round_ > 0,
+                  target_seconds=1.0 + 0.001 * (nodes + rows), pass_tokens=nodes + rows, timed=round_ not in untimed,
                   catch_up=(nodes and 40, 0.01), behind={r: 1 if budgets[r] else 40 for r in names},
                   left={r: 100 for r in names}, yielded=0)
     return p, history
@@ -345,13 +392,38 @@ def probe_first_job(draft_seconds_a_node: float, rows: int = 16) -> tuple[Budget
 def test_probe_first_times_one_rows_tree_before_any_other_draft_reads_its_prompt():
     """On a CPU the job starts with one 32-node tree, the first row's; the others' budgets stay 0 (their drafts
     read nothing) while the probe is timed (32 nodes, then 8 for the pass's slope). Then the rows without a tree
-    are priced as copies of the probe's: where a pass is a fixed second and draft nodes are cheap, every row grows
-    a tree."""
+    are priced as copies of the probe's: where a pass is a fixed second and draft nodes are cheap, trees pay, and
+    they spread to the other rows doubling the rows with one each round (2, 4, 8, 16), each step timed before the
+    next, until every row grows a tree."""
     p, history = probe_first_job(draft_seconds_a_node=1e-4)
     assert history[0]["r0"] == 32 and all(b == 0 for r, b in history[0].items() if r != "r0")
     assert [h["r0"] for h in history[1:3]] == [32, 8]
     assert all(b == 0 for h in history[:3] for r, b in h.items() if r != "r0")
-    assert all(b > 0 for b in history[3].values()) and sum(history[3].values()) <= 256 + 16
+    assert [sum(b > 0 for b in h.values()) for h in history[3:]] == [2, 4, 8, 16, 16]
+    assert all(sum(h.values()) <= 256 + 16 for h in history)
+
+
+def test_trees_spread_to_more_rows_only_after_a_timed_round():
+    """A round that prefilled a prompt is not timed: the step to twice the rows with a tree waits for one that is."""
+    _, history = probe_first_job(draft_seconds_a_node=1e-4, untimed=(0, 3, 4))
+    assert [sum(b > 0 for b in h.values()) for h in history[3:]] == [2, 2, 2, 4, 8]
+
+
+def test_a_fresh_wave_of_rows_is_decided_from_the_finished_rows_trees():
+    """Once the rows that grew trees have finished, their last trees stand for the rows that join after them:
+    where plain decoding won, the new rows decode plainly from the start (no new probe tree, their drafts read
+    nothing) until the next scheduled probe; where trees won, they grow trees at once, as before."""
+    dear, _ = probe_first_job(draft_seconds_a_node=0.05)
+    cheap, _ = probe_first_job(draft_seconds_a_node=1e-4)
+    for p in (dear, cheap):
+        for i in range(16):
+            p.forget(f"r{i}")
+        assert len(p.past) == (1 if p is dear else 16)
+    fresh = [f"n{i}" for i in range(16)]
+    _, history = probe_first_job(draft_seconds_a_node=0.05, p=dear, names=fresh, rounds=5)
+    assert all(b == 0 for h in history for b in h.values())
+    _, history = probe_first_job(draft_seconds_a_node=1e-4, p=cheap, names=fresh, rounds=2)
+    assert all(b > 0 for h in history for b in h.values())
 
 
 def test_probe_first_keeps_plain_decoding_where_the_probes_draft_nodes_are_dear():

@@ -23,11 +23,12 @@ With several rows in a pass, the N best nodes over ALL rows' candidates are the 
 value: row r's budget is the number of its nodes among them, so rows whose drafts do well get more of the
 pass. With one row this is the single-sequence planner.
 
-The model's tree rounds are checked against what they did: after each timed round in which a row grew a tree, the
-ratio of its measured seconds per token to the model's prediction for that round is kept (not after a round whose
-catch-up read a draft's backlog: that is the switch's cost, charged apart), and the best
-tree's predicted seconds per token is scaled by the median of the last 8 before it is compared with plain
-decoding's (measured directly: a + b R over R rows). Whatever the model misses (node values that overestimate
+The model's tree rounds are checked against what they did: each timed round in which every row grew a tree (the
+rounds the choice is about; one row's tree among plain rows says little of every row's) keeps its
+measured seconds and tokens yielded beside the model's seconds and expected tokens for it (a catch-up that read a
+draft's backlog counted as one token a row: the rest is the switch's cost, charged apart), and the best tree's
+predicted seconds per token is scaled by the ratio of measured to predicted seconds per token over the last 8
+such rounds (sums over sums) before it is compared with plain decoding's (measured directly: a + b R over R rows). Whatever the model misses (node values that overestimate
 acceptance, draft or verification work it does not count) then counts in the choice.
 
 Plain decoding (no tree, no draft call) competes with the best trees every round. Its hidden cost: the drafts
@@ -44,7 +45,6 @@ it (the job's last 16), so a fresh wave of prompts is decided from trees already
 """
 from __future__ import annotations
 
-import statistics
 from collections import deque
 from dataclasses import dataclass
 from typing import Hashable, Optional
@@ -66,7 +66,6 @@ YIELD_ROUNDS = 8     # the tree rounds whose measured / predicted seconds per to
 FIRST_PROBE = 4      # while plain decoding wins, trees are grown again after 4 plain rounds, then 8, 16, 32
 LAST_PROBE = 32
 PAST_TREES = 16      # finished rows' last trees kept as the reference for rows that join after them
-BACKLOG_FREE = 2     # a catch-up of at most 2 tokens a row is a tree round's own; more read a backlog (a switch)
 SWITCH_MARGIN = 0.1  # going back from plain decoding to trees wants them predicted 10% cheaper a token: near a tie
                      # the switches' backlog reads and probes cost more than the trees return
 
@@ -89,7 +88,8 @@ class BudgetPlanner:
         # growth rounds: (calls, working-tree nodes run on, the kept trees' deepest draft call, nodes kept, seconds)
         self.drafts: deque[tuple[int, int, int, int, float]] = deque(maxlen=32)
         self.catch_ups: deque[tuple[int, float]] = deque(maxlen=32)    # catch-up calls (tokens fed, seconds)
-        self.misses: deque[float] = deque(maxlen=YIELD_ROUNDS)        # tree rounds' measured / predicted s/token
+        # tree rounds: (measured seconds, tokens yielded, the model's seconds, its expected tokens)
+        self.misses: deque[tuple[float, int, float, float]] = deque(maxlen=YIELD_ROUNDS)
         self.explored_low = False
         self.plain_rounds = 0                         # plain-decoding rounds since trees were last grown
         self.probe_after = FIRST_PROBE                # ... after this many, grow trees once to re-time them
@@ -154,12 +154,16 @@ class BudgetPlanner:
             self.drafts.append((max(calls, 1), nodes, max(deepest, 1), size, draft_seconds))
         if catch_up is not None and catch_up[0] > 0:
             self.catch_ups.append(catch_up)
-        steady = catch_up is None or catch_up[0] <= BACKLOG_FREE * len(trees)
-        if yielded and timed and grown and steady:
-            spent = draft_seconds + (catch_up[1] if catch_up is not None else 0.0) + target_seconds
-            predicted = self.round_seconds(size, deepest, len(trees))
-            expected = len(trees) + sum(float(t.values[1:].sum()) for t in grown.values())
-            self.misses.append((spent / yielded) / (predicted / expected))
+        if yielded and timed and grown and len(grown) == len(trees):
+            R = len(trees)
+            fed, catch_seconds = catch_up if catch_up is not None else (R, 0.0)
+            # a catch-up that read drafts' backlogs (after plain rounds) is the switch's cost, charged apart
+            # (_switch_cost): the tokens beyond one a row are taken out at e a token
+            catch_seconds = max(catch_seconds - self.catch_up_fit() * max(fed - R, 0), 0.0)
+            spent = draft_seconds + catch_seconds + target_seconds
+            predicted = self.round_seconds(size, deepest, R)
+            expected = R + sum(float(t.values[1:].sum()) for t in grown.values())
+            self.misses.append((spent, yielded, predicted, expected))
         self.behind.update(behind or {})
         self.left.update(left or {})
         self.trees.update(grown)
@@ -177,8 +181,14 @@ class BudgetPlanner:
         return c0 * (k_calls * depth + 1) + c1 * k_nodes * N + self.catch_up_fit() * R + a + b * (N + R)
 
     def miss(self) -> float:
-        """Median of the recent tree rounds' measured / predicted seconds per token (1 before any)."""
-        return statistics.median(self.misses) if self.misses else 1.0
+        """The recent tree rounds' measured seconds per token over the model's, each a ratio of sums (seconds
+        over tokens yielded, against predicted seconds over expected tokens): one round's yield is a few tokens,
+        and a mean or median of per-round ratios would weigh its unlucky rounds (1 token for 2.5 expected) more
+        than its lucky ones. 1 before any."""
+        if not self.misses:
+            return 1.0
+        spent, yielded, predicted, expected = (sum(r[i] for r in self.misses) for i in range(4))
+        return (spent / yielded) / (predicted / expected)
 
     def working_ratios(self) -> tuple[float, float]:
         """(k_calls, k_nodes): growth calls per level of the kept trees' deepest draft call, and working-tree

@@ -155,11 +155,13 @@ def model_options(f):
         click.option("--ngram", type=click.Choice(["on", "off"]), default="on" if TreeConfig.ngram else "off",
                      show_default=True,
                      help="Graft continuations the prompt and the generated text already contain (prompt lookup) onto "
-                          "each tree, at no draft call; they take tree budget only when likely."),
+                          "each tree, at no draft call; they take tree budget only when likely. Off by default: "
+                          "measured level on chat and worse on code (docs/benchmarks.md)."),
         click.option("--calibrate", type=click.Choice(["on", "off"]), default="on" if TreeConfig.calibrate else "off",
                      show_default=True,
                      help="Rank tree nodes by the acceptance rates this run observes (by depth and draft probability), "
-                          "not by raw draft probabilities. Output is unchanged either way."),
+                          "not by raw draft probabilities. Output is unchanged either way. Off by default, like "
+                          "--ngram (measured with it)."),
         click.option("--temperature", type=float, default=0.0, show_default=True, help="0 = greedy."),
         click.option("--top-p", type=float, default=1.0, show_default=True, help="Nucleus sampling mass (1 = off)."),
         click.option("--top-k", type=int, default=0, show_default=True, help="Keep the k most likely tokens (0 = off)."),

@@ -83,7 +83,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "suffix)")
     p.add_argument("--ngram", choices=("on", "off"), default="on",
                    help="n-gram branches (TreeConfig.ngram); a setting other than on/on for --ngram/--calibrate gets "
-                        "its own docs section, JSON and plot (suffix _ngram-off, _calibrate-off)")
+                        "its own docs section, JSON and plot (suffix _ngram-off, _calibrate-off). on here, where the "
+                        "existing sections were measured; offspec's own default is off (issue 15's grid)")
     p.add_argument("--calibrate", choices=("on", "off"), default="on",
                    help="calibrated node values (TreeConfig.calibrate); each row also records predicted vs observed "
                         "acceptance (scripts/calibration_plot.py plots it)")

@@ -71,7 +71,7 @@ def pair_models(V: int = 16, noise: float = 0.7, seed: int = 0) -> tuple[PairMod
 def speculative_greedy(cfg: TreeConfig, budget: int, prompt: list[int], n: int, target: PairModel,
                        draft: PairModel, levers: bool = False) -> tuple[list[int], float]:
     """The generation loop, driven by tables: returns the emitted tokens and the mean accepted per round.
-    levers: calibrated values and n-gram branches (the engine's defaults), else raw draft probabilities."""
+    levers: calibrated values and n-gram branches (--calibrate/--ngram on), else raw draft probabilities (the default)."""
     seq, accepted, rounds = list(prompt), 0, 0
     calibrator, ngram_accepted = Calibrator(), 0
     while len(seq) - len(prompt) < n:

@@ -53,7 +53,8 @@ def batched(engine, requests, concurrency):
 
 @pytest.mark.parametrize("tree", [TreeConfig(policy="dyspec", budget=16), TreeConfig(policy="heap", budget=12),
                                   TreeConfig(policy="chain", budget=4), TreeConfig(policy="static", budget=10),
-                                  TreeConfig(policy="none"), TreeConfig(policy="dyspec", budget=24, threshold=0.05)])
+                                  TreeConfig(policy="none"), TreeConfig(policy="dyspec", budget=24, threshold=0.05),
+                                  TreeConfig(policy="dyspec", budget=16, ngram=True, calibrate=True)])
 def test_each_row_in_a_batch_equals_its_run_alone(engine, tree):
     # Different prompt lengths and max_new_tokens: rows finish at different passes, and with 7 requests through
     # 3 rows, later requests take the rows that free up (refill).

@@ -64,12 +64,13 @@ def weak_pair(pair, tmp_path_factory):
 
 @pytest.mark.parametrize("policy", ["dyspec", "heap", "chain", "static"])
 def test_levers_off_and_on_equal_plain_and_report_calibration(weak_pair, policy):
-    """Calibrated values and n-gram branches only change which nodes are proposed (the default tests above run
-    with both on); raw trees still work, and the report says how predicted and observed acceptance compare."""
+    """Calibrated values and n-gram branches only change which nodes are proposed (both are off by default, as in
+    the tests above): with them on every policy still equals plain greedy, and the report says how predicted and
+    observed acceptance compare."""
     eng = engine(weak_pair)
     plain, _ = tokens_of(eng, TreeConfig(policy="none"), n=60)
-    raw, _ = tokens_of(eng, TreeConfig(policy=policy, budget=32, ngram=False, calibrate=False), n=60)
-    levers, _ = tokens_of(eng, TreeConfig(policy=policy, budget=32), n=60)
+    raw, _ = tokens_of(eng, TreeConfig(policy=policy, budget=32), n=60)
+    levers, _ = tokens_of(eng, TreeConfig(policy=policy, budget=32, ngram=True, calibrate=True), n=60)
     assert raw.tokens == plain.tokens == levers.tokens
     assert plain.calibration is None and raw.calibration["ngram_nodes"] == 0
     assert raw.calibration["draft_estimate"] == raw.calibration["draft_p"]        # uncalibrated: estimate = p

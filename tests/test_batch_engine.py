@@ -66,29 +66,6 @@ def test_each_row_in_a_batch_equals_its_run_alone(engine, tree):
         assert (tokens[i], reasons[i]) == alone(engine, request), i
 
 
-@pytest.mark.parametrize("tree", [TreeConfig(policy="dyspec"), TreeConfig(policy="heap", budget=12),
-                                  TreeConfig(policy="chain", budget=4), TreeConfig(policy="static", budget=10),
-                                  TreeConfig(policy="none")])
-def test_no_cache_slot_is_read_before_it_is_written(engine, monkeypatch, tree):
-    """The KV caches are allocated uninitialized (torch.empty): filled with NaN here, any read of a slot never
-    written, even one the mask hides (NaN times a zero attention weight is NaN), would change the outputs. Rows
-    alone and in a batch with refills, the auto budget (n-gram branches, calibration) included."""
-    from offspec.kv_cache import KVCache
-    requests = [GenerationRequest(prompt_ids=p, max_new_tokens=n, tree=tree, ignore_eos=True)
-                for p, n in zip(prompts(5), [7, 15, 4, 11, 9])]
-    clean = [alone(engine, r) for r in requests]
-    init = KVCache.__init__
-
-    def poisoned(self, *args, **kwargs):
-        init(self, *args, **kwargs)
-        self.k.fill_(float("nan"))
-        self.v.fill_(float("nan"))
-    monkeypatch.setattr(KVCache, "__init__", poisoned)
-    assert [alone(engine, r) for r in requests] == clean
-    tokens, reasons, _ = batched(engine, requests, concurrency=3)
-    assert [(tokens[i], reasons[i]) for i in range(len(requests))] == clean
-
-
 def test_sampled_rows_have_their_own_randomness(engine):
     """T > 0, fixed budgets: each row draws from its own generator (seeded by its own seed), so a row's
     tokens are the same alone or in any batch, and rows with different seeds differ."""

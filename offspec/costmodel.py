@@ -24,12 +24,13 @@ value: row r's budget is the number of its nodes among them, so rows whose draft
 pass. With one row this is the single-sequence planner.
 
 The model's tree rounds are checked against what they did: each timed round in which every row grew a tree (the
-rounds the choice is about; one row's tree among plain rows says little of every row's) keeps its
-measured seconds and tokens yielded beside the model's seconds and expected tokens for it (a catch-up that read a
-draft's backlog counted as one token a row: the rest is the switch's cost, charged apart), and the best tree's
-predicted seconds per token is scaled by the ratio of measured to predicted seconds per token over the last 8
-such rounds (sums over sums) before it is compared with plain decoding's (measured directly: a + b R over R rows). Whatever the model misses (node values that overestimate
-acceptance, draft or verification work it does not count) then counts in the choice.
+rounds the choice is about; one row's tree among plain rows says little of every row's) keeps its measured seconds
+and tokens yielded beside the model's seconds and expected tokens for it (a catch-up that read a draft's backlog
+counted as one token a row: the rest is the switch's cost, charged apart). The best tree's predicted seconds per
+token is scaled by the ratio of measured to predicted seconds per token over the last 8 such rounds (sums over
+sums) before it is compared with plain decoding's (measured directly: a + b R over R rows). Whatever the model
+misses (node values that overestimate acceptance, draft or verification work it does not count) then counts in
+the choice.
 
 Plain decoding (no tree, no draft call) competes with the best trees every round. Its hidden cost: the drafts
 fall behind, and the first tree round after it feeds every row's backlog (at 8 rows, 32 plain rounds are 256

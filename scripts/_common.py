@@ -20,7 +20,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import psutil
 import torch
@@ -166,3 +166,14 @@ def run_header(device: torch.device, started: float, load_at_start: str) -> str:
         f"load average (1 / 5 / 15 min) {load_at_start} at the start, {load_average()} at the end",
     ]
     return "\n".join(lines)
+
+
+def run_main(main: Callable[[], int]) -> None:
+    """A script's entry point: exit with main()'s code; an OffspecError (bad input, a plan that does not fit) is
+    one `error:` line on stderr and exit 1, not a traceback."""
+    from offspec.errors import OffspecError     # when called: by then the script has put its checkout on sys.path
+    try:
+        sys.exit(main())
+    except OffspecError as err:
+        print(f"error: {err}", file=sys.stderr)
+        sys.exit(1)

@@ -522,9 +522,4 @@ def write_docs(args, rows, summary, goal_lines, met, missing, n_runs, target, dr
 
 
 if __name__ == "__main__":
-    from offspec.errors import OffspecError
-    try:
-        sys.exit(main())
-    except OffspecError as err:
-        print(f"error: {err}", file=sys.stderr)
-        sys.exit(1)
+    _common.run_main(main)

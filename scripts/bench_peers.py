@@ -1374,9 +1374,4 @@ def verdict(results: list[dict]) -> int:
 
 
 if __name__ == "__main__":
-    from offspec.errors import OffspecError
-    try:
-        sys.exit(main())
-    except OffspecError as err:
-        print(f"error: {err}", file=sys.stderr)
-        sys.exit(1)
+    _common.run_main(main)

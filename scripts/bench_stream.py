@@ -65,7 +65,6 @@ import _common  # noqa: E402
 from offspec.checkpoint import Checkpoint
 from offspec.config import OffloadConfig
 from offspec.demo import DEFAULT_TARGET, ensure_demo_model, offspec_home
-from offspec.errors import OffspecError
 from offspec.kv_cache import KVCache
 from offspec.load import parse_device, parse_dtype, store_dir_for
 from offspec.metrics import Timer
@@ -545,8 +544,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    try:
-        sys.exit(main())
-    except OffspecError as err:
-        print(f"error: {err}", file=sys.stderr)
-        sys.exit(1)
+    _common.run_main(main)

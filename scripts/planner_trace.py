@@ -28,7 +28,6 @@ import _common  # noqa: E402
 from offspec import costmodel  # noqa: E402
 from offspec.config import OffloadConfig, RunLimits, RuntimeConfig, TreeConfig  # noqa: E402
 from offspec.demo import ensure_demo_models  # noqa: E402
-from offspec.errors import OffspecError  # noqa: E402
 from offspec.generate import GenerationRequest  # noqa: E402
 from offspec.grow import POLICIES  # noqa: E402
 from offspec.load import Models  # noqa: E402
@@ -103,8 +102,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    try:
-        sys.exit(main())
-    except OffspecError as err:
-        print(f"error: {err}", file=sys.stderr)
-        sys.exit(1)
+    _common.run_main(main)

@@ -142,17 +142,25 @@ def test_a_probe_grows_one_tree_the_row_whose_draft_is_least_behind():
     assert budgets[0] == 0 and budgets[1] > 0
 
 
-def switching_planner(behind: int, left: int):
-    """Plain decoding won; now the rows' trees are 10% cheaper a token than plain decoding, before the drafts'
-    backlog (`behind` tokens a row, e = 0.01 s a token) is counted; `left`: tokens a row may still generate."""
+def two_rows(node_seconds: float = 0.01, plain_wins: bool = False) -> BudgetPlanner:
+    """A planner of rows "a" and "b" that has measured: a pass costs 1 s whatever its size, a draft call nothing
+    (c0 = 0) and each node it runs on `node_seconds` (c1; nothing dropped: as many nodes kept as run on), a
+    catch-up token as much (e); pass sizes already explored."""
     p = BudgetPlanner(start=8, max_budget=64, max_depth=4)
     for row in ("a", "b"):
         p.budget(row)
-    p.explored_low, p.plain_wins = True, True
-    for n, t in ((2, 1.0), (10, 1.0), (18, 1.0)):           # a pass costs 1 s, whatever its size
-        p.passes.append((n, t))
-    p.drafts.extend([(1, 0, 1, 0, 0.0), (1, 100, 1, 100, 1.0), (2, 100, 2, 100, 1.0)])   # c0 = 0, c1 = 0.01 s a node
-    p.catch_ups.append((100, 1.0))                                  # catch-up: e = 0.01 s a token
+    p.explored_low, p.plain_wins = True, plain_wins
+    p.passes.extend([(2, 1.0), (10, 1.0), (18, 1.0)])
+    per_100 = 100 * node_seconds
+    p.drafts.extend([(1, 0, 1, 0, 0.0), (1, 100, 1, 100, per_100), (2, 100, 2, 100, per_100)])
+    p.catch_ups.append((100, per_100))
+    return p
+
+
+def switching_planner(behind: int, left: int):
+    """Plain decoding won; now the rows' trees are 10% cheaper a token than plain decoding, before the drafts'
+    backlog (`behind` tokens a row, e = 0.01 s a token) is counted; `left`: tokens a row may still generate."""
+    p = two_rows(plain_wins=True)
     trees = {r: chain([0.6, 0.2]) for r in ("a", "b")}
     # best tree: N = 2 (one 0.6 node a row): (0.01 N + 0.01 R + 1) / (2 + 1.2) = 0.325 s a token; plain: 0.5 s
     p.observe(trees, draft_seconds=0.0, target_seconds=1.0, pass_tokens=2, timed=False,
@@ -173,13 +181,7 @@ def test_going_back_to_trees_wants_them_clearly_cheaper():
     return: trees predicted 5% cheaper a token keep trees that are running, but do not end plain decoding; 23%
     cheaper do."""
     def choice(value, plain_wins):
-        p = BudgetPlanner(start=8, max_budget=64, max_depth=4)
-        for row in ("a", "b"):
-            p.budget(row)
-        p.explored_low, p.plain_wins = True, plain_wins
-        p.passes.extend([(2, 1.0), (10, 1.0), (18, 1.0)])          # a pass costs 1 s, whatever its size
-        p.drafts.extend([(1, 0, 1, 0, 0.0), (1, 100, 1, 100, 0.0), (2, 100, 2, 100, 0.0)])   # free draft calls
-        p.catch_ups.append((100, 0.0))
+        p = two_rows(node_seconds=0.0, plain_wins=plain_wins)   # free draft work
         # plain: 1 s for 2 tokens; trees: 1 s for 2 + 2 value tokens
         p.observe({r: chain([value]) for r in ("a", "b")}, draft_seconds=0.0, target_seconds=1.0, pass_tokens=4,
                   timed=False)
@@ -221,14 +223,7 @@ def test_tree_rounds_that_yield_less_than_predicted_count_against_trees():
     model, beat plain decoding (0.33 against 0.5 s a token) decode plainly once a round showed the model 1.8x
     too hopeful, and keep their trees when it was right."""
     def after_a_round(yielded):
-        p = BudgetPlanner(start=8, max_budget=64, max_depth=4)
-        for row in ("a", "b"):
-            p.budget(row)
-        p.explored_low = True
-        p.passes.extend([(2, 1.0), (10, 1.0), (18, 1.0)])         # a pass costs 1 s, whatever its size
-        # c0 = 0, c1 = 0.01 s a node; nothing dropped (as many nodes kept as run on)
-        p.drafts.extend([(1, 0, 1, 0, 0.0), (1, 100, 1, 100, 1.0), (2, 100, 2, 100, 1.0)])
-        p.catch_ups.append((100, 1.0))                            # e = 0.01 s a token
+        p = two_rows()                                            # c1 = e = 0.01 s
         trees = {r: chain([0.6, 0.2]) for r in ("a", "b")}
         # the model: 1 + 0.01 (4 nodes) + 0.01 (2 roots) = 1.06 s for 2 + 1.6 tokens; measured: 1.06 s, `yielded`
         p.observe(trees, draft_seconds=0.04, target_seconds=1.0, pass_tokens=6, draft_calls=2, draft_nodes=4,
@@ -245,13 +240,7 @@ def test_a_catch_up_that_read_a_backlog_counts_one_token_a_row_against_the_trees
     charged apart (_switch_cost), not a tree's. A round where only some rows grew a tree is not checked: one row's
     tree among plain rows says little of what every row's would do."""
     def after_a_round(trees, catch_up, yielded=2):
-        p = BudgetPlanner(start=8, max_budget=64, max_depth=4)
-        for row in ("a", "b"):
-            p.budget(row)
-        p.explored_low = True
-        p.passes.extend([(2, 1.0), (10, 1.0), (18, 1.0)])         # a pass costs 1 s, whatever its size
-        p.drafts.extend([(1, 0, 1, 0, 0.0), (1, 100, 1, 100, 1.0), (2, 100, 2, 100, 1.0)])   # c1 = 0.01 s a node
-        p.catch_ups.append((100, 1.0))                            # e = 0.01 s a token
+        p = two_rows()                                            # c1 = e = 0.01 s
         # the model: 1 + 0.01 (nodes) + 0.01 (2 roots) s for 2 + the values' tokens
         nodes = sum(t.size for t in trees.values())
         p.observe(trees, draft_seconds=0.01 * nodes, target_seconds=1.0, pass_tokens=2 + nodes, draft_calls=2,

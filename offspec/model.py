@@ -15,11 +15,13 @@ Three index tensors stay separate everywhere (never merged):
   mask       (t, S)  per sequence, bool, True = may attend; S = columns 0 .. S-1 of its cache row; or a
                      MaskRows function giving rows [a, b) of it, so a long pass never builds the whole mask
 
-A forward may run each layer over the packed rows in chunks (`chunk`): every row attends only to slots of
-earlier rows of its own sequence or its own (causal prompt rows, tree rows and their ancestors), all
-written to the cache before its chunk runs, so the result is the same while a long prompt's
-intermediates stay chunk-sized. The layer's weights serve every chunk before the next layer is asked for,
-so a streamed target still moves each layer once per pass.
+A forward may run each layer over the packed rows in chunks (`chunk`), so a long prompt's intermediates
+stay chunk-sized: first every chunk writes its keys and values to the cache, then every chunk attends and
+runs the MLP. A row's mask spans columns that later chunks write (masked off, but read: attention takes the
+whole (t, S) block), and the caches are not zeroed, so a column still holding whatever the memory held (NaN
+stays NaN after a mask) must never be read; with every slot of the pass written first, none is. The layer's
+weights serve every chunk before the next layer is asked for, so a streamed target still moves each layer
+once per pass.
 """
 from __future__ import annotations
 
@@ -53,12 +55,13 @@ class RowSpan:
         return self.mask(a, b) if callable(self.mask) else self.mask[a:b]
 
     def clip(self, a: int, b: int) -> Optional["RowSpan"]:
-        """The part of this span inside packed rows [a, b), with its mask and slots cut to match; None if none."""
+        """The part of this span inside packed rows [a, b), with its slots cut to match and its mask rows
+        given on demand (writing keys needs none); None if none."""
         lo, hi = max(a, self.start), min(b, self.end)
         if lo >= hi:
             return None
         first, last = lo - self.start, hi - self.start
-        return RowSpan(lo, hi, self.cache_row, self.slots[first:last], self.mask_rows(first, last))
+        return RowSpan(lo, hi, self.cache_row, self.slots[first:last], lambda i, j: self.mask_rows(first + i, first + j))
 
 
 def one_sequence(slots: torch.Tensor, mask: Union[torch.Tensor, MaskRows], cache_row: int = 0) -> list[RowSpan]:
@@ -141,23 +144,37 @@ def layer_forward(
     cfg: ModelConfig,
     cache: KVCache,
     layer: int,                 # index of this layer in `cache`
-    rows: Sequence[RowSpan],    # the sequences, spans of rows of x (clipped to x's rows, start 0)
+    rows: Sequence[RowSpan],    # the sequences, spans of rows of x (start 0)
     cos: torch.Tensor,          # (N, hd)
     sin: torch.Tensor,          # (N, hd)
 ) -> torch.Tensor:
-    N = x.shape[0]
-    H, H_kv, hd = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+    """One decoder layer over x: its keys and values into the cache, then attention and the MLP."""
+    write_keys(x, w, cfg, cache, layer, rows, cos, sin)
+    return attend(x, w, cfg, cache, layer, rows, cos, sin)
 
+
+def write_keys(x: torch.Tensor, w: LayerWeights, cfg: ModelConfig, cache: KVCache, layer: int,
+               rows: Sequence[RowSpan], cos: torch.Tensor, sin: torch.Tensor) -> None:
+    """The first half of layer_forward: x's keys and values, written to each sequence's cache slots."""
+    N, H_kv, hd = x.shape[0], cfg.n_kv_heads, cfg.head_dim
     h = rms_norm(x, w.input_norm, cfg.rms_norm_eps)
-    q = linear(h, w.q_proj, w.q_bias).view(N, H, hd).transpose(0, 1)            # (H, N, hd)
     k = linear(h, w.k_proj, w.k_bias).view(N, H_kv, hd).transpose(0, 1)         # (H_kv, N, hd)
     v = linear(h, w.v_proj, w.v_bias).view(N, H_kv, hd).transpose(0, 1)         # (H_kv, N, hd)
-    q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+    k = apply_rope(k, cos, sin)
+    for r in rows:
+        cache.write(layer, r.cache_row, r.slots, k[:, r.start:r.end], v[:, r.start:r.end])
 
+
+def attend(x: torch.Tensor, w: LayerWeights, cfg: ModelConfig, cache: KVCache, layer: int,
+           rows: Sequence[RowSpan], cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """The second half of layer_forward: x's queries attend to each sequence's cache row (every slot its mask
+    covers already written), then the MLP. -> (N, D)."""
+    N, H, H_kv, hd = x.shape[0], cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+    h = rms_norm(x, w.input_norm, cfg.rms_norm_eps)      # again: cheaper to recompute than to keep for a pass
+    q = apply_rope(linear(h, w.q_proj, w.q_bias).view(N, H, hd).transpose(0, 1), cos, sin)   # (H, N, hd)
     attn = torch.empty_like(q)                                                    # (H, N, hd)
     for r in rows:
         span = slice(r.start, r.end)
-        cache.write(layer, r.cache_row, r.slots, k[:, span], v[:, span])
         mask = r.mask_rows(0, r.end - r.start)                                    # (t, S)
         S = mask.shape[-1]
         keys, values = cache.k[layer, r.cache_row, :, :S], cache.v[layer, r.cache_row, :, :S]   # (H_kv, S, hd)
@@ -203,9 +220,13 @@ class Model:
             if only is not None:
                 x = layer_forward(x, w, self.cfg, cache, i, only, cos, sin)
                 continue
+            # Every chunk's keys first: a row's mask reaches (masked off) slots that later chunks write.
             for a, b in bounds:
-                clipped = _shift([c for r in rows if (c := r.clip(a, b)) is not None], a)
-                x[a:b] = layer_forward(x[a:b], w, self.cfg, cache, i, clipped, cos[a:b], sin[a:b])
+                spans = [c for r in rows if (c := r.clip(a, b)) is not None]
+                write_keys(x[a:b], w, self.cfg, cache, i, _renumber(spans, a), cos[a:b], sin[a:b])
+            for a, b in bounds:
+                spans = _shift([c for r in rows if (c := r.clip(a, b)) is not None], a)
+                x[a:b] = attend(x[a:b], w, self.cfg, cache, i, spans, cos[a:b], sin[a:b])
         if logit_rows is not None:
             x = x[logit_rows]
         x = rms_norm(x, self.globals.final_norm, self.cfg.rms_norm_eps)
@@ -217,6 +238,11 @@ class Model:
                     chunk: Optional[int] = None, cache_row: int = 0) -> torch.Tensor:
         """forward() for one sequence: tokens, positions, slots (T,), mask (T, S) -> logits (R, V)."""
         return self.forward(tokens, positions, one_sequence(slots, mask, cache_row), cache, logit_rows, chunk)
+
+
+def _renumber(rows: list[RowSpan], a: int) -> list[RowSpan]:
+    """Spans of packed rows [a, ...) renumbered from 0, their masks still given on demand."""
+    return [RowSpan(r.start - a, r.end - a, r.cache_row, r.slots, r.mask) for r in rows]
 
 
 def _shift(rows: list[RowSpan], a: int) -> list[RowSpan]:

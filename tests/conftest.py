@@ -5,3 +5,16 @@ import torch
 
 sys.path.insert(0, os.path.dirname(__file__))   # tests import tiny.py (model builders) directly
 torch.set_num_threads(min(2, torch.get_num_threads()))
+
+
+import pytest
+
+
+@pytest.fixture(autouse=True)
+def nan_filled_caches(monkeypatch):
+    """Every KV cache a test makes starts full of NaN, not whatever memory held: offspec does not zero its
+    caches (kv_cache.uninitialized), so a slot read before it is written, even masked off, must turn the
+    outputs to NaN in every test rather than pass on memory that happened to be zero."""
+    from offspec import kv_cache
+    monkeypatch.setattr(kv_cache, "uninitialized",
+                        lambda shape, dtype, device: torch.full(shape, float("nan"), dtype=dtype, device=device))

@@ -181,6 +181,14 @@ class BudgetPlanner:
         k_calls, k_nodes = self.working_ratios()
         return c0 * (k_calls * depth + 1) + c1 * k_nodes * N + self.catch_up_fit() * R + a + b * (N + R)
 
+    def tree_seconds(self, N, depth, R, m: float = 1.0):
+        """What a tree round of R rows verifying N nodes (deepest draft call at `depth`) is taken to cost, where
+        the rows' trees are m copies of those measured: the model's round_seconds scaled by its measured miss().
+        m > 1 (rows without a tree of their own, taken to be like the measured ones) prices the draft per node
+        where the rounds cannot tell a call's cost from a node's: a few rows' trees say nothing of how the
+        draft's cost grows with the nodes of many. The budget choice and auto concurrency both price trees so."""
+        return self.round_seconds(N, depth, R, unsure="per node" if m > 1 else "per call") * self.miss()
+
     def miss(self) -> float:
         """The recent tree rounds' measured seconds per token over the model's, each a ratio of sums (seconds
         over tokens yielded, against predicted seconds over expected tokens): one round's yield is a few tokens,
@@ -243,9 +251,11 @@ class BudgetPlanner:
         make every prompt wait longer. For R' rows the node values seen so far are taken as every row's, pooled:
         R' rows offer R'/R copies of the R current rows' sorted values v (k of the pooled best nodes -> N =
         k R'/R nodes), so
-            rate(R') = max over k of  (R' + R'/R C(k)) / (t_draft(N) + a + b (N + R')),
-        k = 0 being plain decoding (no draft call), C the cumulative sum of v. The answer: the fewest rows whose
-        rate is within ROW_GAIN of the best rate up to `most`. None until trees and passes were timed."""
+            rate(R') = max over k of  (R' + R'/R C(k)) / tree_seconds(N),   tree_seconds(0) = a + b R',
+        k = 0 being plain decoding (no draft call), C the cumulative sum of v; tree rounds priced as the budget
+        choice prices them (tree_seconds: the measured miss, per node where more rows are extrapolated). The
+        answer: the fewest rows whose rate is within ROW_GAIN of the best rate up to `most`. None until trees and
+        passes were timed."""
         rows = list(self.trees)
         if not rows or not self.drafts or len({n for n, _ in self.passes}) < 2:
             return None
@@ -259,7 +269,7 @@ class BudgetPlanner:
         for n_rows in range(1, most + 1):
             m = n_rows / R
             N = m * k
-            seconds = self.round_seconds(N, depth, n_rows)
+            seconds = self.tree_seconds(N, depth, n_rows, m)
             seconds[0] = a + b * n_rows                          # no tree: no draft call
             seconds[N > self.max_budget] = float("inf")          # one pass verifies at most max_budget nodes
             rates.append(float(((n_rows + m * C) / seconds.clamp_min(1e-12)).max()))
@@ -305,16 +315,15 @@ class BudgetPlanner:
             return
         # Rows without a tree yet (their drafts have not read their prompts) are taken to be like the reference
         # trees: m = all rows / reference trees copies of their pooled nodes. The best k of those nodes then stand
-        # for m k nodes verified in a pass of every row (m = 1 once every row has grown a tree). Their draft work
-        # is priced per node where the rounds cannot tell a call's cost from a node's: a few rows' trees say
-        # nothing of how the draft's cost grows with the nodes of many.
+        # for m k nodes verified in a pass of every row (m = 1 once every row has grown a tree), priced by
+        # tree_seconds (per node where m > 1, and scaled by the measured miss).
         order, C, depth_of = self._pooled(reference)                                   # depth(k), k = 1..total
         R, total = len(self.alloc), C.numel()
         m = R / len(reference)
         expected = R + m * C                                                           # E(m k)
         a, b = self.target_fit()
         kept = torch.arange(1, total + 1, dtype=torch.float64)                        # k
-        seconds = self.round_seconds(m * kept, depth_of, R, unsure="per node" if m > 1 else "per call")
+        seconds = self.tree_seconds(m * kept, depth_of, R, m)
         best = int(torch.argmin((seconds / expected)[:max(1, int(self.max_budget / m))])) + 1
         if rows and len({n for n, _ in self.passes}) < 3 and not self.explored_low:
             # Too few distinct pass sizes to know b: try small trees once to measure the slope.
@@ -329,7 +338,7 @@ class BudgetPlanner:
             mine = torch.bincount(owner[order[:best]], minlength=len(rows)).tolist()
         share = max(1, round(best / len(reference)))                                   # a reference tree's part
         margin = 1 + SWITCH_MARGIN if self.plain_wins else 1.0
-        if (a + b * R) / R < float((seconds / expected)[best - 1]) * self.miss() * margin + switch:
+        if (a + b * R) / R < float((seconds / expected)[best - 1]) * margin + switch:
             # No tree at all beats every tree: plain decoding (no draft calls) for every row this round. The
             # trees are then no longer measured, and one bad round (a busy machine, an unlucky tree) must not
             # switch them off for good: after probe_after plain rounds one row's best tree is grown anyway (the

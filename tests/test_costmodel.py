@@ -314,25 +314,58 @@ def test_auto_concurrency_stops_where_rows_no_longer_add_tokens_per_second():
     tokens/s stays flat and fewer rows give the same throughput with less wait per prompt."""
     fixed, compute = planner_costing(a=0.2, b=0.002), planner_costing(a=0.02, b=0.02)
     assert 1 <= compute.rows_worth(16) < fixed.rows_worth(16) <= 16
+    assert compute.rows_worth(16) == rows_by_hand(compute, most=16)
 
-    # The answer is the model's: the fewest rows within ROW_GAIN of the best predicted rate.
+
+def rows_by_hand(p: BudgetPlanner, most: int) -> int:
+    """rows_worth written out for rows of equal chains: the fewest rows within ROW_GAIN of the best rate, a rate
+    being the best over k pooled nodes (k = 0: plain decoding) of tokens over seconds, the trees' seconds the
+    model's times the measured miss, their draft priced per node where more rows than measured are extrapolated
+    and the fit cannot tell a call from a node."""
     from offspec.costmodel import ROW_GAIN
-    p, R = compute, 4
+    R = len(p.trees)
     a, b = p.target_fit()
-    c0, c1 = p.draft_fit()
     e = p.catch_up_fit()
     values = sorted((float(v) for r in p.trees for v in p.trees[r].values[1:]), reverse=True)
 
     def rate(n_rows):
         m, best = n_rows / R, n_rows / (a + b * n_rows)                 # k = 0: plain decoding
+        c0, c1 = p.draft_fit("per node" if m > 1 else "per call")
         for k in range(1, len(values) + 1):
-            depth = (k + R - 1) // R            # the pooled best k nodes of 4 equal chains reach this depth
+            depth = (k + R - 1) // R            # the pooled best k nodes of R equal chains reach this depth
             N = m * k
-            best = max(best, (n_rows + m * sum(values[:k])) / (c0 * (depth + 1) + c1 * N + e * n_rows + a
-                                                               + b * (N + n_rows)))
+            seconds = (c0 * (depth + 1) + c1 * N + e * n_rows + a + b * (N + n_rows)) * p.miss()
+            best = max(best, (n_rows + m * sum(values[:k])) / seconds)
         return best
-    rates = [rate(n) for n in range(1, 17)]
-    assert compute.rows_worth(16) == next(n for n, r in enumerate(rates, 1) if r >= (1 - ROW_GAIN) * max(rates))
+    rates = [rate(n) for n in range(1, most + 1)]
+    return next(n for n, r in enumerate(rates, 1) if r >= (1 - ROW_GAIN) * max(rates))
+
+
+def test_auto_concurrency_prices_trees_as_the_budget_choice_does():
+    """Rows added beyond those measured are priced like the budget choice's rows without a tree: the measured
+    miss scales the trees' seconds, and a draft fit from one growth round (a call's cost and a node's not told
+    apart) is taken per node for more rows, per call for fewer. Per call, 16 rows' trees would cost the draft
+    what 2 rows' did, which made every row look worth its place."""
+    trees = {r: chain([0.8 ** k for k in range(1, 9)]) for r in range(2)}
+    p = BudgetPlanner(start=16, max_budget=1024, max_depth=32)
+    for r in trees:
+        p.budget(r)
+    for n in (8, 40, 80):                        # a pass: 1 s and 2 ms a token
+        p.passes.append((n, 1.0 + 0.002 * n))
+    p.drafts.append((8, 16, 8, 16, 0.32))         # one growth round: 20 ms a node, or 40 ms a call
+    p.explored_low = True
+    p.observe(trees, draft_seconds=0.0, target_seconds=0.0, pass_tokens=40, timed=False)
+    assert p.draft_fit() == (0.04, 0.0) and p.draft_fit("per node") == (0.0, 0.02)
+    assert p.rows_worth(16) == rows_by_hand(p, 16) == 15
+    per_call = p.round_seconds
+    p.tree_seconds = lambda N, depth, R, m=1.0: per_call(N, depth, R)      # the pricing before: 16 rows
+    assert p.rows_worth(16) == 16
+    del p.tree_seconds
+
+    p.misses.extend([(3.0, 4, 1.0, 4.0)] * 8)                      # tree rounds measured 3x the model's seconds
+    assert p.miss() == 3.0
+    # trees now lose to plain decoding, whose tokens/s grows with every row a 1 s pass carries (15 without the miss)
+    assert p.rows_worth(16) == rows_by_hand(p, 16) == 16
 
 
 def test_auto_concurrency_waits_for_measurements():

@@ -4,9 +4,10 @@
 For each prompt set and budget (dyspec, T = 0), one line per lever setting: the prompts measured, the median
 over prompts of tokens/pass (each prompt's tokens up to the --new-tokens cut over its passes) with its
 bootstrap 95% interval, the mean tree size, and, where the setting shares prompts with "both off", the paired
-ratio of medians (setting / both off, over the prompts both have) with its paired bootstrap interval. Then
-the goals (chat: budget 64 >= 5.8, 256 >= 7.5, 1024 >= 8.5 tokens/pass with both levers on; a goal is met when
-the median reaches it, and the interval says how sure that is).
+ratio of medians (setting / both off, over the prompts both have) with its paired bootstrap interval and the
+prompts on which the setting made fewer, more or the same tokens a pass. Then the goals (chat: budget 64 >= 5.8,
+256 >= 7.5, 1024 >= 8.5 tokens/pass), for both levers on (the issue's) and both off (offspec's default); a goal
+is met when the median reaches it, and the interval says how sure that is.
 
 Example (the rows of `bench_accept.py ... --rows docs/bench_accept_levers.jsonl`):
   python scripts/levers_report.py --rows docs/bench_accept_levers.jsonl --new-tokens 96
@@ -24,7 +25,8 @@ from bench_accept import read_rows
 GOALS = {64: 5.8, 256: 7.5, 1024: 8.5}          # issue 15, chat set, both levers on
 SETTINGS = ((True, True, "both on"), (False, False, "both off"), (True, False, "n-gram only"),
             (False, True, "calibration only"))
-HEADERS = ["set", "budget", "levers", "prompts", "tokens/pass [95% CI]", "tree", "vs both off [95% CI]"]
+HEADERS = ["set", "budget", "levers", "prompts", "tokens/pass [95% CI]", "tree", "vs both off [95% CI]",
+           "prompts fewer / more / same"]
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -57,15 +59,18 @@ def report(rows: list[dict], new_tokens: int) -> tuple[list[list[str]], list[str
             ci = _stats.median_ci(list(tpp.values()))
             tree = sum(sum(r["tree_size"]) for r in cell.values()) / sum(len(r["tree_size"]) for r in cell.values())
             shared = sorted(set(tpp) & set(off))
-            ratio = "–"
+            ratio, counts = "–", "–"
             if shared and (ngram or calibrate):
-                rc = _stats.ratio_ci([tpp[p] for p in shared], [off[p]["generated"] / off[p]["passes"] for p in shared])
+                base = {p: off[p]["generated"] / off[p]["passes"] for p in shared}
+                rc = _stats.ratio_ci([tpp[p] for p in shared], [base[p] for p in shared])
                 ratio = f"{_stats.fmt_ci(rc, 2, key='ratio')} ({len(shared)} prompts)"
-            table.append([pset, str(budget), name, str(ci["n"]), _stats.fmt_ci(ci, 2), f"{tree:.0f}", ratio])
-            if pset == "chat" and ngram and calibrate and budget in GOALS:
+                counts = " / ".join(str(sum(compare(tpp[p], base[p]) for p in shared)) for compare in
+                                    (lambda x, y: x < y, lambda x, y: x > y, lambda x, y: x == y))
+            table.append([pset, str(budget), name, str(ci["n"]), _stats.fmt_ci(ci, 2), f"{tree:.0f}", ratio, counts])
+            if pset == "chat" and ngram == calibrate and budget in GOALS:
                 goal = GOALS[budget]
                 verdict = "met" if ci["median"] >= goal else "MISSED"
-                goals.append(f"chat, budget {budget}: median {ci['median']:.2f} tokens/pass [{ci['low']:.2f}, "
+                goals.append(f"chat, budget {budget}, {name}: median {ci['median']:.2f} tokens/pass [{ci['low']:.2f}, "
                              f"{ci['high']:.2f}] over {ci['n']} prompts vs goal {goal}: {verdict} "
                              f"({ci['median'] - goal:+.2f}, {ci['median'] / goal:.0%} of the goal)")
     return table, goals

@@ -67,8 +67,9 @@ def test_chat_grid_runs_stamps_and_resumes(ba, tmp_path, capsys):
 
 def test_levers_report_pairs_settings_and_checks_the_chat_goals():
     """Two chat prompts at budget 64: both levers on gives 8 and 6 tokens/pass (median 7 >= 5.8: met), both off
-    4 and 6 (median 5); the paired ratio is 7 / 5 (n-gram only on prompt a: 12 / 4). A budget-256 cell at 6 < 7.5 is missed; a code row, an n-gram
-    only row and a T > 0 row stay out of the goals."""
+    4 and 6 (median 5: missed); the paired ratio is 7 / 5, more on a, the same on b (n-gram only on prompt a:
+    12 / 4). A budget-256 cell at 6 < 7.5 is missed; a code row, an n-gram only row and a T > 0 row stay out of
+    the goals."""
     lr = load_script("levers_report")
 
     def row(pid, generated, passes, ngram, calibrate, budget=64, pset="chat", t=0.0):
@@ -80,8 +81,9 @@ def test_levers_report_pairs_settings_and_checks_the_chat_goals():
             row("c", 96, 8, True, True, pset="code"), row("a", 96, 4, True, True, t=0.6)]
     table, goals = lr.report(rows, 96)
     on64 = next(r for r in table if r[:3] == ["chat", "64", "both on"])
-    assert on64[3] == "2" and on64[4].startswith("7.00 [") and on64[6].startswith("1.40 [")
+    assert on64[3] == "2" and on64[4].startswith("7.00 [") and on64[6].startswith("1.40 [") and on64[7] == "0 / 1 / 1"
     assert next(r for r in table if r[:3] == ["chat", "64", "n-gram only"])[6].startswith("3.00 [")
-    assert next(r for r in table if r[:3] == ["chat", "64", "both off"])[6] == "–"
-    assert [g.split(":")[0] for g in goals] == ["chat, budget 64", "chat, budget 256"]
-    assert ": met" in goals[0] and "MISSED" in goals[1]
+    assert next(r for r in table if r[:3] == ["chat", "64", "both off"])[6:] == ["–", "–"]
+    assert [g.split(":")[0] for g in goals] == ["chat, budget 64, both on", "chat, budget 64, both off",
+                                                "chat, budget 256, both on"]
+    assert ": met" in goals[0] and "MISSED" in goals[1] and "MISSED" in goals[2]

@@ -81,11 +81,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--prompt-set", choices=("code", "chat"), default="code",
                    help="code: HumanEval; chat: MT-Bench first turns (its docs section, JSON and plot get a _chat "
                         "suffix)")
-    p.add_argument("--ngram", choices=("on", "off"), default="on",
-                   help="n-gram branches (TreeConfig.ngram); a setting other than on/on for --ngram/--calibrate gets "
-                        "its own docs section, JSON and plot (suffix _ngram-off, _calibrate-off). on here, where the "
-                        "existing sections were measured; offspec's own default is off (issue 15's grid)")
-    p.add_argument("--calibrate", choices=("on", "off"), default="on",
+    p.add_argument("--ngram", choices=("on", "off"), default="off",
+                   help="n-gram branches (TreeConfig.ngram); off, as in offspec (issue 15's grid) and in the rows "
+                        "measured before the levers existed. A lever turned on gets its own docs section, JSON and "
+                        "plot (suffix _ngram-on, _calibrate-on)")
+    p.add_argument("--calibrate", choices=("on", "off"), default="off",
                    help="calibrated node values (TreeConfig.calibrate); each row also records predicted vs observed "
                         "acceptance (scripts/calibration_plot.py plots it)")
     p.add_argument("--prompts", type=int, default=None, help="the first N prompts of the set [default 32; 1 with "
@@ -140,7 +140,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         else:
             args.rows = str(DOCS / "bench_accept.jsonl")
     suffix = "" if args.prompt_set == "code" else f"_{args.prompt_set}"
-    suffix += "".join(f"_{lever}-off" for lever in ("ngram", "calibrate") if getattr(args, lever) == "off")
+    suffix += "".join(f"_{lever}-on" for lever in ("ngram", "calibrate") if getattr(args, lever) == "on")
     args.section = SECTION + suffix
     if args.write_docs:
         args.json = args.json or str(DOCS / f"bench_accept{suffix}.json")
@@ -212,8 +212,8 @@ def append_row(path: str, row: dict) -> None:
         os.fsync(f.fileno())
 
 
-def measure(engine, tokenizer, prompt: str, run: dict, new_tokens: int, seed: int, ngram: bool = True,
-            calibrate: bool = True) -> dict:
+def measure(engine, tokenizer, prompt: str, run: dict, new_tokens: int, seed: int, ngram: bool = False,
+            calibrate: bool = False) -> dict:
     """One generation -> its raw row (per-round lists plus a few totals)."""
     from offspec.config import SamplingConfig, TreeConfig
     from offspec.generate import GenerationRequest

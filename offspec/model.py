@@ -209,23 +209,26 @@ class Model:
         """-> logits (R, V) float32."""
         N = tokens.shape[0]
         step = N if chunk is None else max(1, chunk)
-        # Per chunk, the spans cut to it (and shifted to start at 0). One chunk: its masks are built once for
-        # every layer. Several: rebuilt per layer (a comparison, cheap next to the layer) rather than holding
-        # the whole (T, S) mask of a long prompt.
+        # Per chunk, the spans cut to it and renumbered from 0. One chunk: its masks are built once for every
+        # layer. Several: each chunk's rows are built as its turn comes in each layer (a comparison, cheap next
+        # to the layer) rather than holding the whole (T, S) mask of a long prompt.
         bounds = [(a, min(N, a + step)) for a in range(0, N, step)]
-        only = _shift(list(rows), 0) if len(bounds) == 1 else None
+        if len(bounds) == 1:
+            pieces = [(0, N, [RowSpan(r.start, r.end, r.cache_row, r.slots, r.mask_rows(0, r.end - r.start))
+                              for r in rows])]
+        else:
+            pieces = [(a, b, [RowSpan(c.start - a, c.end - a, c.cache_row, c.slots, c.mask)
+                              for r in rows if (c := r.clip(a, b)) is not None]) for a, b in bounds]
         x = F.embedding(tokens, self.globals.embed)                                  # (N, D)
         cos, sin = rope_cos_sin(self.inv_freq, positions, self.dtype)                # (N, hd) each
         for i, w in self.layers.pass_layers():
-            if only is not None:
-                x = layer_forward(x, w, self.cfg, cache, i, only, cos, sin)
+            if len(pieces) == 1:
+                x = layer_forward(x, w, self.cfg, cache, i, pieces[0][2], cos, sin)
                 continue
             # Every chunk's keys first: a row's mask reaches (masked off) slots that later chunks write.
-            for a, b in bounds:
-                spans = [c for r in rows if (c := r.clip(a, b)) is not None]
-                write_keys(x[a:b], w, self.cfg, cache, i, _renumber(spans, a), cos[a:b], sin[a:b])
-            for a, b in bounds:
-                spans = _shift([c for r in rows if (c := r.clip(a, b)) is not None], a)
+            for a, b, spans in pieces:
+                write_keys(x[a:b], w, self.cfg, cache, i, spans, cos[a:b], sin[a:b])
+            for a, b, spans in pieces:
                 x[a:b] = attend(x[a:b], w, self.cfg, cache, i, spans, cos[a:b], sin[a:b])
         if logit_rows is not None:
             x = x[logit_rows]
@@ -238,13 +241,3 @@ class Model:
                     chunk: Optional[int] = None, cache_row: int = 0) -> torch.Tensor:
         """forward() for one sequence: tokens, positions, slots (T,), mask (T, S) -> logits (R, V)."""
         return self.forward(tokens, positions, one_sequence(slots, mask, cache_row), cache, logit_rows, chunk)
-
-
-def _renumber(rows: list[RowSpan], a: int) -> list[RowSpan]:
-    """Spans of packed rows [a, ...) renumbered from 0, their masks still given on demand."""
-    return [RowSpan(r.start - a, r.end - a, r.cache_row, r.slots, r.mask) for r in rows]
-
-
-def _shift(rows: list[RowSpan], a: int) -> list[RowSpan]:
-    """Spans of packed rows [a, ...) renumbered from 0, their masks built (one call each)."""
-    return [RowSpan(r.start - a, r.end - a, r.cache_row, r.slots, r.mask_rows(0, r.end - r.start)) for r in rows]

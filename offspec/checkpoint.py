@@ -26,6 +26,7 @@ SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
 }
 
 # The one HF -> internal name table. Layer names are relative to "model.layers.{i}.".
@@ -41,6 +42,8 @@ LAYER_NAMES = {
     "v_proj": "self_attn.v_proj.weight",
     "o_proj": "self_attn.o_proj.weight",
     "q_bias": "self_attn.q_proj.bias",
+    "q_norm": "self_attn.q_norm.weight",
+    "k_norm": "self_attn.k_norm.weight",
     "k_bias": "self_attn.k_proj.bias",
     "v_bias": "self_attn.v_proj.bias",
     "post_norm": "post_attention_layernorm.weight",
@@ -88,7 +91,7 @@ def parse_config(raw: dict, where: str) -> ModelConfig:
     arch = next((SUPPORTED_ARCHITECTURES[a] for a in archs if a in SUPPORTED_ARCHITECTURES), None)
     if arch is None:
         model_type = raw.get("model_type")
-        if model_type in ("llama", "mistral", "qwen2") and not archs:
+        if model_type in ("llama", "mistral", "qwen2", "qwen3") and not archs:
             arch = model_type
         else:
             name = ", ".join(archs) or f"model_type={model_type!r}"
@@ -118,14 +121,22 @@ def parse_config(raw: dict, where: str) -> ModelConfig:
     rope = dict(raw.get("rope_scaling") or {})
     rope.update(raw.get("rope_parameters") or {})
     theta = float(rope.get("rope_theta", raw.get("rope_theta", 10000.0)))
+    context = int(raw.get("max_position_embeddings", 4096))
+    # A sliding window attends only to its last W tokens, which equals full attention while the context stays
+    # within W: cap the context there (a longer prompt is refused as too long) rather than compute another model.
+    # Mistral's window is on whenever it is set; Qwen's only with use_sliding_window.
+    window = raw.get("sliding_window") if arch == "mistral" or raw.get("use_sliding_window") else None
+    if window:
+        context = min(context, int(window))
     return ModelConfig(
         **cfg_fields,
         rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
         rope_theta=theta,
         rope_scaling=_parse_rope_scaling(rope, where),
-        max_position_embeddings=int(raw.get("max_position_embeddings", 4096)),
+        max_position_embeddings=context,
         tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
         attention_bias=arch == "qwen2" or bool(raw.get("attention_bias", False)),
+        qk_norm=arch == "qwen3",
     )
 
 

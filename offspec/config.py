@@ -21,7 +21,7 @@ class RopeScaling:
 
 @dataclass(frozen=True)
 class ModelConfig:
-    arch: str                                   # "llama" | "mistral" | "qwen2" (SmolLM is llama)
+    arch: str                                   # "llama" | "mistral" | "qwen2" | "qwen3" (SmolLM is llama)
     vocab_size: int                             # rows of the embedding and of lm_head
     hidden_size: int                            # D, the residual width
     intermediate_size: int                      # F, the SwiGLU inner width
@@ -35,6 +35,7 @@ class ModelConfig:
     max_position_embeddings: int = 4096         # the context the model supports
     tie_word_embeddings: bool = False           # lm_head shares the embedding matrix
     attention_bias: bool = False                # q/k/v projections carry a bias (Qwen2)
+    qk_norm: bool = False                       # each head's query and key RMS-normalized before RoPE (Qwen3)
 
 
 @dataclass(frozen=True)

@@ -29,6 +29,8 @@ class LayerWeights:
     q_bias: Optional[torch.Tensor] = None    # (H*hd,)   Qwen2 only
     k_bias: Optional[torch.Tensor] = None    # (H_kv*hd,)
     v_bias: Optional[torch.Tensor] = None    # (H_kv*hd,)
+    q_norm: Optional[torch.Tensor] = None    # (hd,)     Qwen3 only
+    k_norm: Optional[torch.Tensor] = None    # (hd,)
 
 
 def layer_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -41,6 +43,8 @@ def layer_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     }
     if cfg.attention_bias:
         shapes.update(q_bias=(q,), k_bias=(kv,), v_bias=(kv,))
+    if cfg.qk_norm:
+        shapes.update(q_norm=(hd,), k_norm=(hd,))
     return shapes
 
 

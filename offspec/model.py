@@ -138,6 +138,11 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * xf.to(x.dtype)
 
 
+def head_norm(x: torch.Tensor, weight: Optional[torch.Tensor], cfg: ModelConfig) -> torch.Tensor:
+    """(N, heads, hd) queries or keys, each head RMS-normalized where the model has per-head norms (Qwen3)."""
+    return x if weight is None else rms_norm(x, weight, cfg.rms_norm_eps)
+
+
 def layer_forward(
     x: torch.Tensor,            # (N, D) hidden states of the new tokens, packed
     w: LayerWeights,
@@ -158,7 +163,7 @@ def write_keys(x: torch.Tensor, w: LayerWeights, cfg: ModelConfig, cache: KVCach
     """The first half of layer_forward: x's keys and values, written to each sequence's cache slots."""
     N, H_kv, hd = x.shape[0], cfg.n_kv_heads, cfg.head_dim
     h = rms_norm(x, w.input_norm, cfg.rms_norm_eps)
-    k = linear(h, w.k_proj, w.k_bias).view(N, H_kv, hd).transpose(0, 1)         # (H_kv, N, hd)
+    k = head_norm(linear(h, w.k_proj, w.k_bias).view(N, H_kv, hd), w.k_norm, cfg).transpose(0, 1)   # (H_kv, N, hd)
     v = linear(h, w.v_proj, w.v_bias).view(N, H_kv, hd).transpose(0, 1)         # (H_kv, N, hd)
     k = apply_rope(k, cos, sin)
     for r in rows:
@@ -171,7 +176,8 @@ def attend(x: torch.Tensor, w: LayerWeights, cfg: ModelConfig, cache: KVCache, l
     covers already written), then the MLP. -> (N, D)."""
     N, H, H_kv, hd = x.shape[0], cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
     h = rms_norm(x, w.input_norm, cfg.rms_norm_eps)      # again: cheaper to recompute than to keep for a pass
-    q = apply_rope(linear(h, w.q_proj, w.q_bias).view(N, H, hd).transpose(0, 1), cos, sin)   # (H, N, hd)
+    q = head_norm(linear(h, w.q_proj, w.q_bias).view(N, H, hd), w.q_norm, cfg).transpose(0, 1)     # (H, N, hd)
+    q = apply_rope(q, cos, sin)
     attn = torch.empty_like(q)                                                    # (H, N, hd)
     for r in rows:
         span = slice(r.start, r.end)

@@ -5,7 +5,7 @@ import shutil
 import pytest
 import torch
 
-from offspec.checkpoint import Checkpoint
+from offspec.checkpoint import Checkpoint, parse_config
 from offspec.errors import CheckpointError
 from tiny import hf_config, make_model, save_checkpoint
 
@@ -37,6 +37,19 @@ def test_sharded_checkpoint(tmp_path):
     ckpt = Checkpoint(tmp_path / "s")
     assert ckpt.config.attention_bias
     torch.testing.assert_close(ckpt.layer_tensors(3)["k_bias"], model.model.layers[3].self_attn.k_proj.bias.detach())
+
+
+@pytest.mark.parametrize("arch,sliding,context", [
+    ("mistral", dict(sliding_window=256), 256),                           # Mistral's window is on when set
+    ("mistral", dict(sliding_window=None), 512),
+    ("qwen2", dict(sliding_window=256, use_sliding_window=False), 512),   # Qwen's only with use_sliding_window
+    ("qwen2", dict(sliding_window=256, use_sliding_window=True), 256),
+])
+def test_a_sliding_window_caps_the_context(arch, sliding, context):
+    """Within its window a sliding-window model attends like a full one; past it offspec's forward would be another
+    model, so the context stops at the window (a longer prompt is refused as too long)."""
+    raw = hf_config(arch).to_dict() | sliding
+    assert parse_config(raw, "m").max_position_embeddings == context
 
 
 def test_missing_folder_and_config(tmp_path):

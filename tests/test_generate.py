@@ -42,6 +42,26 @@ def test_plain_greedy_matches_transformers(pair):
     assert report.passes == 30 and report.tokens_per_pass == 1.0
 
 
+@pytest.mark.parametrize("mode,quant", [("none", "none"), ("disk", "none"), ("disk", "int8")])
+def test_qwen3_streamed_speculative_greedy_equals_plain(tmp_path, mode, quant):
+    """Qwen3's per-head query/key norms travel in the packed (or quantized) layer like any other tensor: a Qwen3
+    target, resident or streamed from disk, with a Qwen3 draft, speculates to its own plain greedy tokens, which
+    are transformers' own where the target is not quantized."""
+    target_dir, draft_dir, hf = save_agreeing_pair(tmp_path, n_layers=3, arch="qwen3")
+    offload = OffloadConfig(mode=mode, store_dir=str(tmp_path / "store") if mode == "disk" else None)
+    runtime = RuntimeConfig(device=torch.device("cpu"), dtype=torch.float32, target_quant=quant)
+    eng = load_engine(target_dir, draft_dir, offload, runtime, progress=False).engine
+    assert eng.target.cfg.qk_norm
+    spec, _ = tokens_of(eng, TreeConfig(policy="dyspec", budget=16), n=30)
+    plain, _ = tokens_of(eng, TreeConfig(policy="none"), n=30)
+    assert spec.tokens == plain.tokens and spec.tokens_per_pass > 1.5
+    if quant == "none":
+        with torch.no_grad():
+            ref = hf.generate(torch.tensor([PROMPT]), max_new_tokens=30, do_sample=False, eos_token_id=None,
+                              pad_token_id=0)[0, len(PROMPT):].tolist()
+        assert plain.tokens == ref
+
+
 @pytest.mark.parametrize("policy", ["dyspec", "heap", "chain", "static"])
 @pytest.mark.parametrize("budget", [1, 8, 64, 256])
 def test_speculative_greedy_equals_plain(pair, policy, budget):

@@ -16,6 +16,7 @@ CONFIGS = {
                                                    "high_freq_factor": 4.0, "original_max_position_embeddings": 16}),
     "linear-rope": dict(arch="llama", rope_scaling={"rope_type": "linear", "factor": 2.0}),
     "qwen2-bias": dict(arch="qwen2"),
+    "qwen3-qk-norm": dict(arch="qwen3"),
     "tied": dict(arch="llama", tie=True),
     "mistral-mha": dict(arch="mistral", kv_heads=4),
 }

@@ -240,9 +240,11 @@ def test_streamed_layers_equal_checkpoint_bitwise(tmp_path, mode, n_slots, n_res
     assert (stats.read_s > 0) == (mode == "disk")
 
 
-def test_bf16_cast_on_pack_and_qwen_biases(tmp_path):
-    cfg = ModelConfig(arch="qwen2", vocab_size=64, hidden_size=32, intermediate_size=64, n_layers=5,
-                      n_heads=4, n_kv_heads=2, head_dim=8, attention_bias=True)
+@pytest.mark.parametrize("arch,extra", [("qwen2", dict(attention_bias=True)), ("qwen3", dict(qk_norm=True))])
+def test_bf16_cast_on_pack_and_qwen_extras(tmp_path, arch, extra):
+    """Qwen2's q/k/v biases and Qwen3's per-head q/k norms are packed, streamed and cast like the matrices."""
+    cfg = ModelConfig(arch=arch, vocab_size=64, hidden_size=32, intermediate_size=64, n_layers=5,
+                      n_heads=4, n_kv_heads=2, head_dim=8, **extra)
     weights = random_layers(cfg, seed=3)
     for mode in ("cpu", "disk"):
         offload = OffloadConfig(mode=mode, n_slots=2)
@@ -250,7 +252,8 @@ def test_bf16_cast_on_pack_and_qwen_biases(tmp_path):
                                 store_dir=str(tmp_path / "store"), progress=False) as target:
             for _ in range(2):
                 for i, w in target.source.pass_layers():
-                    assert w.q_bias is not None and w.q_bias.dtype == torch.bfloat16
+                    extra = w.q_bias if arch == "qwen2" else w.k_norm
+                    assert extra is not None and extra.dtype == torch.bfloat16
                     for name in layer_shapes(cfg):
                         assert torch.equal(getattr(w, name), weights[i][name].to(torch.bfloat16)), (mode, i, name)
 

@@ -35,7 +35,7 @@ def make_tokenizer(n_tokens: int | None = None, padding_tokens: int = 0):
 
 def hf_config(arch: str = "llama", n_layers: int = 4, hidden: int = 64, heads: int = 4, kv_heads: int = 2,
               tie: bool = False, rope_scaling: dict | None = None, vocab: int = VOCAB):
-    from transformers import LlamaConfig, Qwen2Config, MistralConfig
+    from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
     common = dict(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=n_layers,
                   num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=512,
@@ -47,6 +47,8 @@ def hf_config(arch: str = "llama", n_layers: int = 4, hidden: int = 64, heads: i
         return cfg
     if arch == "qwen2":
         return Qwen2Config(**common, rope_theta=1000000.0)
+    if arch == "qwen3":   # per-head q/k norms, no biases, head_dim given apart from hidden / heads
+        return Qwen3Config(**common, rope_theta=1000000.0, head_dim=2 * hidden // heads)
     if arch == "mistral":
         return MistralConfig(**common, rope_theta=10000.0, sliding_window=None)
     raise ValueError(arch)
@@ -87,10 +89,10 @@ def perturbed_copy(model, noise: float, seed: int = 1):
     return draft
 
 
-def save_agreeing_pair(root: Path, n_layers: int, seed: int = 7, tie: bool = False):
-    """A qwen2-shaped target with peaked distributions (scale 3) and a draft that often agrees with it (a 2%
-    noisy copy), saved under root -> (target dir, draft dir, target model)."""
-    target = make_model(hf_config("qwen2", n_layers=n_layers, tie=tie), seed=seed, scale=3.0)
+def save_agreeing_pair(root: Path, n_layers: int, seed: int = 7, tie: bool = False, arch: str = "qwen2"):
+    """A target (qwen2-shaped unless told) with peaked distributions (scale 3) and a draft that often agrees with
+    it (a 2% noisy copy), saved under root -> (target dir, draft dir, target model)."""
+    target = make_model(hf_config(arch, n_layers=n_layers, tie=tie), seed=seed, scale=3.0)
     draft = perturbed_copy(target, noise=0.02)
     return save_checkpoint(target, Path(root) / "target"), save_checkpoint(draft, Path(root) / "draft"), target
 

@@ -10,7 +10,9 @@ prompts on which the setting made fewer, more or the same tokens a pass. Then th
 is met when the median reaches it, and the interval says how sure that is.
 
 Example (the rows of `bench_accept.py ... --rows docs/bench_accept_levers.jsonl`):
-  python scripts/levers_report.py --rows docs/bench_accept_levers.jsonl --new-tokens 96
+  python scripts/levers_report.py --rows docs/bench_accept_levers.jsonl --new-tokens 96 --write-docs
+
+--write-docs replaces the levers_report section of docs/benchmarks.md with what it prints (nothing is hand-edited).
 """
 from __future__ import annotations
 
@@ -33,6 +35,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=_common.HelpFormatter)
     p.add_argument("--rows", required=True, help="bench_accept rows (jsonl)")
     p.add_argument("--new-tokens", type=int, default=96, help="only rows of runs that made this many tokens")
+    p.add_argument("--write-docs", action="store_true",
+                   help="also write the report into its section of docs/benchmarks.md")
     return p.parse_args(argv)
 
 
@@ -63,7 +67,7 @@ def report(rows: list[dict], new_tokens: int) -> tuple[list[list[str]], list[str
             if shared and (ngram or calibrate):
                 base = {p: off[p]["generated"] / off[p]["passes"] for p in shared}
                 rc = _stats.ratio_ci([tpp[p] for p in shared], [base[p] for p in shared])
-                ratio = f"{_stats.fmt_ci(rc, 2, key='ratio')} ({len(shared)} prompts)"
+                ratio = f"{_stats.fmt_ci(rc, 2, key='ratio')} ({len(shared)} prompt{'s' * (len(shared) != 1)})"
                 counts = " / ".join(str(sum(compare(tpp[p], base[p]) for p in shared)) for compare in
                                     (lambda x, y: x < y, lambda x, y: x > y, lambda x, y: x == y))
             table.append([pset, str(budget), name, str(ci["n"]), _stats.fmt_ci(ci, 2), f"{tree:.0f}", ratio, counts])
@@ -83,12 +87,11 @@ def main(argv=None) -> int:
     if not table:
         print(f"no dyspec T=0 rows with {args.new_tokens} new tokens in {args.rows}", file=sys.stderr)
         return 1
-    print(_common.markdown_table(HEADERS, table))
-    print()
-    for line in goals:
-        print(f"- {line}")
-    print()
-    print(_stats.provenance_text(rows))
+    text = "\n".join([f"`{_common.command_line()}`:", "", _common.markdown_table(HEADERS, table), "",
+                      *(f"- {line}" for line in goals), "", _stats.provenance_text(rows)])
+    print(text)
+    if args.write_docs:
+        _common.write_doc_section("levers_report", text)
     return 0
 
 

@@ -65,17 +65,18 @@ def test_chat_grid_runs_stamps_and_resumes(ba, tmp_path, capsys):
     assert "4 already in" in capsys.readouterr().err and len(rows_file.read_text().splitlines()) == 4
 
 
+def lever_row(pid, generated, passes, ngram, calibrate, budget=64, pset="chat", t=0.0):
+    return {**raw_row(pid, generated, [0] * passes, budget=budget), "prompt_set": pset, "ngram": ngram,
+            "calibrate": calibrate, "new_tokens": 96, "temperature": t}
+
+
 def test_levers_report_pairs_settings_and_checks_the_chat_goals():
     """Two chat prompts at budget 64: both levers on gives 8 and 6 tokens/pass (median 7 >= 5.8: met), both off
     4 and 6 (median 5: missed); the paired ratio is 7 / 5, more on a, the same on b (n-gram only on prompt a:
     12 / 4). A budget-256 cell at 6 < 7.5 is missed; a code row, an n-gram only row and a T > 0 row stay out of
     the goals."""
     lr = load_script("levers_report")
-
-    def row(pid, generated, passes, ngram, calibrate, budget=64, pset="chat", t=0.0):
-        return {**raw_row(pid, generated, [0] * passes, budget=budget), "prompt_set": pset, "ngram": ngram,
-                "calibrate": calibrate, "new_tokens": 96, "temperature": t}
-
+    row = lever_row
     rows = [row("a", 96, 12, True, True), row("b", 96, 16, True, True), row("a", 96, 24, False, False),
             row("b", 96, 16, False, False), row("a", 96, 16, True, True, budget=256), row("a", 96, 8, True, False),
             row("c", 96, 8, True, True, pset="code"), row("a", 96, 4, True, True, t=0.6)]
@@ -87,3 +88,23 @@ def test_levers_report_pairs_settings_and_checks_the_chat_goals():
     assert [g.split(":")[0] for g in goals] == ["chat, budget 64, both on", "chat, budget 64, both off",
                                                 "chat, budget 256, both on"]
     assert ": met" in goals[0] and "MISSED" in goals[1] and "MISSED" in goals[2]
+
+
+def test_levers_report_writes_its_docs_section(tmp_path, monkeypatch, capsys):
+    """--write-docs puts the printed report between its markers; a second write replaces it, leaving the rest."""
+    import functools
+
+    lr = load_script("levers_report")
+    doc = tmp_path / "benchmarks.md"
+    doc.write_text("# Benchmarks\n\nprose before\n")
+    monkeypatch.setattr(lr._common, "write_doc_section", functools.partial(lr._common.write_doc_section, path=doc))
+    rows_file = tmp_path / "rows.jsonl"
+    for passes in (12, 16):
+        rows_file.write_text("".join(json.dumps(lever_row("a", 96, passes, False, False)) + "\n" for _ in (0,)))
+        assert lr.main(["--rows", str(rows_file), "--write-docs"]) == 0
+    text = doc.read_text()
+    assert text.startswith("# Benchmarks\n\nprose before\n") and text.count("<!-- levers_report:start -->") == 1
+    section = text[text.index("<!-- levers_report:start -->"):text.index("<!-- levers_report:end -->")]
+    assert "| chat | 64 | both off | 1 | 6.00 [" in section and "goal 5.8: met" in section
+    assert section.strip().endswith(capsys.readouterr().out.strip().splitlines()[-1])
+

@@ -2,7 +2,7 @@
 """Tokens accepted per target pass against tree budget, for each growth policy, on the demo pair.
 
 Each run is one offspec generation (Engine.generate, the loop the CLI uses): a prompt of --prompt-set (code:
-HumanEval; chat: MT-Bench first turns; offspec/prompt_sets.py) with the chat template applied,
+HumanEval; chat: MT-Bench first turns; offspec/prompt_sets.py) with the chat template applied (--raw: as it is),
 --new-tokens tokens with EOS ignored (so every run makes the same count), a tree
 policy and budget (TreeConfig(policy, budget); threshold, depth and branching at their defaults), at each
 temperature. A run is recorded as one raw row (per-round accepted lengths, tree sizes and depths, draft
@@ -81,6 +81,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--prompt-set", choices=("code", "chat"), default="code",
                    help="code: HumanEval; chat: MT-Bench first turns (its docs section, JSON and plot get a _chat "
                         "suffix)")
+    p.add_argument("--raw", action="store_true",
+                   help="the prompts as they are, without the chat template (a HumanEval prompt is code to complete; "
+                        "issue 15's baseline table ran code this way); its docs section, JSON and plot get a _raw "
+                        "suffix")
     p.add_argument("--ngram", choices=("on", "off"), default="off",
                    help="n-gram branches (TreeConfig.ngram); off, as in offspec (issue 15's grid) and in the rows "
                         "measured before the levers existed. A lever turned on gets its own docs section, JSON and "
@@ -139,7 +143,7 @@ def parse_args(argv=None) -> argparse.Namespace:
             args.rows = os.path.join(tempfile.mkdtemp(prefix="bench_accept-"), "rows.jsonl")
         else:
             args.rows = str(DOCS / "bench_accept.jsonl")
-    suffix = "" if args.prompt_set == "code" else f"_{args.prompt_set}"
+    suffix = ("" if args.prompt_set == "code" else f"_{args.prompt_set}") + ("_raw" if args.raw else "")
     suffix += "".join(f"_{lever}-on" for lever in ("ngram", "calibrate") if getattr(args, lever) == "on")
     args.section = SECTION + suffix
     if args.write_docs:
@@ -174,7 +178,7 @@ def setup_key(args, target: Path, draft: Path) -> dict:
     """What, besides the grid cell, identifies a run: rows made under another setup are not reused."""
     return {"target": target.name, "draft": draft.name, "dtype": args.dtype, "device": args.device,
             "new_tokens": args.new_tokens, "seed": args.seed, "prompt_set": args.prompt_set,
-            "ngram": args.ngram == "on", "calibrate": args.calibrate == "on"}
+            "raw": args.raw, "ngram": args.ngram == "on", "calibrate": args.calibrate == "on"}
 
 
 def run_key(setup: dict, run: dict) -> str:
@@ -197,6 +201,7 @@ def read_rows(path: str) -> list[dict]:
                       file=sys.stderr)
                 continue
             row.setdefault("prompt_set", "code")   # rows from before prompt sets were all HumanEval
+            row.setdefault("raw", False)           # ... with the chat template (before --raw)
             row.setdefault("ngram", False)         # ... and from before n-gram branches and calibration, raw trees
             row.setdefault("calibrate", False)
             rows.append(row)
@@ -213,14 +218,14 @@ def append_row(path: str, row: dict) -> None:
 
 
 def measure(engine, tokenizer, prompt: str, run: dict, new_tokens: int, seed: int, ngram: bool = False,
-            calibrate: bool = False) -> dict:
+            calibrate: bool = False, raw: bool = False) -> dict:
     """One generation -> its raw row (per-round lists plus a few totals)."""
     from offspec.config import SamplingConfig, TreeConfig
     from offspec.generate import GenerationRequest
     from offspec.metrics import acceptance_report
     from offspec.prompt import encode_prompt
 
-    ids = tuple(encode_prompt(tokenizer, prompt))
+    ids = tuple(encode_prompt(tokenizer, prompt, raw=raw))
     request = GenerationRequest(prompt_ids=ids, max_new_tokens=new_tokens,
                                 tree=TreeConfig(policy=run["policy"], budget=run["budget"], ngram=ngram,
                                                 calibrate=calibrate),
@@ -421,7 +426,8 @@ def main(argv=None) -> int:
                     new_tokens=4, seed=args.seed)
             for i, run in enumerate(todo, 1):
                 row = {**setup, **run, **measure(engine, tokenizer, text_of[run["prompt_id"]], run, args.new_tokens,
-                                                 args.seed, ngram=setup["ngram"], calibrate=setup["calibrate"])}
+                                                 args.seed, ngram=setup["ngram"], calibrate=setup["calibrate"],
+                                                 raw=setup["raw"])}
                 row["time"] = time.strftime("%Y-%m-%dT%H:%M:%S")
                 row["stamp"] = _stats.stamp()
                 append_row(args.rows, row)
@@ -491,7 +497,8 @@ def write_docs(args, rows, summary, goal_lines, met, missing, n_runs, target, dr
         "## Tokens per target pass vs tree budget (`scripts/bench_accept.py`)",
         _common.run_header(device, started, load_at_start),
         f"Target `{target.name}`, draft `{draft.name}`, {args.dtype}, offload `{args.offload}`; {SET_NAMES[args.prompt_set]} "
-        f"prompts 1–{args.prompts} (chat template applied), {args.new_tokens} new tokens each with EOS "
+        f"prompts 1–{args.prompts} ({'as they are, no chat template' if args.raw else 'chat template applied'}), "
+        f"{args.new_tokens} new tokens each with EOS "
         f"ignored; temperatures {', '.join(f'{t:g}' for t in args.temperatures)} (seed {args.seed}); tree threshold "
         f"adaptive, max depth 32, branching 8, static widths (4, 2, 2, 1, 1, 1). `chain` runs at lengths "
         f"{', '.join(map(str, args.chain_lengths))} (its budget is its length; never beyond {CHAIN_CAP}: acceptance "

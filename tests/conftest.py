@@ -1,13 +1,11 @@
 import os
 import sys
 
+import pytest
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))   # tests import tiny.py (model builders) directly
 torch.set_num_threads(min(2, torch.get_num_threads()))
-
-
-import pytest
 
 
 @pytest.fixture(autouse=True)

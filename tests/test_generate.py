@@ -343,6 +343,24 @@ def test_chunked_forward_equals_one_piece(pair, chunk):
     assert torch.equal(outs[0].argmax(-1), outs[1].argmax(-1))
 
 
+def test_nan_caches_catch_a_masked_off_read_of_an_unwritten_slot(pair):
+    """Negative control for conftest's NaN-filled caches: a mask one column wider than the slots the forward
+    writes (that column masked off for every row) reads a slot nothing wrote, and the logits turn NaN. So a
+    forward that read unwritten cache memory fails every test instead of passing on memory that happened to be
+    zero (the bug a chunked prefill once had); over exactly its written columns the same forward is finite."""
+    from offspec.generate import causal_rows
+    from offspec.kv_cache import KVCache
+    eng = engine(pair)
+    T, cpu = len(PROMPT), torch.device("cpu")
+    outs = []
+    for width in (T + 1, T):
+        cache = KVCache.for_model(eng.target.cfg, T + 1, torch.float32, cpu)
+        outs.append(eng.target.forward_one(torch.tensor(PROMPT), torch.arange(T), torch.arange(T),
+                                           causal_rows(0, T, width, cpu), cache))
+    assert torch.isnan(outs[0]).all()
+    assert torch.isfinite(outs[1]).all()
+
+
 def test_pass_mask_rows_match_the_whole_mask():
     """PassMask(a, b) = rows a..b-1 of [causal pending rows | tree rows (prefix + ancestors)]; the docstring's example."""
     from offspec.generate import PassMask

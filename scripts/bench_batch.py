@@ -61,6 +61,7 @@ from offspec.prompt import encode_prompt  # noqa: E402
 from offspec.prompt_sets import load_prompt_set  # noqa: E402
 
 SECTION = "bench_batch"
+UNRECORDED = "unrecorded"                  # the machine of rows measured before rows carried a stamp
 CPU = torch.device("cpu")
 
 
@@ -247,11 +248,17 @@ def concurrency_values(text: str) -> list:
     return [b if b == "auto" else int(b) for b in text.split(",") if b]
 
 
+def machine_of(row: dict) -> str:
+    """The CPU a row was measured on (its stamp; rows from before stamps: "unrecorded"). Cells, their B=1
+    baselines, resume and the goals are per machine: runs of two machines are never pooled."""
+    return row.get("stamp", {}).get("machine", "").split(",")[0] or UNRECORDED
+
+
 def cells_of(rows: list[dict]) -> dict:
-    """(prompt set, regime, system, B) -> that cell's rows, one per repeat."""
+    """(machine, prompt set, regime, system, B) -> that cell's rows, one per repeat."""
     cells: dict = {}
     for r in rows:
-        cells.setdefault((r["prompt_set"], r["regime"], r["system"], r["concurrency"]), []).append(r)
+        cells.setdefault((machine_of(r), r["prompt_set"], r["regime"], r["system"], r["concurrency"]), []).append(r)
     return cells
 
 
@@ -262,15 +269,15 @@ def median_of(runs: list[dict], key: str):
 
 def report(rows: list[dict], args) -> tuple[list[str], list[list[str]]]:
     """One line per cell: medians over its repeats (tokens/s with [min, max] when it ran more than once)."""
-    headers = ["prompts", "regime", "system", "B", "runs", "tokens/s [min, max]", "× B=1", "passes", "prompts/pass",
-               "tokens/pass", "GB/token", "prompt s/token (median)", "agrees with offspec B=1"]
+    headers = ["prompts", "regime", "machine", "system", "B", "runs", "tokens/s [min, max]", "× B=1", "passes",
+               "prompts/pass", "tokens/pass", "GB/token", "prompt s/token (median)", "agrees with offspec B=1"]
     out, cells = [], cells_of(rows)
     order = {"offspec": 0, "offspec --tree none": 1}
-    for key in sorted(cells, key=lambda k: (("code", "chat").index(k[0]), ("disk", "cpu").index(k[1]),
-                                            order.get(k[2], 2), cell_order(k[3]))):
-        prompt_set, regime, system, B = key
+    for key in sorted(cells, key=lambda k: (("code", "chat").index(k[1]), ("disk", "cpu").index(k[2]),
+                                            k[0] == UNRECORDED, k[0], order.get(k[3], 2), cell_order(k[4]))):
+        machine, prompt_set, regime, system, B = key
         runs = cells[key]
-        base = cells.get((prompt_set, regime, "offspec", 1))
+        base = cells.get((machine, prompt_set, regime, "offspec", 1))
         speed = [r["tokens_per_second"] for r in runs]
         speedup = statistics.median(speed) / median_of(base, "tokens_per_second") if base else None
         first_base = min(base, key=lambda r: r["repeat"]) if base else None
@@ -280,7 +287,7 @@ def report(rows: list[dict], args) -> tuple[list[str], list[list[str]]]:
         most = sorted({r["most_in_flight"] for r in runs if r.get("most_in_flight")})
         shown_B = B if B != "auto" else f"auto (≤ {'/'.join(map(str, most))})"
         speed_text = f(statistics.median(speed)) + (f" [{min(speed):.3f}, {max(speed):.3f}]" if len(runs) > 1 else "")
-        out.append([prompt_set, regime, system, shown_B, str(len(runs)), speed_text,
+        out.append([prompt_set, regime, machine, system, shown_B, str(len(runs)), speed_text,
                     f"{speedup:.2f}×" if speedup else "–", str(round(median_of(runs, "passes"))),
                     f(median_of(runs, "rows_per_pass")) if median_of(runs, "rows_per_pass") else "–",
                     f(median_of(runs, "tokens_per_pass")), f(median_of(runs, "gb_streamed_per_token") or 0.0),
@@ -298,8 +305,9 @@ def measure_set(models: Models, target_dir, prompt_set: str, args, all_rows: lis
                                   tree=TreeConfig(budget=budget)) for ids in prompt_ids]
     settings = {"prompts": args.prompts, "new_tokens": args.new_tokens, "tree_budget": args.tree_budget,
                 "dtype": args.dtype, "disk_io": args.disk_io, "prompt_set": prompt_set}
+    here = _common.cpu_model()
     rows = [r for r in all_rows if r.get("settings") == settings]
-    done = {(r["regime"], r["system"], r["concurrency"], r["repeat"]) for r in rows}
+    done = {(r["regime"], r["system"], r["concurrency"], r["repeat"]) for r in rows if machine_of(r) == here}
     cells = []
     for regime in args.regimes.split(","):
         cells += [(regime, "offspec", b) for b in concurrency_values(args.concurrency)]
@@ -316,8 +324,7 @@ def measure_set(models: Models, target_dir, prompt_set: str, args, all_rows: lis
                     if system.startswith("offspec") else
                     peer_cell(target_dir, regime, prompt_ids, B, args, os.path.join(tmp, "hf-offload")))
             row = {"prompt_set": prompt_set, "regime": regime, "system": system, **cell, "settings": settings,
-                   "repeat": repeat, "commit": _common.git_commit(),
-                   "time": time.strftime("%Y-%m-%d %H:%M:%S"), "load_average": _common.load_average()}
+                   "repeat": repeat, "stamp": _stats.stamp()}
             rows.append(row)
             append_row(args.rows, row)
             print(f"[{prompt_set} {regime}] {system} B={B}: {cell['tokens_per_second']:.3f} tokens/s", file=sys.stderr)
@@ -329,17 +336,20 @@ def goal_lines(rows: list[dict]) -> list[str]:
     transformers' batched generate at B=8."""
     lines = []
     cells = cells_of(rows)
-    for prompt_set in ("code", "chat"):
-        disk = {(system, B): median_of(runs, "tokens_per_second")
-                for (s, regime, system, B), runs in cells.items() if regime == "disk" and s == prompt_set}
-        b8, b1, peer = disk.get(("offspec", 8)), disk.get(("offspec", 1)), disk.get(("transformers", 8))
-        if b8 is None:
-            continue
-        for name, base, goal in (("offspec B=1", b1, 3.0), ("transformers B=8", peer, 4.0)):
-            if base is not None:
-                ratio = b8 / base
-                lines.append(f"- {prompt_set}, cold disk: offspec B=8 {b8:.2f} tokens/s = {ratio:.2f}× {name} "
-                             f"({base:.2f}); goal ≥ {goal:g}×: {'met' if ratio >= goal else 'NOT met'}")
+    for machine in sorted({k[0] for k in cells}):
+        for prompt_set in ("code", "chat"):
+            disk = {(system, B): median_of(runs, "tokens_per_second")
+                    for (m, s, regime, system, B), runs in cells.items()
+                    if (m, regime, s) == (machine, "disk", prompt_set)}
+            b8, b1, peer = disk.get(("offspec", 8)), disk.get(("offspec", 1)), disk.get(("transformers", 8))
+            if b8 is None:
+                continue
+            for name, base, goal in (("offspec B=1", b1, 3.0), ("transformers B=8", peer, 4.0)):
+                if base is not None:
+                    ratio = b8 / base
+                    lines.append(f"- {prompt_set}, cold disk ({machine}): offspec B=8 {b8:.2f} tokens/s = "
+                                 f"{ratio:.2f}× {name} ({base:.2f}); goal ≥ {goal:g}×: "
+                                 f"{'met' if ratio >= goal else 'NOT met'}")
     return lines
 
 
@@ -377,6 +387,8 @@ def main(argv=None) -> int:
             "for all prompts in flight. Prompt s/token = each prompt's own passes' time over its tokens (the "
             "latency a prompt sees), median over prompts. Agreement: the share of each prompt's tokens before the "
             "first difference from offspec at B=1, mean over prompts (bf16: batched matmuls round differently).",
+            "", f"machine: the CPU each row was measured on (`{UNRECORDED}`: rows from before rows carried a stamp); "
+            "a cell, its × B=1 and the goals use one machine's runs only. " + _stats.provenance_text(kept),
             "", _common.markdown_table(headers, table), "", *goal_lines(kept)])
         _common.write_doc_section(SECTION, body)
     return 0

@@ -54,11 +54,12 @@ def test_every_cell_runs_once_a_repeat_in_a_shuffled_order_and_a_rerun_resumes(f
     assert len(rows3) == 15 and sorted(r["repeat"] for r in rows3) == [0] * 5 + [1] * 5 + [2] * 5
 
 
-def row(system, B, speed, repeat, regime="disk", prompt_set="code", tokens=None):
+def row(system, B, speed, repeat, regime="disk", prompt_set="code", tokens=None, machine=None):
+    stamp = {"stamp": {"machine": f"{machine}, 2 torch threads"}} if machine else {}
     return {"prompt_set": prompt_set, "regime": regime, "system": system, "concurrency": B, "repeat": repeat,
             "tokens_per_second": speed, "passes": 10, "rows_per_pass": 1.0, "tokens_per_pass": 4.0,
             "gb_streamed_per_token": 0.1, "median_prompt_seconds_per_token": 1 / speed, "most_in_flight": B,
-            "tokens": tokens or {"0": [1, 2, 3, 4]}}
+            "tokens": tokens or {"0": [1, 2, 3, 4]}, **stamp}
 
 
 def test_the_table_gives_each_cell_the_median_of_its_repeats_and_its_range():
@@ -66,7 +67,7 @@ def test_the_table_gives_each_cell_the_median_of_its_repeats_and_its_range():
     rows += [row("offspec", 8, s, k, tokens={"0": [1, 2, 9, 9]}) for k, s in enumerate((9.0, 6.0, 7.5))]
     rows += [row("transformers", 8, 2.0, 0)]
     headers, table = bench.report(rows, None)
-    by_cell = {(line[2], line[3]): dict(zip(headers, line)) for line in table}
+    by_cell = {(line[3], line[4]): dict(zip(headers, line)) for line in table}
     assert by_cell[("offspec", 1)]["runs"] == "3"
     assert by_cell[("offspec", 1)]["tokens/s [min, max]"] == "2.000 [1.000, 3.000]"
     assert by_cell[("offspec", 8)]["tokens/s [min, max]"] == "7.500 [6.000, 9.000]"
@@ -74,8 +75,36 @@ def test_the_table_gives_each_cell_the_median_of_its_repeats_and_its_range():
     assert by_cell[("offspec", 8)]["agrees with offspec B=1"] == "50%"
     assert by_cell[("transformers", 8)]["tokens/s [min, max]"] == "2.000"  # one run: no range
     assert bench.goal_lines(rows) == [
-        "- code, cold disk: offspec B=8 7.50 tokens/s = 3.75× offspec B=1 (2.00); goal ≥ 3×: met",
-        "- code, cold disk: offspec B=8 7.50 tokens/s = 3.75× transformers B=8 (2.00); goal ≥ 4×: NOT met"]
+        "- code, cold disk (unrecorded): offspec B=8 7.50 tokens/s = 3.75× offspec B=1 (2.00); goal ≥ 3×: met",
+        "- code, cold disk (unrecorded): offspec B=8 7.50 tokens/s = 3.75× transformers B=8 (2.00); goal ≥ 4×: NOT met"]
+
+
+def test_cells_never_pool_two_machines_and_each_has_its_own_baseline():
+    """The same cell measured on two CPUs is two lines, each against its own machine's B=1, with goals apiece;
+    unstamped rows are a machine of their own ("unrecorded") and sort last."""
+    rows = [row("offspec", 1, 2.0, 0), row("offspec", 8, 8.0, 0),
+            row("offspec", 1, 4.0, 0, machine="AMD EPYC"), row("offspec", 8, 6.0, 0, machine="AMD EPYC")]
+    headers, table = bench.report(rows, None)
+    by_cell = {(line[2], line[4]): dict(zip(headers, line)) for line in table}
+    assert [(line[2], line[4]) for line in table] == [("AMD EPYC", 1), ("AMD EPYC", 8), ("unrecorded", 1),
+                                                      ("unrecorded", 8)]
+    assert by_cell[("AMD EPYC", 8)]["× B=1"] == "1.50×" and by_cell[("unrecorded", 8)]["× B=1"] == "4.00×"
+    assert by_cell[("AMD EPYC", 8)]["runs"] == "1"
+    assert [line.split(":")[0] for line in bench.goal_lines(rows)] == ["- code, cold disk (AMD EPYC)",
+                                                                       "- code, cold disk (unrecorded)"]
+
+
+def test_a_repeat_measured_on_another_machine_does_not_count_here(fake_cells, tmp_path, monkeypatch):
+    """Resume skips only this machine's rows: another CPU's repeat 0 is measured again here."""
+    args = bench.parse_args(["--prompts", "2", "--concurrency", "1", "--none-concurrency", "", "--no-peer",
+                             "--regimes", "cpu", "--repeats", "1", "--rows", str(tmp_path / "rows.jsonl")])
+    settings = {"prompts": 2, "new_tokens": 64, "tree_budget": "auto", "dtype": "bfloat16", "disk_io": "direct",
+                "prompt_set": "code"}
+    elsewhere = {**row("offspec", 1, 2.0, 0, regime="cpu", machine="Intel Xeon"), "settings": settings}
+    monkeypatch.setattr(bench._common, "cpu_model", lambda: "AMD EPYC")
+    rows = bench.measure_set(SimpleNamespace(tokenizer=None), "target", "code", args, [elsewhere], str(tmp_path))
+    assert fake_cells == [("cpu", "offspec", 1)]
+    assert [bench.machine_of(r) for r in rows] == ["Intel Xeon", "AMD EPYC"]
 
 
 def test_rows_from_before_repeats_count_as_repeat_0(tmp_path):

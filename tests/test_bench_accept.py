@@ -93,8 +93,8 @@ def lever_row(pid, generated, passes, ngram, calibrate, budget=64, pset="chat", 
 def test_levers_report_pairs_settings_and_checks_the_chat_goals():
     """Two chat prompts at budget 64: both levers on gives 8 and 6 tokens/pass (median 7 >= 5.8: met), both off
     4 and 6 (median 5: missed); the paired ratio is 7 / 5, more on a, the same on b (n-gram only on prompt a:
-    12 / 4). A budget-256 cell at 6 < 7.5 is missed; a code row, an n-gram only row and a T > 0 row stay out of
-    the goals. Code without the chat template (--raw rows) is a set of its own, held to the issue's code figures:
+    12 / 4). A budget-256 cell at 6 < 7.5 is missed; a code row, an n-gram only row and a T > 0 row (a set of its own) stay
+    out of the goals. Code without the chat template (--raw rows) is a set of its own, held to the issue's code figures:
     16 tokens/pass at 64 against 15.76, met."""
     lr = load_script("levers_report")
     row = lever_row
@@ -111,6 +111,7 @@ def test_levers_report_pairs_settings_and_checks_the_chat_goals():
                                                 "chat, budget 256, both on", "code, no template, budget 64, both on"]
     assert ": met" in goals[0] and "MISSED" in goals[1] and "MISSED" in goals[2] and "goal 15.76: met" in goals[3]
     assert next(r for r in table if r[:3] == ["code", "64", "both on"])[4].startswith("12.00 [")
+    assert next(r for r in table if r[:3] == ["chat, T = 0.6", "64", "both on"])[4].startswith("24.00 [")
 
 
 def test_levers_report_writes_its_docs_section(tmp_path, monkeypatch, capsys):

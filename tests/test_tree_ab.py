@@ -1,0 +1,40 @@
+"""scripts/tree_ab.py's model-free parts: the per-prompt table across commits, and its refusals."""
+import pytest
+
+from offspec.errors import InputError
+from scripts_module import load_script
+
+ab = load_script("tree_ab")
+SETTINGS = {"policy": "dyspec", "budget": 64, "prompt_set": "code", "raw": True, "new_tokens": 96,
+            "dtype": "bfloat16", "temperature": 0.0}
+
+
+def row(commit, pid, accepted, generated=96):
+    return {"commit": commit, "prompt_id": pid, "generated": generated, "passes": len(accepted),
+            "accepted": accepted, "settings": SETTINGS}
+
+
+def test_the_table_puts_each_commit_in_a_column_and_says_whether_its_rounds_are_the_first_commits():
+    rows = [row("old", "p0", [30, 30, 30, 2]), row("old", "p1", [10] * 8 + [9]),
+            row("new", "p0", [30, 30, 30, 2]), row("new", "p1", [12] * 8)]
+    text = ab.table(rows)
+    assert "dyspec budget 64, code (no template), 96 tokens, T = 0" in text
+    assert "| prompt | old | new |" in text
+    assert "| p0 | 24.00 (4) | 24.00 (4, same rounds) |" in text
+    assert "| p1 | 10.67 (9) | 12.00 (8, other rounds) |" in text
+
+
+def test_a_prompt_one_commit_lacks_shows_a_dash():
+    text = ab.table([row("old", "p0", [47, 47]), row("new", "p1", [47, 47])])
+    assert "| p0 | 48.00 (2) | – |" in text and "| p1 | – | 48.00 (2) |" in text
+
+
+def test_no_checkout_is_one_line_and_exit_2(tmp_path, capsys):
+    assert ab.main(["--budget", "64", "--rows", str(tmp_path / "r.jsonl")]) == 2
+    assert "--checkout is required" in capsys.readouterr().err
+
+
+def test_a_checkout_without_offspec_is_refused_before_any_model_loads(tmp_path, monkeypatch):
+    monkeypatch.setattr("offspec.demo.ensure_demo_models", lambda: pytest.fail("models loaded"))
+    with pytest.raises(InputError, match="no offspec package there"):
+        ab.main(["--checkout", str(tmp_path), "--budget", "64", "--rows", str(tmp_path / "r.jsonl")])

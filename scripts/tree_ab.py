@@ -62,7 +62,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     import _common
     p = argparse.ArgumentParser(description=__doc__, formatter_class=_common.HelpFormatter)
     p.add_argument("--checkout", help="the checkout whose offspec generates (a worktree; '.' for this one)")
-    p.add_argument("--budget", type=int, required=True, help="tree budget (nodes besides the root)")
+    p.add_argument("--budget", type=int, help="tree budget (nodes besides the root); required to measure")
     p.add_argument("--policy", default="dyspec", help="growth policy")
     p.add_argument("--prompt-set", default="code", choices=("code", "chat"))
     p.add_argument("--raw", action="store_true", help="prompts without the chat template")
@@ -71,6 +71,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=1, help="torch threads of the child")
     p.add_argument("--rows", required=True, help="jsonl the rows are appended to, and the table is read from")
     p.add_argument("--report-only", action="store_true", help="only the table from --rows")
+    p.add_argument("--write-docs", action="store_true",
+                   help="also write the table into its section of docs/benchmarks.md (tree_ab)")
     return p.parse_args(argv)
 
 
@@ -132,7 +134,8 @@ def table(rows: list[dict]) -> str:
     sys.path.insert(0, str(HERE))
     import _common
     lines = []
-    for settings in sorted({json.dumps(r["settings"], sort_keys=True) for r in rows}):
+    by_budget = lambda text: (json.loads(text)["budget"], text)       # noqa: E731  (64 before 256)
+    for settings in sorted({json.dumps(r["settings"], sort_keys=True) for r in rows}, key=by_budget):
         group = [r for r in rows if json.dumps(r["settings"], sort_keys=True) == settings]
         commits = list(dict.fromkeys(r["commit"] for r in group))
         by = {(r["commit"], r["prompt_id"]): r for r in group}
@@ -155,12 +158,16 @@ def table(rows: list[dict]) -> str:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    import _common
     if not args.report_only:
-        if not args.checkout:
-            print("tree_ab: --checkout is required (or --report-only)", file=sys.stderr)
+        if not args.checkout or args.budget is None:
+            print("tree_ab: --checkout and --budget are required (or --report-only)", file=sys.stderr)
             return 2
         measure(args)
-    print(table(read_rows(args.rows)))
+    text = f"`{_common.command_line()}`:\n\n" + table(read_rows(args.rows))
+    print(text)
+    if args.write_docs:
+        _common.write_doc_section("tree_ab", text)
     return 0
 
 

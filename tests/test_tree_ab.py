@@ -31,7 +31,7 @@ def test_a_prompt_one_commit_lacks_shows_a_dash():
 
 def test_no_checkout_is_one_line_and_exit_2(tmp_path, capsys):
     assert ab.main(["--budget", "64", "--rows", str(tmp_path / "r.jsonl")]) == 2
-    assert "--checkout is required" in capsys.readouterr().err
+    assert "--checkout and --budget are required" in capsys.readouterr().err
 
 
 def test_a_checkout_without_offspec_is_refused_before_any_model_loads(tmp_path, monkeypatch):

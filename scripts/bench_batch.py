@@ -83,6 +83,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--rows", default=None, help="JSONL file the rows are appended to (resume: done cells are skipped)")
     p.add_argument("--write-docs", action="store_true", help="replace the bench_batch section of docs/benchmarks.md")
+    p.add_argument("--report-only", action="store_true",
+                   help="measure nothing: the table (and with --write-docs the section) from the --rows of these "
+                        "--prompt-sets and settings")
     p.add_argument("--predict", action="store_true", help="print (with --write-docs: write) the 70B-on-24GB "
                    "prediction for B = 1..64 instead of measuring")
     p.add_argument("--tokens-per-row-pass", type=float, default=None,
@@ -296,6 +299,13 @@ def report(rows: list[dict], args) -> tuple[list[str], list[list[str]]]:
     return headers, out
 
 
+def settings_of(args, prompt_set: str) -> dict:
+    """What a row must share with this run to be one of its cells (the rest of the key: regime, system, B, repeat,
+    machine)."""
+    return {"prompts": args.prompts, "new_tokens": args.new_tokens, "tree_budget": args.tree_budget,
+            "dtype": args.dtype, "disk_io": args.disk_io, "prompt_set": prompt_set}
+
+
 def measure_set(models: Models, target_dir, prompt_set: str, args, all_rows: list[dict], tmp: str) -> list[dict]:
     """Every (regime, system, B) cell of one prompt set: the rows already in --rows for these settings, and the
     missing ones measured now (each appended to --rows as it finishes)."""
@@ -303,8 +313,7 @@ def measure_set(models: Models, target_dir, prompt_set: str, args, all_rows: lis
     prompt_ids = [encode_prompt(models.tokenizer, text) for _, text in load_prompt_set(prompt_set, args.prompts)]
     requests = [GenerationRequest(prompt_ids=tuple(ids), max_new_tokens=args.new_tokens, ignore_eos=True,
                                   tree=TreeConfig(budget=budget)) for ids in prompt_ids]
-    settings = {"prompts": args.prompts, "new_tokens": args.new_tokens, "tree_budget": args.tree_budget,
-                "dtype": args.dtype, "disk_io": args.disk_io, "prompt_set": prompt_set}
+    settings = settings_of(args, prompt_set)
     here = _common.cpu_model()
     rows = [r for r in all_rows if r.get("settings") == settings]
     done = {(r["regime"], r["system"], r["concurrency"], r["repeat"]) for r in rows if machine_of(r) == here}
@@ -365,12 +374,19 @@ def main(argv=None) -> int:
             _common.write_doc_section(SECTION + "_prediction", text)
         return 0
     started, load_at_start = time.time(), _common.load_average()
-    target_dir, draft_dir = ensure_demo_models()
-    models = Models.open(target_dir, draft_dir)
     all_rows, kept = load_rows(args.rows), []
-    with tempfile.TemporaryDirectory(prefix="offspec-bench-batch-") as tmp:
-        for prompt_set in args.prompt_sets.split(","):
-            kept += measure_set(models, target_dir, prompt_set, args, all_rows, tmp)
+    if args.report_only:
+        kept = [r for prompt_set in args.prompt_sets.split(",") for r in all_rows
+                if r.get("settings") == settings_of(args, prompt_set)]
+    else:
+        target_dir, draft_dir = ensure_demo_models()
+        models = Models.open(target_dir, draft_dir)
+        with tempfile.TemporaryDirectory(prefix="offspec-bench-batch-") as tmp:
+            for prompt_set in args.prompt_sets.split(","):
+                kept += measure_set(models, target_dir, prompt_set, args, all_rows, tmp)
+    if not kept:
+        print(f"bench_batch: no rows of these settings in {args.rows}", file=sys.stderr)
+        return 1
     headers, table = report(kept, args)
     print(_common.text_table(headers, table))
     print("\n".join(goal_lines(kept)))
@@ -378,6 +394,9 @@ def main(argv=None) -> int:
         body = "\n".join([
             "## Batched speculation: prompts in flight (`scripts/bench_batch.py`)", "",
             _common.run_header(CPU, started, load_at_start), "",
+            *(["Rendered (not measured) by the command above from the rows in its --rows; the rows were measured "
+               "by the same options without --report-only, on the machines the table names.", ""]
+              if args.report_only else []),
             f"{args.prompts} prompts of each set (code: HumanEval, chat: MT-Bench first turns; chat template), "
             f"{args.new_tokens} new tokens each (EOS ignored), "
             f"{args.dtype}, greedy, tree budget {args.tree_budget}; demo pair (1.5B target, 0.5B draft, int8 draft "

@@ -138,3 +138,18 @@ def test_planner_trace_refuses_bad_arguments_in_one_line(args, capsys):
     with pytest.raises(SystemExit) as stop:
         trace.main(args)
     assert stop.value.code == 2 and "Traceback" not in capsys.readouterr().err
+
+
+def test_report_only_renders_the_rows_of_these_settings_without_loading_a_model(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(bench, "ensure_demo_models", lambda: pytest.fail("models loaded"))
+    args = bench.parse_args(["--prompt-sets", "chat"])
+    kept = [{**row("offspec", 1, 2.0, 0, prompt_set="chat"), "settings": bench.settings_of(args, "chat")},
+            {**row("offspec", 8, 8.0, 0, prompt_set="chat"), "settings": bench.settings_of(args, "chat")}]
+    other = {**row("offspec", 1, 9.0, 0), "settings": {**bench.settings_of(args, "code"), "new_tokens": 8}}
+    path = tmp_path / "rows.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in [*kept, other]))
+    assert bench.main(["--report-only", "--prompt-sets", "chat,code", "--rows", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "4.00×" in out and "9.000" not in out            # the chat cells; the code row has other settings
+    assert bench.main(["--report-only", "--prompt-sets", "code", "--rows", str(path)]) == 1
+    assert "no rows of these settings" in capsys.readouterr().err

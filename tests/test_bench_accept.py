@@ -110,6 +110,7 @@ def test_levers_report_pairs_settings_and_checks_the_chat_goals():
     assert [g.split(":")[0] for g in goals] == ["chat, budget 64, both on", "chat, budget 64, both off",
                                                 "chat, budget 256, both on", "code, no template, budget 64, both on"]
     assert ": met" in goals[0] and "MISSED" in goals[1] and "MISSED" in goals[2] and "goal 15.76: met" in goals[3]
+    assert "past the cut" in goals[3] and "past the cut" not in goals[0]
     assert next(r for r in table if r[:3] == ["code", "64", "both on"])[4].startswith("12.00 [")
     assert next(r for r in table if r[:3] == ["chat, T = 0.6", "64", "both on"])[4].startswith("24.00 [")
 

@@ -9,7 +9,7 @@ prompts on which the setting made fewer, more or the same tokens a pass. Then th
 256 >= 7.5, 1024 >= 8.5 tokens/pass; code "not below today's figures": the issue's own table, HumanEval/0-5
 without the chat template, so rows of `bench_accept.py --raw`, the set "code, no template"), for both levers on
 (the issue's) and both off (offspec's default); a goal is met when the median reaches it, and the interval says
-how sure that is. The code figures' lines say why they cannot be reached (GOAL_NOTES).
+how sure that is. The code figures' lines say how those figures were counted (GOAL_NOTES).
 
 Example (the rows of `bench_accept.py ... --rows docs/bench_accept_levers.jsonl`, and of its --raw code runs):
   python scripts/levers_report.py --rows docs/bench_accept_levers.jsonl docs/bench_accept_raw.jsonl --write-docs

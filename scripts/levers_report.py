@@ -4,10 +4,10 @@
 For each prompt set and budget (dyspec; T = 0, and each T > 0 as a set of its own), one line per lever setting:
 the prompts measured, the median over prompts of tokens/pass (each prompt's tokens up to the --new-tokens cut
 over its passes) with its bootstrap 95% interval, the mean tree size, and, where the setting shares prompts with
-"both off", the paired ratio of medians (setting / both off, over the prompts both have) with its paired bootstrap interval and the
-prompts on which the setting made fewer, more or the same tokens a pass. Then the goals (chat: budget 64 >= 5.8,
-256 >= 7.5, 1024 >= 8.5 tokens/pass; code "not below today's figures": the issue's own table, HumanEval/0-5
-without the chat template, so rows of `bench_accept.py --raw`, the set "code, no template"), for both levers on
+"both off", the paired ratio of medians (setting / both off, over the prompts both have) with its paired
+bootstrap interval and the prompts on which the setting made fewer, more or the same tokens a pass. Then the
+goals (chat: budget 64 >= 5.8, 256 >= 7.5, 1024 >= 8.5 tokens/pass; code "not below today's figures": the issue's
+own table, HumanEval/0-5 without the chat template, so rows of `bench_accept.py --raw`, the set "code, no template"), for both levers on
 (the issue's) and both off (offspec's default); a goal is met when the median reaches it, and the interval says
 how sure that is. The code figures' lines say how those figures were counted (GOAL_NOTES).
 

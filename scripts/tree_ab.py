@@ -27,8 +27,10 @@ import json
 import subprocess
 import sys
 from pathlib import Path
-
-HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # this checkout's offspec: the prompt ids
+import _common  # noqa: E402
+import _stats  # noqa: E402
+from bench_accept import append_row, read_rows  # noqa: E402
 
 # The child: argv = [checkout, policy, budget, new_tokens]; stdin: {"target", "draft", "prompts": [{id, ids}]};
 # stdout: one JSON line per prompt. It imports only the checkout's offspec.
@@ -58,8 +60,6 @@ for prompt in job["prompts"]:
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    sys.path.insert(0, str(HERE))
-    import _common
     p = argparse.ArgumentParser(description=__doc__, formatter_class=_common.HelpFormatter)
     p.add_argument("--checkout", help="the checkout whose offspec generates (a worktree; '.' for this one)")
     p.add_argument("--budget", type=int, help="tree budget (nodes besides the root); required to measure")
@@ -84,8 +84,6 @@ def commit_of(checkout: Path) -> str:
 
 
 def measure(args) -> None:
-    sys.path.insert(0, str(HERE.parent))          # this checkout's offspec: the prompt ids
-    import _stats
     from transformers import AutoTokenizer
 
     from offspec.demo import ensure_demo_models
@@ -114,25 +112,14 @@ def measure(args) -> None:
     child.stdin.close()
     for line in child.stdout:
         row = {**json.loads(line), "commit": commit, "settings": settings, "stamp": _stats.stamp()}
-        with open(args.rows, "a") as f:
-            f.write(json.dumps(row) + "\n")
+        append_row(args.rows, row)
         print(f"{commit} {row['prompt_id']}: {row['generated'] / row['passes']:.2f} tokens/pass", file=sys.stderr)
     if child.wait() != 0:
         raise InputError(f"the generation in {checkout} failed (exit {child.returncode})")
 
 
-def read_rows(path) -> list[dict]:
-    try:
-        with open(path) as f:
-            return [json.loads(line) for line in f if line.strip()]
-    except FileNotFoundError:
-        return []
-
-
 def table(rows: list[dict]) -> str:
     """Per (settings, prompt): tokens/pass and passes of each commit, in the order the commits first appear."""
-    sys.path.insert(0, str(HERE))
-    import _common
     lines = []
     by_budget = lambda text: (json.loads(text)["budget"], text)       # noqa: E731  (64 before 256)
     for settings in sorted({json.dumps(r["settings"], sort_keys=True) for r in rows}, key=by_budget):
@@ -158,7 +145,6 @@ def table(rows: list[dict]) -> str:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    import _common
     if not args.report_only:
         if not args.checkout or args.budget is None:
             print("tree_ab: --checkout and --budget are required (or --report-only)", file=sys.stderr)
@@ -172,6 +158,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, str(HERE))
-    import _common
     _common.run_main(main)

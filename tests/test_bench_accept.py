@@ -93,9 +93,9 @@ def lever_row(pid, generated, passes, ngram, calibrate, budget=64, pset="chat", 
 def test_levers_report_pairs_settings_and_checks_the_chat_goals():
     """Two chat prompts at budget 64: both levers on gives 8 and 6 tokens/pass (median 7 >= 5.8: met), both off
     4 and 6 (median 5: missed); the paired ratio is 7 / 5, more on a, the same on b (n-gram only on prompt a:
-    12 / 4). A budget-256 cell at 6 < 7.5 is missed; a code row, an n-gram only row and a T > 0 row (a set of its own) stay
-    out of the goals. Code without the chat template (--raw rows) is a set of its own, held to the issue's code figures:
-    16 tokens/pass at 64 against 15.76, met."""
+    12 / 4). A budget-256 cell at 6 < 7.5 is missed; a code row, an n-gram only row and a T > 0 row (a set of
+    its own) stay out of the goals. Code without the chat template (--raw rows) is a set of its own, held to the
+    issue's code figures: 16 tokens/pass at 64 against 15.76, met."""
     lr = load_script("levers_report")
     row = lever_row
     rows = [row("a", 96, 12, True, True), row("b", 96, 16, True, True), row("a", 96, 24, False, False),

@@ -32,17 +32,18 @@ sums) before it is compared with plain decoding's (measured directly: a + b R ov
 misses (node values that overestimate acceptance, draft or verification work it does not count) then counts in
 the choice.
 
-Plain decoding (no tree, no draft call) competes with the best trees every round. Its hidden cost: the drafts
-fall behind, and the first tree round after it feeds every row's backlog (at 8 rows, 32 plain rounds are 256
-draft tokens to read before any tree grows). So the switch back to trees is charged that backlog,
-spread over the tokens the rows have left, and the probes that re-time trees while plain decoding wins grow
-one row's tree only, the row whose draft is least behind. With probe_first (the engine on a CPU) a job starts in
-that state: one row's tree, the other rows' drafts reading nothing, and rows without a tree priced as copies of
-the rows with one (their draft work per node where the rounds cannot tell a call's cost from a node's). Such a
-copy is an extrapolation from few rows, so trees spread to rows without one at most doubling the rows with one
-after each timed round (1, 2, 4, 8 ...): every step is measured before the next, and a wrong guess costs a few
-rows' trees, not every row's catch-up. A finished row's last tree stays as the reference for rows joining after
-it (the job's last 16), so a fresh wave of prompts is decided from trees already seen, not by timing a new one.
+Plain decoding (no tree, no draft call) competes with the best trees every round. Its hidden cost: the drafts fall
+behind, and the first tree round after it feeds every row's backlog (at 8 rows, 32 plain rounds are 256 draft
+tokens to read before any tree grows). So the switch back to trees is charged that backlog, spread over the tokens
+the rows have left, and the probes that re-time trees while plain decoding wins grow one row's tree only, the row
+whose draft is least behind; none at all once the backlog alone costs more a token than plain decoding (no tree
+could then pay for the switch). With probe_first (the engine on a CPU, several rows) a job starts in that state:
+after the prefill round one row's tree, the other rows' drafts reading nothing, and rows without a tree priced as
+copies of the rows with one (their draft work per node where the rounds cannot tell a call's cost from a node's).
+Such a copy is an extrapolation from few rows, so trees spread to rows without one at most doubling the rows with
+one after each timed round (1, 2, 4, 8 ...): every step is measured before the next, and a wrong guess costs a few
+rows' trees, not every row's catch-up. A finished row's last tree stays as the reference for rows joining after it
+(the job's last 16), so a fresh wave of prompts is decided from trees already seen, not by timing a new one.
 """
 from __future__ import annotations
 
@@ -77,8 +78,9 @@ class BudgetPlanner:
     def __init__(self, start: int = 32, max_budget: int = AUTO_MAX_TREE_BUDGET, max_depth: int = 32,
                  probe_first: Optional[int] = None):
         self.start = min(start, max_budget)   # a row's budget before any tree of it was seen
-        # probe_first: the job starts as if plain decoding had won, with ONE tree of this many nodes (the first
-        # row's), so the other rows' drafts read their prompts only once the measured costs say trees pay. Where a
+        # probe_first: the job starts as if plain decoding had won, with ONE tree of this many nodes (the least
+        # behind row's, after the first round), so the other rows' drafts read their prompts only once the measured
+        # costs say trees pay. Where a
         # draft's prefill is compute as dear as the target's (a CPU), that read is most of what trees cost at many
         # rows. None: every row starts with `start` (a GPU, where a streamed pass dwarfs the draft's prefill).
         self.probe_first = min(probe_first, max_budget) if probe_first else None
@@ -104,16 +106,12 @@ class BudgetPlanner:
 
     def budget(self, row: Hashable) -> int:
         """Row's tree budget for this round: a new row starts at `start` (or what the pass has left), or at 0
-        while plain decoding wins (its draft need not read its prompt until trees pay again); with probe_first,
-        the job's first row grows the one tree that times them (later rows have the finished rows' trees)."""
+        while plain decoding wins (its draft need not read its prompt until trees pay again). With probe_first
+        the job starts so: its first round prefills the prompts with no tree (one grown there is not timed, so
+        its draft work would buy its values alone), and the next grows the one tree that times them, the row
+        least behind's (_choose); later rows have the finished rows' trees."""
         if row not in self.alloc:
-            if not self.plain_wins:
-                self.alloc[row] = self._left(self.start)
-            elif (self.probe_first is not None and not self.trees and not self.past
-                  and not any(self.alloc.values())):
-                self.alloc[row] = self._left(self.probe_first)      # the job's first row: the tree that times them
-            else:
-                self.alloc[row] = 0
+            self.alloc[row] = 0 if self.plain_wins else self._left(self.start)
         return self.alloc[row]
 
     def _left(self, want: int) -> int:
@@ -169,7 +167,9 @@ class BudgetPlanner:
         self.left.update(left or {})
         self.trees.update(grown)
         self.timed = timed
-        if self.passes and (self.drafts or not self.trees):   # no tree yet: time one (_choose)
+        # No tree yet: time one (_choose); with probe_first, right after the job's first round.
+        first_probe = self.probe_first is not None and not (self.trees or self.past or self.drafts)
+        if self.passes and (self.drafts or not self.trees) or first_probe:
             self._choose()
 
     def round_seconds(self, N, depth, R, unsure: str = "per call"):
@@ -347,7 +347,11 @@ class BudgetPlanner:
             self.plain_wins = True
             self.plain_rounds += 1
             self.alloc = dict.fromkeys(self.alloc, 0)
-            if self.plain_rounds >= self.probe_after and self.alloc:
+            # A probe is pointless once the drafts' backlog alone, spread over the tokens the rows have left,
+            # costs more a token than plain decoding: no tree it could time would pay for the switch back (the
+            # job's tail, or rows whose drafts never read their prompts). It waits, and is not rescheduled.
+            hopeless = self.alloc and switch >= (a + b * R) / R
+            if self.plain_rounds >= self.probe_after and self.alloc and not hopeless:
                 self.plain_rounds, self.probe_after = 0, min(2 * self.probe_after, LAST_PROBE)
                 probe = self._least_behind(rows or list(self.alloc))
                 self.alloc[probe] = (self._budget_of(self.trees[probe], mine[rows.index(probe)]) if rows

@@ -274,11 +274,13 @@ class Engine:
         # First trees: 128 nodes a row on a GPU, where a pass costs its transfer whatever it computes. On a CPU a
         # pass and a draft call are compute, and every row's first tree costs its draft reading its prompt (at 16
         # rows that read was a tenth of the job, with plain decoding winning most rounds after it): the job starts
-        # with one row's 32-node tree, the others decoding plainly, and the planner grows theirs once it has timed
-        # that tree and trees pay (probe_first); rows joining later while trees pay share 32 nodes a pass.
+        # decoding plainly, after its first timed pass one row grows a tree (32 nodes alone, 32 / B among B rows
+        # but at least 8: a row's share of a first pass, enough to price a draft's nodes), and the planner grows
+        # the others' once it has timed that tree and trees pay (probe_first); rows joining later while trees pay
+        # share 32 nodes a pass. One row in flight starts with its 32-node tree: it is every row's.
         gpu = self.device.type == "cuda"
         planner = BudgetPlanner(start=128 if gpu else max(1, 32 // B), max_budget=self.max_tree_budget, max_depth=0,
-                                probe_first=None if gpu else 32)
+                                probe_first=None if gpu or B == 1 else max(8, 32 // B))
         while rows or feed.wait():          # with no row in flight: wait for a request, or end with the feed
             # refill: the next prompts take free rows (auto concurrency: as many as the costs favour)
             limit = ((planner.rows_worth(B) if adapt_rows else None) or B) if free and feed.waiting() else 0

@@ -420,10 +420,11 @@ def test_auto_concurrency_refills_only_the_rows_the_costs_favour(engine, monkeyp
 
 
 def test_while_plain_decoding_wins_a_probe_grows_one_tree_the_least_behind(engine, monkeypatch):
-    """Costs under which no tree pays (every token of a pass and of a draft call costs the same): the job starts
-    with one row's tree (the others' drafts never read their prompts), the rows then decode plainly, and each
-    probe that re-times trees grows the tree of one row only, the one whose draft has the least to read. The engine hands the planner each row's backlog and tokens
-    left after the commits, and the catch-up's tokens; the outputs stay each request's own."""
+    """Costs under which no tree pays (every token of a pass and of a draft call costs the same): the job's
+    first round prefills with no tree, the next grows one row's tree (the others' drafts never read their
+    prompts), the rows then decode plainly, and each probe that re-times trees grows the tree of one row only,
+    the one whose draft has the least to read. The engine hands the planner each row's backlog and tokens left
+    after the commits, and the catch-up's tokens; the outputs stay each request's own."""
     from offspec.costmodel import BudgetPlanner
     monkeypatch.setattr(BudgetPlanner, "target_fit", lambda self: (0.0, 1.0))
     monkeypatch.setattr(BudgetPlanner, "draft_fit", lambda self, unsure="per call": (1.0, 1.0))
@@ -443,11 +444,12 @@ def test_while_plain_decoding_wins_a_probe_grows_one_tree_the_least_behind(engin
     mine = rounds[:]                              # the runs alone below add theirs to the spy's list
     for i, request in enumerate(requests):
         assert tokens[i] == alone(engine, request)[0], i
-    # On a CPU the job starts with one tree, the first row's: only its prompt is read into the draft
-    assert mine[0][0] == {0} and mine[0][3][0] == len(requests[0].prompt_ids)
+    # On a CPU the job's prefill round grows no tree and reads no prompt into the draft; the next round, one
+    # tree (the first probe below): only its row's prompt is read
+    assert mine[0][0] == set() and mine[0][3][0] == 0
     assert all(len(grew) <= 1 for grew, *_ in mine)          # no tree pays: never more than the probe's
     probes = [k for k, (grew, *_) in enumerate(mine) if k > 0 and grew and not mine[k - 1][0]]
-    assert len(probes) >= 2
+    assert probes[0] == 1 and len(probes) >= 2
     for k in probes:
         (grew,), behind = mine[k][0], mine[k - 1][1]
         assert behind[grew] == min(behind.values()) and mine[k][3][0] == behind[grew]   # its catch-up, alone

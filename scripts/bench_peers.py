@@ -761,8 +761,9 @@ def sweep_row(regime, prompt_set, pid, seed, ids, out: dict, settings: dict) -> 
 
 
 def summarize_sweep(rows: list[dict]) -> dict:
-    """{"regime", "prompts", "settings": {label: {"seconds_per_token": median CI, "tokens_per_pass": median,
-    "flags"}}, "best": label}: the best setting is the one with the lowest median s/token."""
+    """One (regime, prompt set)'s sweep rows -> {"regime", "prompt_set", "prompts", "settings": {label:
+    {"seconds_per_token": median CI, "tokens_per_pass": median, "flags"}}, "best": label}: the best setting is
+    the one with the lowest median s/token."""
     by_label = {assist_label(a): a for a in SWEEP}
     table = {}
     for label in by_label:
@@ -772,17 +773,19 @@ def summarize_sweep(rows: list[dict]) -> dict:
                             "tokens_per_pass": statistics.median(c["tokens_per_pass"] for c in cells),
                             "flags": assist_flags(by_label[label])}
     best = min(table, key=lambda label: table[label]["seconds_per_token"]["median"]) if table else None
-    return {"regime": rows[0]["regime"] if rows else None, "prompts": len(rows), "settings": table, "best": best}
+    return {"regime": rows[0]["regime"] if rows else None, "prompt_set": rows[0].get("prompt_set") if rows else None,
+            "prompts": len(rows), "settings": table, "best": best}
 
 
 def sweep_markdown(summaries: list[dict]) -> str:
-    lines = ["| regime | hf-assisted setting | median s/token [95% CI] | tokens/pass | flags |",
-             "|---|---|---|---|---|"]
+    lines = ["| regime | prompts | hf-assisted setting | median s/token [95% CI] | tokens/pass | flags |",
+             "|---|---|---|---|---|---|"]
     for sm in summaries:
         for label, cell in sm["settings"].items():
             mark = " **(best)**" if label == sm["best"] else ""
-            lines.append(f"| {sm['regime']} | {label}{mark} | {_stats.fmt_ci(cell['seconds_per_token'])} | "
-                         f"{cell['tokens_per_pass']:.2f} | `{cell['flags']}` |")
+            lines.append(f"| {sm['regime']} | {sm['prompt_set']} ({sm['prompts']}) | {label}{mark} | "
+                         f"{_stats.fmt_ci(cell['seconds_per_token'])} | {cell['tokens_per_pass']:.2f} | "
+                         f"`{cell['flags']}` |")
     return "\n".join(lines)
 
 
@@ -1284,8 +1287,10 @@ def report(args, rows: list[dict], checks: dict, started: float, load_at_start: 
                       for f in args.rows)
     if args.assist_sweep:
         sweep_rows = [r for r in rows if r.get("kind") == SWEEP_KIND and r["regime"] in args.regimes]
-        by_regime = [[r for r in sweep_rows if r["regime"] == regime] for regime in args.regimes]
-        sweeps = [summarize_sweep(group) for group in by_regime if group]
+        groups = {}                                  # (regime, prompt set) -> its rows, in the order of --regimes
+        for r in sorted(sweep_rows, key=lambda r: args.regimes.index(r["regime"])):
+            groups.setdefault((r["regime"], r.get("prompt_set")), []).append(r)
+        sweeps = [summarize_sweep(group) for group in groups.values()]
         if not sweeps:
             print(f"error: {files} hold no sweep rows for regimes {','.join(args.regimes)}", file=sys.stderr)
             return 2
@@ -1338,9 +1343,11 @@ def write_sweep(args, sweeps: list[dict], header: str) -> int:
     """The sweep's table (stdout, --json, docs section bench_peers_sweep) and each regime's best setting."""
     body = "\n".join(["## hf-assisted settings sweep (`scripts/bench_peers.py --assist-sweep`)", "", header, "",
                       sweep_markdown(sweeps), "",
-                      "The best setting per regime (lowest median s/token) is the peer the main table runs: "
-                      + "; ".join(f"{sm['regime']}: {sm['best']} (`{sm['settings'][sm['best']]['flags']}`)"
-                                  for sm in sweeps if sm["best"]) + "."])
+                      "The best setting per regime and prompt set (lowest median s/token) is the peer the main "
+                      "table runs: "
+                      + "; ".join(f"{sm['regime']}, {sm['prompt_set']}: {sm['best']} "
+                                  f"(`{sm['settings'][sm['best']]['flags']}`)" for sm in sweeps if sm["best"])
+                      + "."])
     print(body)
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
@@ -1349,8 +1356,8 @@ def write_sweep(args, sweeps: list[dict], header: str) -> int:
         _common.write_doc_section("bench_peers_sweep", body)
     for sm in sweeps:
         if sm["best"]:
-            print(f"best hf-assisted setting, {sm['regime']}: {sm['best']}: {sm['settings'][sm['best']]['flags']}",
-                  file=sys.stderr)
+            print(f"best hf-assisted setting, {sm['regime']}, {sm['prompt_set']}: {sm['best']}: "
+                  f"{sm['settings'][sm['best']]['flags']}", file=sys.stderr)
     return 0
 
 

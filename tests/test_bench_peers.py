@@ -187,3 +187,20 @@ def test_markdown_labels_hf_assisted_by_what_each_row_read_back(bp):
     text = render(bp, bp.summarize_group(new), bp.summarize_group(old))
     assert (f"disk, code: 4 draft tokens per pass, constant schedule, confidence threshold 0 (2 rows); "
             f"cpu, code: {bp.UNAPPLIED_LABEL} (2 rows).") in text
+
+
+def test_the_sweep_report_names_a_best_setting_per_regime_and_prompt_set(bp, tmp_path, capsys):
+    """Code and chat sweeps of one regime are two groups, each with its own best setting, never pooled."""
+    labels = [bp.assist_label(a) for a in bp.SWEEP]
+
+    def sweep_row(prompt_set, pid, best):
+        cells = {label: {"seconds_per_token": 0.1 if label == best else 0.2, "tokens_per_pass": 4.0}
+                 for label in labels}
+        return {"kind": bp.SWEEP_KIND, "regime": "cpu", "prompt_set": prompt_set, "id": pid, "prompt_id": pid,
+                "seed": None, "cells": cells}
+    path = tmp_path / "sweep.jsonl"
+    path.write_text("".join(json.dumps(sweep_row(s, f"{s}{i}", labels[1 if s == "code" else 2])) + "\n"
+                            for s in ("code", "chat") for i in range(3)))
+    assert bp.main(["--report-only", "--assist-sweep", "--rows", str(path), "--regimes", "cpu"]) == 0
+    err = capsys.readouterr().err
+    assert f"cpu, code: {labels[1]}:" in err and f"cpu, chat: {labels[2]}:" in err

@@ -80,9 +80,9 @@ class BudgetPlanner:
         self.start = min(start, max_budget)   # a row's budget before any tree of it was seen
         # probe_first: the job starts as if plain decoding had won, with ONE tree of this many nodes (the least
         # behind row's, after the first round), so the other rows' drafts read their prompts only once the measured
-        # costs say trees pay. Where a
-        # draft's prefill is compute as dear as the target's (a CPU), that read is most of what trees cost at many
-        # rows. None: every row starts with `start` (a GPU, where a streamed pass dwarfs the draft's prefill).
+        # costs say trees pay. Where a draft's prefill is compute as dear as the target's (a CPU), that read is most
+        # of what trees cost at many rows. None: every row starts with `start` (a GPU, where a streamed pass dwarfs
+        # the draft's prefill).
         self.probe_first = min(probe_first, max_budget) if probe_first else None
         self.max_budget = max_budget          # nodes per pass, all rows together (+ at least one a row): the
                                               # plan counted logits for that many
@@ -167,9 +167,9 @@ class BudgetPlanner:
         self.left.update(left or {})
         self.trees.update(grown)
         self.timed = timed
-        # No tree yet: time one (_choose); with probe_first, right after the job's first round.
-        first_probe = self.probe_first is not None and not (self.trees or self.past or self.drafts)
-        if self.passes and (self.drafts or not self.trees) or first_probe:
+        # No tree yet: time one (_choose); with probe_first, right after the job's first round, untimed as it is
+        # (a round's draft work is fitted only once a pass was timed: no drafts without passes).
+        if (self.passes or self.probe_first is not None) and (self.drafts or not self.trees):
             self._choose()
 
     def round_seconds(self, N, depth, R, unsure: str = "per call"):
@@ -350,8 +350,7 @@ class BudgetPlanner:
             # A probe is pointless once the drafts' backlog alone, spread over the tokens the rows have left,
             # costs more a token than plain decoding: no tree it could time would pay for the switch back (the
             # job's tail, or rows whose drafts never read their prompts). It waits, and is not rescheduled.
-            hopeless = self.alloc and switch >= (a + b * R) / R
-            if self.plain_rounds >= self.probe_after and self.alloc and not hopeless:
+            if self.alloc and self.plain_rounds >= self.probe_after and switch < (a + b * R) / R:
                 self.plain_rounds, self.probe_after = 0, min(2 * self.probe_after, LAST_PROBE)
                 probe = self._least_behind(rows or list(self.alloc))
                 self.alloc[probe] = (self._budget_of(self.trees[probe], mine[rows.index(probe)]) if rows

@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -70,6 +71,9 @@ def main(argv=None) -> int:
     p.add_argument("--new-tokens", type=int, default=64, help="tokens a prompt (EOS ignored)")
     p.add_argument("--tree", default="dyspec", choices=POLICIES,
                    help="growth policy (none: plain batched decoding, no planner)")
+    p.add_argument("--offload", default="none", choices=["none", "disk"],
+                   help="none: both models resident (a pass is compute); disk: the target's layers streamed "
+                        "from a packed store in a temporary folder, every read cold (bench_batch's disk regime)")
     p.add_argument("--out", default=None, help="JSONL file for the per-round log")
     args = p.parse_args(argv)
     for name in ("concurrency", "prompts", "new_tokens"):
@@ -83,7 +87,9 @@ def main(argv=None) -> int:
     requests = [GenerationRequest(prompt_ids=tuple(x), max_new_tokens=args.new_tokens, ignore_eos=True,
                                   tree=TreeConfig(policy=args.tree)) for x in ids]
     longest = max(map(len, ids)) + args.new_tokens
-    loaded = models.load(OffloadConfig(mode="none"), RuntimeConfig(dtype=torch.bfloat16, draft_quant="int8"),
+    store = tempfile.TemporaryDirectory(prefix="offspec-trace-")
+    offload = OffloadConfig(mode=args.offload, store_dir=store.name if args.offload == "disk" else None)
+    loaded = models.load(offload, RuntimeConfig(dtype=torch.bfloat16, draft_quant="int8"),
                          RunLimits(context=longest + 1026, sampling=False, concurrency=args.concurrency),
                          progress=False)
     started, tokens = time.perf_counter(), 0
@@ -92,7 +98,9 @@ def main(argv=None) -> int:
             raise SystemExit(f"planner_trace: {event.error}")
         tokens += len(event.step.tokens)
     wall = time.perf_counter() - started
-    print(f"B={args.concurrency} {args.tree}, {args.prompts} {args.prompt_set} prompts: {tokens} tokens in {wall:.1f} s, "
+    loaded.engine.close()
+    store.cleanup()
+    print(f"B={args.concurrency} {args.tree} ({args.offload}), {args.prompts} {args.prompt_set} prompts: {tokens} tokens in {wall:.1f} s, "
           f"{tokens / wall:.2f} tokens/s")
     if log:
         print(summary(log))

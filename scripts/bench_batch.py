@@ -110,7 +110,7 @@ def predict(args, rows: list[dict]) -> str:
     from offspec.plan import GB, Machine, ModelSpec, make_plan
     measured = [r["tokens_per_pass"] for r in rows if r["regime"] == "disk" and r["system"] == "offspec"
                 and r["concurrency"] == 1 and r["prompt_set"] == "code"]
-    tau = args.tokens_per_row_pass or (measured[0] if measured else 8.0)
+    tau = args.tokens_per_row_pass or (statistics.median(measured) if measured else 8.0)
     context, depth = 1024, 12
     draft_s = args.draft_ms / 1000 * (depth + 1)
     with tempfile.TemporaryDirectory() as tmp:
@@ -138,7 +138,7 @@ def predict(args, rows: list[dict]) -> str:
     assumptions = (f"Assumptions (a PREDICTION, nothing here ran on a GPU): Llama-3.1-70B target and Llama-3.2-1B draft "
                    f"in bf16; a 24 GB GPU and 192 GB of host RAM (offload auto); context {context} tokens a prompt; "
                    f"{args.tree_nodes} tree nodes per prompt per pass; each prompt gains {tau:.2f} tokens a pass "
-                   f"({'measured here: offspec B=1, disk regime, demo pair' if measured and not args.tokens_per_row_pass else 'given'}); "
+                   f"({f'measured here: offspec B=1, disk regime, demo pair, median of {len(measured)} runs' if measured and not args.tokens_per_row_pass else 'given'}); "
                    f"link {args.link_gbps:g} GB/s pinned; verification compute 2 x {params / 1e9:.1f} B target matmul "
                    f"parameters x B x {args.tree_nodes + 1} tokens at {args.gpu_tflops:g} TFLOP/s effective; draft "
                    f"{depth + 1} calls a round at {args.draft_ms:g} ms each, not overlapped with the pass. "

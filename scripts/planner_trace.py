@@ -74,6 +74,10 @@ def main(argv=None) -> int:
     p.add_argument("--offload", default="none", choices=["none", "disk"],
                    help="none: both models resident (a pass is compute); disk: the target's layers streamed "
                         "from a packed store in a temporary folder, every read cold (bench_batch's disk regime)")
+    p.add_argument("--slots", type=int, default=2, help="ring slots with --offload disk (layers read ahead)")
+    p.add_argument("--auto-rows", action="store_true",
+                   help="--concurrency is the most rows in flight and the costs may keep fewer (what `offspec batch "
+                        "--concurrency auto` does with the memory plan's most)")
     p.add_argument("--out", default=None, help="JSONL file for the per-round log")
     args = p.parse_args(argv)
     for name in ("concurrency", "prompts", "new_tokens"):
@@ -88,12 +92,13 @@ def main(argv=None) -> int:
                                   tree=TreeConfig(policy=args.tree)) for x in ids]
     longest = max(map(len, ids)) + args.new_tokens
     store = tempfile.TemporaryDirectory(prefix="offspec-trace-")
-    offload = OffloadConfig(mode=args.offload, store_dir=store.name if args.offload == "disk" else None)
+    offload = OffloadConfig(mode=args.offload, store_dir=store.name if args.offload == "disk" else None,
+                            n_slots=args.slots)
     loaded = models.load(offload, RuntimeConfig(dtype=torch.bfloat16, draft_quant="int8"),
                          RunLimits(context=longest + 1026, sampling=False, concurrency=args.concurrency),
                          progress=False)
     started, tokens = time.perf_counter(), 0
-    for event in loaded.engine.run_batch(requests, concurrency=args.concurrency):
+    for event in loaded.engine.run_batch(requests, concurrency=args.concurrency, adapt_rows=args.auto_rows):
         if event.error is not None:
             raise SystemExit(f"planner_trace: {event.error}")
         tokens += len(event.step.tokens)

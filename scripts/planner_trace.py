@@ -83,6 +83,8 @@ def main(argv=None) -> int:
     for name in ("concurrency", "prompts", "new_tokens"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be at least 1")
+    if args.slots < 2:
+        p.error("--slots must be at least 2 (one slot is read while another is computed)")
     log: list = []
     costmodel.BudgetPlanner.observe = traced(log)
     target, draft = ensure_demo_models()

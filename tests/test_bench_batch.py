@@ -132,7 +132,7 @@ def test_planner_trace_splits_the_job_into_tree_plain_and_prefill_rounds():
                                   "prefill rounds: 1 rounds, 6 tokens in 4.0 s (1.5 tokens/s)")
 
 
-@pytest.mark.parametrize("args", [["--concurrency", "0"], ["--new-tokens", "0"], ["--tree", "nonsense"]])
+@pytest.mark.parametrize("args", [["--concurrency", "0"], ["--new-tokens", "0"], ["--tree", "nonsense"], ["--slots", "1"]])
 def test_planner_trace_refuses_bad_arguments_in_one_line(args, capsys):
     trace = load_script("planner_trace")
     with pytest.raises(SystemExit) as stop:

@@ -18,8 +18,9 @@ with FUSED_MAX_ROWS raised to 16 for the int8 line):
     bf16   0.057  0.056  0.064  0.067  0.069  0.073  0.077  0.087
     int8   0.024  0.023  0.045  0.058  0.058  0.074  0.078  0.092
 
-so int8 serves calls up to 12 rows (the kernel steps every 4 rows; level at 14-16). This changes the draft's distribution p a little and
-nothing else: the target verifies every token, so output stays exactly the target's, greedy and sampled.
+so int8 serves calls up to 12 rows (the kernel steps every 4 rows; level at 14-16). This changes the draft's
+distribution p a little and nothing else: the target verifies every token, so output stays exactly the
+target's, greedy and sampled.
 
 Part 1b, a draft held quantized (`--draft-quant int8-held | nf4`): to free device memory rather than to be
 fast, each matrix of the draft's layers is kept ONLY quantized, as a HeldWeight, in the same pieces as the

@@ -2,7 +2,8 @@
 """One batch job on the demo pair with the auto planner's every round logged: what the planner was shown
 (rows, rows that grew a tree, nodes, growth / catch-up / pass seconds, tokens fed, tokens yielded) and what it
 chose after (plain decoding or trees, its miss ratio, the budgets it gave). For diagnosing the planner, not a
-benchmark: one run, no repeats (scripts/bench_batch.py measures; its cpu regime has the same settings).
+benchmark: one run, no repeats (scripts/bench_batch.py measures; its cpu and disk regimes have the same settings
+as --offload none and disk).
 
   python scripts/planner_trace.py --concurrency 16 --prompts 32 --prompt-set chat --out trace.jsonl
   python scripts/planner_trace.py --concurrency 8 --prompts 16 --tree none      # the plain baseline's wall time
@@ -93,22 +94,23 @@ def main(argv=None) -> int:
     requests = [GenerationRequest(prompt_ids=tuple(x), max_new_tokens=args.new_tokens, ignore_eos=True,
                                   tree=TreeConfig(policy=args.tree)) for x in ids]
     longest = max(map(len, ids)) + args.new_tokens
-    store = tempfile.TemporaryDirectory(prefix="offspec-trace-")
-    offload = OffloadConfig(mode=args.offload, store_dir=store.name if args.offload == "disk" else None,
-                            n_slots=args.slots)
-    loaded = models.load(offload, RuntimeConfig(dtype=torch.bfloat16, draft_quant="int8"),
-                         RunLimits(context=longest + 1026, sampling=False, concurrency=args.concurrency),
-                         progress=False)
-    started, tokens = time.perf_counter(), 0
-    for event in loaded.engine.run_batch(requests, concurrency=args.concurrency, adapt_rows=args.auto_rows):
-        if event.error is not None:
-            raise SystemExit(f"planner_trace: {event.error}")
-        tokens += len(event.step.tokens)
-    wall = time.perf_counter() - started
-    loaded.engine.close()
-    store.cleanup()
-    print(f"B={args.concurrency} {args.tree} ({args.offload}), {args.prompts} {args.prompt_set} prompts: {tokens} tokens in {wall:.1f} s, "
-          f"{tokens / wall:.2f} tokens/s")
+    with tempfile.TemporaryDirectory(prefix="offspec-trace-") as store_dir:      # the disk store, built per run
+        offload = OffloadConfig(mode=args.offload, store_dir=store_dir if args.offload == "disk" else None,
+                                n_slots=args.slots)
+        loaded = models.load(offload, RuntimeConfig(dtype=torch.bfloat16, draft_quant="int8"),
+                             RunLimits(context=longest + 1026, sampling=False, concurrency=args.concurrency),
+                             progress=False)
+        started, tokens = time.perf_counter(), 0
+        try:
+            for event in loaded.engine.run_batch(requests, concurrency=args.concurrency, adapt_rows=args.auto_rows):
+                if event.error is not None:
+                    raise SystemExit(f"planner_trace: {event.error}")
+                tokens += len(event.step.tokens)
+            wall = time.perf_counter() - started
+        finally:
+            loaded.engine.close()               # its reader threads hold the store's file open
+    print(f"B={args.concurrency} {args.tree} ({args.offload}), {args.prompts} {args.prompt_set} prompts: "
+          f"{tokens} tokens in {wall:.1f} s, {tokens / wall:.2f} tokens/s")
     if log:
         print(summary(log))
     if args.out:

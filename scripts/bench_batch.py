@@ -17,7 +17,10 @@ per pass, GB streamed per token, and each prompt's latency (s/token over its own
             cpu: weights in host RAM). Its tokens are checked against offspec's (bf16: agreement, not identity).
 
 Every cell runs --repeats times (default 3): each repeat runs all the cells in an order shuffled for (prompt set,
-repeat), so no cell always runs first or last (a drive or a machine that changes speed lands on every cell). The
+repeat), so no cell always runs first or last (a drive or a machine that changes speed lands on every cell). Each
+cell runs in a process of its own (--cell-process own, the default), as a user's job does: cells that shared one
+process ran faster after some cells than after others (docs/benchmarks.md). Rows of the two kinds are never
+pooled: the table's "process" column says which a cell is (rows from before the flag ran in one shared process). The
 table gives each cell's median over its repeats with the [min, max] of tokens/s, and × B=1 as the ratio of the
 medians. Rows are appended to --rows as they finish, one per (prompt set, regime, system, B, repeat), so an
 interrupted run resumes; rows from before repeats count as repeat 0.
@@ -40,6 +43,7 @@ import gc
 import json
 import os
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -63,6 +67,11 @@ from offspec.prompt_sets import load_prompt_set  # noqa: E402
 SECTION = "bench_batch"
 UNRECORDED = "unrecorded"                  # the machine of rows measured before rows carried a stamp
 CPU = torch.device("cpu")
+class CellFailed(Exception):
+    """A cell's own process exited without its row (its own error printed above); main reports it in one line."""
+
+
+PROCESS_WORDS = {"own": "each cell in its own process", "shared": "cells sharing a process"}
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -81,6 +90,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=3, help="runs of every cell, in an order shuffled per repeat")
     p.add_argument("--disk-io", default="direct", choices=["direct", "buffered"], help="disk regime reads")
     p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--cell-process", default="own", choices=["own", "shared"],
+                   help="own: every cell in a fresh process of its own (as a user's job runs); shared: all cells in "
+                        "this process (quicker, for smoke runs; a cell can depend on the one before it)")
+    p.add_argument("--one-cell", default=None, help=argparse.SUPPRESS)   # internal: {prompt_set, regime, system, B,
+    #                                     dir, out} as JSON; measure that cell alone, write its dict to out, exit
     p.add_argument("--rows", default=None, help="JSONL file the rows are appended to (resume: done cells are skipped)")
     p.add_argument("--write-docs", action="store_true", help="replace the bench_batch section of docs/benchmarks.md")
     p.add_argument("--report-only", action="store_true",
@@ -155,6 +169,7 @@ def load_rows(path) -> list[dict]:
         row.setdefault("prompt_set", "code")
         row.get("settings", {}).setdefault("prompt_set", "code")
         row.setdefault("repeat", 0)
+        row.get("settings", {}).setdefault("cell_process", "shared")   # rows from before --cell-process
     return rows
 
 
@@ -257,11 +272,17 @@ def machine_of(row: dict) -> str:
     return row.get("stamp", {}).get("machine", "").split(",")[0] or UNRECORDED
 
 
+def process_of(row: dict) -> str:
+    """"own" (the cell ran in a fresh process) or "shared" (all cells of a run in one process)."""
+    return row.get("settings", {}).get("cell_process", "shared")
+
+
 def cells_of(rows: list[dict]) -> dict:
-    """(machine, prompt set, regime, system, B) -> that cell's rows, one per repeat."""
+    """(machine, process, prompt set, regime, system, B) -> that cell's rows, one per repeat."""
     cells: dict = {}
     for r in rows:
-        cells.setdefault((machine_of(r), r["prompt_set"], r["regime"], r["system"], r["concurrency"]), []).append(r)
+        key = (machine_of(r), process_of(r), r["prompt_set"], r["regime"], r["system"], r["concurrency"])
+        cells.setdefault(key, []).append(r)
     return cells
 
 
@@ -272,15 +293,16 @@ def median_of(runs: list[dict], key: str):
 
 def report(rows: list[dict], args) -> tuple[list[str], list[list[str]]]:
     """One line per cell: medians over its repeats (tokens/s with [min, max] when it ran more than once)."""
-    headers = ["prompts", "regime", "machine", "system", "B", "runs", "tokens/s [min, max]", "× B=1", "passes",
-               "prompts/pass", "tokens/pass", "GB/token", "prompt s/token (median)", "agrees with offspec B=1"]
+    headers = ["prompts", "regime", "machine", "process", "system", "B", "runs", "tokens/s [min, max]", "× B=1",
+               "passes", "prompts/pass", "tokens/pass", "GB/token", "prompt s/token (median)", "agrees with offspec B=1"]
     out, cells = [], cells_of(rows)
     order = {"offspec": 0, "offspec --tree none": 1}
-    for key in sorted(cells, key=lambda k: (("code", "chat").index(k[1]), ("disk", "cpu").index(k[2]),
-                                            k[0] == UNRECORDED, k[0], order.get(k[3], 2), cell_order(k[4]))):
-        machine, prompt_set, regime, system, B = key
+    for key in sorted(cells, key=lambda k: (("code", "chat").index(k[2]), ("disk", "cpu").index(k[3]),
+                                            k[0] == UNRECORDED, k[0], k[1] != "own", order.get(k[4], 2),
+                                            cell_order(k[5]))):
+        machine, process, prompt_set, regime, system, B = key
         runs = cells[key]
-        base = cells.get((machine, prompt_set, regime, "offspec", 1))
+        base = cells.get((machine, process, prompt_set, regime, "offspec", 1))
         speed = [r["tokens_per_second"] for r in runs]
         speedup = statistics.median(speed) / median_of(base, "tokens_per_second") if base else None
         first_base = min(base, key=lambda r: r["repeat"]) if base else None
@@ -290,7 +312,7 @@ def report(rows: list[dict], args) -> tuple[list[str], list[list[str]]]:
         most = sorted({r["most_in_flight"] for r in runs if r.get("most_in_flight")})
         shown_B = B if B != "auto" else f"auto (≤ {'/'.join(map(str, most))})"
         speed_text = f(statistics.median(speed)) + (f" [{min(speed):.3f}, {max(speed):.3f}]" if len(runs) > 1 else "")
-        out.append([prompt_set, regime, machine, system, shown_B, str(len(runs)), speed_text,
+        out.append([prompt_set, regime, machine, process, system, shown_B, str(len(runs)), speed_text,
                     f"{speedup:.2f}×" if speedup else "–", str(round(median_of(runs, "passes"))),
                     f(median_of(runs, "rows_per_pass")) if median_of(runs, "rows_per_pass") else "–",
                     f(median_of(runs, "tokens_per_pass")), f(median_of(runs, "gb_streamed_per_token") or 0.0),
@@ -303,16 +325,62 @@ def settings_of(args, prompt_set: str) -> dict:
     """What a row must share with this run to be one of its cells (the rest of the key: regime, system, B, repeat,
     machine)."""
     return {"prompts": args.prompts, "new_tokens": args.new_tokens, "tree_budget": args.tree_budget,
-            "dtype": args.dtype, "disk_io": args.disk_io, "prompt_set": prompt_set}
+            "dtype": args.dtype, "disk_io": args.disk_io, "prompt_set": prompt_set, "cell_process": args.cell_process}
 
 
-def measure_set(models: Models, target_dir, prompt_set: str, args, all_rows: list[dict], tmp: str) -> list[dict]:
-    """Every (regime, system, B) cell of one prompt set: the rows already in --rows for these settings, and the
-    missing ones measured now (each appended to --rows as it finishes)."""
+def requests_of(models: Models, prompt_set: str, args) -> tuple[list[list[int]], list[GenerationRequest]]:
+    """The first --prompts of a set as token ids, and as offspec requests (--new-tokens each, EOS ignored)."""
     budget = None if args.tree_budget == "auto" else int(args.tree_budget)
     prompt_ids = [encode_prompt(models.tokenizer, text) for _, text in load_prompt_set(prompt_set, args.prompts)]
     requests = [GenerationRequest(prompt_ids=tuple(ids), max_new_tokens=args.new_tokens, ignore_eos=True,
                                   tree=TreeConfig(budget=budget)) for ids in prompt_ids]
+    return prompt_ids, requests
+
+
+def cell_here(models: Models, target_dir, prompt_set: str, regime: str, system: str, B, args, tmp: str) -> dict:
+    """One cell measured in this process. The disk store and the peer's offload folder live in `tmp`, built by the
+    first cell that needs them and read by the rest."""
+    prompt_ids, requests = requests_of(models, prompt_set, args)
+    if system.startswith("offspec"):
+        return offspec_cell(models, regime, requests, B, args, os.path.join(tmp, "store"), plain=system != "offspec")
+    return peer_cell(target_dir, regime, prompt_ids, B, args, os.path.join(tmp, "hf-offload"))
+
+
+def cell_command(args, prompt_set: str, regime: str, system: str, B, tmp: str, out: str) -> list[str]:
+    """This script's command line that measures one cell in a fresh process and writes its dict to `out`."""
+    spec = {"prompt_set": prompt_set, "regime": regime, "system": system, "B": B, "dir": tmp, "out": out}
+    return [sys.executable, str(Path(__file__).resolve()), "--prompts", str(args.prompts),
+            "--new-tokens", str(args.new_tokens), "--tree-budget", str(args.tree_budget), "--dtype", args.dtype,
+            "--disk-io", args.disk_io, "--one-cell", json.dumps(spec)]
+
+
+def cell_in_own_process(args, prompt_set: str, regime: str, system: str, B, tmp: str) -> dict:
+    """One cell measured by a fresh process of this script (its progress and errors print to our stderr)."""
+    out = os.path.join(tmp, "cell.json")
+    if os.path.exists(out):
+        os.remove(out)
+    done = subprocess.run(cell_command(args, prompt_set, regime, system, B, tmp, out))
+    if done.returncode != 0 or not os.path.exists(out):
+        raise CellFailed(f"the {prompt_set} {regime} {system} B={B} cell failed in its own process "
+                           f"(exit {done.returncode}); the rows measured so far are kept")
+    return json.loads(Path(out).read_text())
+
+
+def one_cell(args) -> int:
+    """--one-cell: measure the cell it names in this (fresh) process, write its dict to the named file."""
+    spec = json.loads(args.one_cell)
+    target_dir, draft_dir = ensure_demo_models()
+    models = Models.open(target_dir, draft_dir)
+    cell = cell_here(models, target_dir, spec["prompt_set"], spec["regime"], spec["system"], spec["B"], args,
+                     spec["dir"])
+    Path(spec["out"]).write_text(json.dumps(cell))
+    return 0
+
+
+def measure_set(models: Models, target_dir, prompt_set: str, args, all_rows: list[dict], tmp: str) -> list[dict]:
+    """Every (regime, system, B) cell of one prompt set: the rows already in --rows for these settings, and the
+    missing ones measured now (each appended to --rows as it finishes). `models`: opened here for shared-process
+    cells, None when every cell runs in its own process."""
     settings = settings_of(args, prompt_set)
     here = _common.cpu_model()
     rows = [r for r in all_rows if r.get("settings") == settings]
@@ -328,10 +396,8 @@ def measure_set(models: Models, target_dir, prompt_set: str, args, all_rows: lis
             if (regime, system, B, repeat) in done:
                 continue
             print(f"[{prompt_set} {regime}] {system} B={B} (repeat {repeat + 1}/{args.repeats}) ...", file=sys.stderr)
-            cell = (offspec_cell(models, regime, requests, B, args, os.path.join(tmp, "store"),
-                                 plain=system != "offspec")
-                    if system.startswith("offspec") else
-                    peer_cell(target_dir, regime, prompt_ids, B, args, os.path.join(tmp, "hf-offload")))
+            cell = (cell_in_own_process(args, prompt_set, regime, system, B, tmp) if args.cell_process == "own" else
+                    cell_here(models, target_dir, prompt_set, regime, system, B, args, tmp))
             row = {"prompt_set": prompt_set, "regime": regime, "system": system, **cell, "settings": settings,
                    "repeat": repeat, "stamp": _stats.stamp()}
             rows.append(row)
@@ -345,18 +411,18 @@ def goal_lines(rows: list[dict]) -> list[str]:
     transformers' batched generate at B=8."""
     lines = []
     cells = cells_of(rows)
-    for machine in sorted({k[0] for k in cells}):
+    for machine, process in sorted({k[:2] for k in cells}, key=lambda k: (k[0] == UNRECORDED, k[0], k[1] != "own")):
         for prompt_set in ("code", "chat"):
             disk = {(system, B): median_of(runs, "tokens_per_second")
-                    for (m, s, regime, system, B), runs in cells.items()
-                    if (m, regime, s) == (machine, "disk", prompt_set)}
+                    for (m, p, s, regime, system, B), runs in cells.items()
+                    if (m, p, regime, s) == (machine, process, "disk", prompt_set)}
             b8, b1, peer = disk.get(("offspec", 8)), disk.get(("offspec", 1)), disk.get(("transformers", 8))
             if b8 is None:
                 continue
             for name, base, goal in (("offspec B=1", b1, 3.0), ("transformers B=8", peer, 4.0)):
                 if base is not None:
                     ratio = b8 / base
-                    lines.append(f"- {prompt_set}, cold disk ({machine}): offspec B=8 {b8:.2f} tokens/s = "
+                    lines.append(f"- {prompt_set}, cold disk ({machine}, {PROCESS_WORDS[process]}): offspec B=8 {b8:.2f} tokens/s = "
                                  f"{ratio:.2f}× {name} ({base:.2f}); goal ≥ {goal:g}×: "
                                  f"{'met' if ratio >= goal else 'NOT met'}")
     return lines
@@ -367,6 +433,8 @@ def main(argv=None) -> int:
     if args.repeats < 1:
         print(f"bench_batch: --repeats must be at least 1, not {args.repeats}", file=sys.stderr)
         return 2
+    if args.one_cell:
+        return one_cell(args)
     if args.predict:
         text = predict(args, load_rows(args.rows))
         print(text)
@@ -375,15 +443,19 @@ def main(argv=None) -> int:
         return 0
     started, load_at_start = time.time(), _common.load_average()
     all_rows, kept = load_rows(args.rows), []
-    if args.report_only:
+    if args.report_only:            # every row of these settings, whichever --cell-process measured it
         kept = [r for prompt_set in args.prompt_sets.split(",") for r in all_rows
-                if r.get("settings") == settings_of(args, prompt_set)]
+                if {**r.get("settings", {}), "cell_process": args.cell_process} == settings_of(args, prompt_set)]
     else:
         target_dir, draft_dir = ensure_demo_models()
-        models = Models.open(target_dir, draft_dir)
+        models = Models.open(target_dir, draft_dir) if args.cell_process == "shared" else None
         with tempfile.TemporaryDirectory(prefix="offspec-bench-batch-") as tmp:
-            for prompt_set in args.prompt_sets.split(","):
-                kept += measure_set(models, target_dir, prompt_set, args, all_rows, tmp)
+            try:
+                for prompt_set in args.prompt_sets.split(","):
+                    kept += measure_set(models, target_dir, prompt_set, args, all_rows, tmp)
+            except CellFailed as e:
+                print(f"bench_batch: {e}", file=sys.stderr)
+                return 1
     if not kept:
         print(f"bench_batch: no rows of these settings in {args.rows}", file=sys.stderr)
         return 1
@@ -407,7 +479,10 @@ def main(argv=None) -> int:
             "latency a prompt sees), median over prompts. Agreement: the share of each prompt's tokens before the "
             "first difference from offspec at B=1, mean over prompts (bf16: batched matmuls round differently).",
             "", f"machine: the CPU each row was measured on (`{UNRECORDED}`: rows from before rows carried a stamp); "
-            "a cell, its × B=1 and the goals use one machine's runs only. " + _stats.provenance_text(kept),
+            "process: `own` = each cell ran in a fresh process of its own (as a user's job runs), `shared` = all "
+            "the cells of a run in one process, one after another (rows from before `--cell-process`). A cell, its "
+            "× B=1 and the goals use the runs of one machine and one process kind only. "
+            + _stats.provenance_text(kept),
             "", _common.markdown_table(headers, table), "", *goal_lines(kept)])
         _common.write_doc_section(SECTION, body)
     return 0

@@ -33,7 +33,8 @@ def fake_cells(monkeypatch):
 def test_every_cell_runs_once_a_repeat_in_a_shuffled_order_and_a_rerun_resumes(fake_cells, tmp_path):
     rows_path = tmp_path / "rows.jsonl"
     args = bench.parse_args(["--prompts", "2", "--concurrency", "1,2,auto", "--none-concurrency", "2",
-                             "--peer-concurrency", "2", "--regimes", "cpu", "--repeats", "2", "--rows", str(rows_path)])
+                             "--peer-concurrency", "2", "--regimes", "cpu", "--repeats", "2", "--rows", str(rows_path),
+                             "--cell-process", "shared"])
     models = SimpleNamespace(tokenizer=None)
     rows = bench.measure_set(models, "target", "code", args, [], str(tmp_path))
     cells = [("cpu", "offspec", 1), ("cpu", "offspec", 2), ("cpu", "offspec", "auto"),
@@ -48,7 +49,8 @@ def test_every_cell_runs_once_a_repeat_in_a_shuffled_order_and_a_rerun_resumes(f
     # a third repeat asked later: only it runs; the first two come from the rows file
     fake_cells.clear()
     args3 = bench.parse_args(["--prompts", "2", "--concurrency", "1,2,auto", "--none-concurrency", "2",
-                              "--peer-concurrency", "2", "--regimes", "cpu", "--repeats", "3", "--rows", str(rows_path)])
+                              "--peer-concurrency", "2", "--regimes", "cpu", "--repeats", "3", "--rows", str(rows_path),
+                              "--cell-process", "shared"])
     rows3 = bench.measure_set(models, "target", "code", args3, bench.load_rows(rows_path), str(tmp_path))
     assert fake_cells == _stats.shuffled_order(cells, "code", 2)
     assert len(rows3) == 15 and sorted(r["repeat"] for r in rows3) == [0] * 5 + [1] * 5 + [2] * 5
@@ -67,7 +69,7 @@ def test_the_table_gives_each_cell_the_median_of_its_repeats_and_its_range():
     rows += [row("offspec", 8, s, k, tokens={"0": [1, 2, 9, 9]}) for k, s in enumerate((9.0, 6.0, 7.5))]
     rows += [row("transformers", 8, 2.0, 0)]
     headers, table = bench.report(rows, None)
-    by_cell = {(line[3], line[4]): dict(zip(headers, line)) for line in table}
+    by_cell = {(line[4], line[5]): dict(zip(headers, line)) for line in table}
     assert by_cell[("offspec", 1)]["runs"] == "3"
     assert by_cell[("offspec", 1)]["tokens/s [min, max]"] == "2.000 [1.000, 3.000]"
     assert by_cell[("offspec", 8)]["tokens/s [min, max]"] == "7.500 [6.000, 9.000]"
@@ -75,8 +77,8 @@ def test_the_table_gives_each_cell_the_median_of_its_repeats_and_its_range():
     assert by_cell[("offspec", 8)]["agrees with offspec B=1"] == "50%"
     assert by_cell[("transformers", 8)]["tokens/s [min, max]"] == "2.000"  # one run: no range
     assert bench.goal_lines(rows) == [
-        "- code, cold disk (unrecorded): offspec B=8 7.50 tokens/s = 3.75× offspec B=1 (2.00); goal ≥ 3×: met",
-        "- code, cold disk (unrecorded): offspec B=8 7.50 tokens/s = 3.75× transformers B=8 (2.00); goal ≥ 4×: NOT met"]
+        "- code, cold disk (unrecorded, cells sharing a process): offspec B=8 7.50 tokens/s = 3.75× offspec B=1 (2.00); goal ≥ 3×: met",
+        "- code, cold disk (unrecorded, cells sharing a process): offspec B=8 7.50 tokens/s = 3.75× transformers B=8 (2.00); goal ≥ 4×: NOT met"]
 
 
 def test_cells_never_pool_two_machines_and_each_has_its_own_baseline():
@@ -85,21 +87,22 @@ def test_cells_never_pool_two_machines_and_each_has_its_own_baseline():
     rows = [row("offspec", 1, 2.0, 0), row("offspec", 8, 8.0, 0),
             row("offspec", 1, 4.0, 0, machine="AMD EPYC"), row("offspec", 8, 6.0, 0, machine="AMD EPYC")]
     headers, table = bench.report(rows, None)
-    by_cell = {(line[2], line[4]): dict(zip(headers, line)) for line in table}
-    assert [(line[2], line[4]) for line in table] == [("AMD EPYC", 1), ("AMD EPYC", 8), ("unrecorded", 1),
+    by_cell = {(line[2], line[5]): dict(zip(headers, line)) for line in table}
+    assert [(line[2], line[5]) for line in table] == [("AMD EPYC", 1), ("AMD EPYC", 8), ("unrecorded", 1),
                                                       ("unrecorded", 8)]
     assert by_cell[("AMD EPYC", 8)]["× B=1"] == "1.50×" and by_cell[("unrecorded", 8)]["× B=1"] == "4.00×"
     assert by_cell[("AMD EPYC", 8)]["runs"] == "1"
-    assert [line.split(":")[0] for line in bench.goal_lines(rows)] == ["- code, cold disk (AMD EPYC)",
-                                                                       "- code, cold disk (unrecorded)"]
+    assert [line.split(":")[0] for line in bench.goal_lines(rows)] == [
+        "- code, cold disk (AMD EPYC, cells sharing a process)", "- code, cold disk (unrecorded, cells sharing a process)"]
 
 
 def test_a_repeat_measured_on_another_machine_does_not_count_here(fake_cells, tmp_path, monkeypatch):
     """Resume skips only this machine's rows: another CPU's repeat 0 is measured again here."""
     args = bench.parse_args(["--prompts", "2", "--concurrency", "1", "--none-concurrency", "", "--no-peer",
-                             "--regimes", "cpu", "--repeats", "1", "--rows", str(tmp_path / "rows.jsonl")])
+                             "--regimes", "cpu", "--repeats", "1", "--rows", str(tmp_path / "rows.jsonl"),
+                             "--cell-process", "shared"])
     settings = {"prompts": 2, "new_tokens": 64, "tree_budget": "auto", "dtype": "bfloat16", "disk_io": "direct",
-                "prompt_set": "code"}
+                "prompt_set": "code", "cell_process": "shared"}
     elsewhere = {**row("offspec", 1, 2.0, 0, regime="cpu", machine="Intel Xeon"), "settings": settings}
     monkeypatch.setattr(bench._common, "cpu_model", lambda: "AMD EPYC")
     rows = bench.measure_set(SimpleNamespace(tokenizer=None), "target", "code", args, [elsewhere], str(tmp_path))
@@ -153,3 +156,51 @@ def test_report_only_renders_the_rows_of_these_settings_without_loading_a_model(
     assert "4.00×" in out and "9.000" not in out            # the chat cells; the code row has other settings
     assert bench.main(["--report-only", "--prompt-sets", "code", "--rows", str(path)]) == 1
     assert "no rows of these settings" in capsys.readouterr().err
+
+
+def test_a_cell_in_its_own_process_is_this_script_run_again_with_the_same_settings(tmp_path):
+    args = bench.parse_args(["--prompts", "3", "--new-tokens", "16", "--tree-budget", "32", "--disk-io", "buffered",
+                             "--dtype", "float32"])
+    command = bench.cell_command(args, "chat", "disk", "offspec --tree none", "auto", str(tmp_path), "out.json")
+    assert command[1] == str(bench.Path(bench.__file__).resolve())
+    child = bench.parse_args(command[2:])
+    assert bench.settings_of(child, "chat") == bench.settings_of(args, "chat")
+    assert json.loads(child.one_cell) == {"prompt_set": "chat", "regime": "disk", "system": "offspec --tree none",
+                                          "B": "auto", "dir": str(tmp_path), "out": "out.json"}
+
+
+def test_one_cell_measures_the_named_cell_and_writes_its_dict(tmp_path, monkeypatch):
+    measured = []
+    monkeypatch.setattr(bench, "ensure_demo_models", lambda: ("target", "draft"))
+    monkeypatch.setattr(bench.Models, "open", staticmethod(lambda target, draft: "models"))
+    monkeypatch.setattr(bench, "cell_here", lambda models, target_dir, *cell: measured.append((models, *cell[:4]))
+                        or {"tokens_per_second": 3.5})
+    out = tmp_path / "cell.json"
+    spec = {"prompt_set": "code", "regime": "cpu", "system": "offspec", "B": 4, "dir": str(tmp_path), "out": str(out)}
+    assert bench.main(["--one-cell", json.dumps(spec)]) == 0
+    assert measured == [("models", "code", "cpu", "offspec", 4)]
+    assert json.loads(out.read_text()) == {"tokens_per_second": 3.5}
+
+
+def test_own_process_cells_run_as_child_processes_and_a_failed_one_is_one_line(tmp_path, monkeypatch, capsys):
+    """The real subprocess plumbing with a stand-in child: its dict becomes the row; a child that dies ends the
+    run with one line and exit 1, keeping the rows already measured."""
+    def child(args, prompt_set, regime, system, B, tmp, out):
+        cell = {k: v for k, v in row("offspec", B, float(B), 0).items() if k not in ("prompt_set", "regime", "system")}
+        code = f"open({out!r}, 'w').write({json.dumps(cell)!r})" if B != 3 else "raise SystemExit(3)"
+        return [bench.sys.executable, "-c", code]
+    monkeypatch.setattr(bench, "cell_command", child)
+    monkeypatch.setattr(bench, "ensure_demo_models", lambda: ("target", "draft"))
+    monkeypatch.setattr(bench.Models, "open", staticmethod(lambda *a: pytest.fail("models opened in the parent")))
+    rows_path = tmp_path / "rows.jsonl"
+    argv = ["--prompts", "2", "--concurrency", "1,2", "--none-concurrency", "", "--no-peer", "--regimes", "cpu",
+            "--repeats", "1", "--rows", str(rows_path)]
+    assert bench.main(argv) == 0
+    stored = bench.load_rows(rows_path)
+    assert sorted(r["tokens_per_second"] for r in stored) == [1.0, 2.0]
+    assert {r["settings"]["cell_process"] for r in stored} == {"own"}
+
+    assert bench.main([*argv[:3], "1,3", *argv[4:]]) == 1
+    err = capsys.readouterr().err
+    assert "the code cpu offspec B=3 cell failed in its own process (exit 3)" in err and "Traceback" not in err
+    assert len(bench.load_rows(rows_path)) == 2

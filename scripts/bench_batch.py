@@ -67,11 +67,11 @@ from offspec.prompt_sets import load_prompt_set  # noqa: E402
 SECTION = "bench_batch"
 UNRECORDED = "unrecorded"                  # the machine of rows measured before rows carried a stamp
 CPU = torch.device("cpu")
+PROCESS_WORDS = {"own": "each cell in its own process", "shared": "cells sharing a process"}
+
+
 class CellFailed(Exception):
     """A cell's own process exited without its row (its own error printed above); main reports it in one line."""
-
-
-PROCESS_WORDS = {"own": "each cell in its own process", "shared": "cells sharing a process"}
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -214,10 +214,25 @@ def offspec_cell(models: Models, regime: str, requests: list[GenerationRequest],
         loaded.engine.close()
     latency = [sum(s.draft_seconds + s.target_seconds for s in st) / sum(len(s.tokens) for s in st)
                for st in steps.values()]
-    return {**job.to_dict(), "concurrency": B, "most_in_flight": most,
+    return {**job.to_dict(), **round_costs([s for st in steps.values() for s in st]), "concurrency": B,
+            "most_in_flight": most,
             "median_prompt_seconds_per_token": statistics.median(latency),
             "tokens": {str(i): [t for s in st for t in s.tokens] for i, st in steps.items()},
             "offload": loaded.plan.mode, "weights_source": loaded.engine.weights_source()}
+
+
+def round_costs(steps) -> dict:
+    """Where a job's rounds went, per target pass: the draft's work (catch-up and growth), the pass, the part of
+    the pass spent waiting for streamed layers, and the stream's GB/s (bytes over the reads' and copies' own
+    seconds, which overlap compute). A pass shared by R rows is in each of their R Steps: each adds 1/R."""
+    passes = sum(1 / s.rows_in_pass for s in steps)
+    total = {name: sum(getattr(s, name) / s.rows_in_pass for s in steps)
+             for name in ("draft_seconds", "target_seconds", "wait_seconds", "transfer_seconds", "bytes_streamed")}
+    return {"draft_seconds_per_pass": total["draft_seconds"] / passes,
+            "target_seconds_per_pass": total["target_seconds"] / passes,
+            "wait_seconds_per_pass": total["wait_seconds"] / passes,
+            "stream_gb_per_second": (total["bytes_streamed"] / 1e9 / total["transfer_seconds"]
+                                     if total["transfer_seconds"] > 0 else None)}
 
 
 def peer_cell(target_dir, regime: str, prompt_ids: list[list[int]], B: int, args, offload_folder) -> dict:
@@ -249,6 +264,7 @@ def peer_cell(target_dir, regime: str, prompt_ids: list[list[int]], B: int, args
     return {"concurrency": B, "prompts": len(prompt_ids), "generated_tokens": generated, "wall_seconds": wall,
             "tokens_per_second": generated / wall, "passes": passes[0], "rows_per_pass": None,
             "tokens_per_pass": generated / max(passes[0], 1), "median_prompt_seconds_per_token": statistics.median(latency),
+            "target_seconds_per_pass": wall / max(passes[0], 1),         # the forward, with its weights' reads
             "tokens": tokens}
 
 
@@ -294,7 +310,8 @@ def median_of(runs: list[dict], key: str):
 def report(rows: list[dict], args) -> tuple[list[str], list[list[str]]]:
     """One line per cell: medians over its repeats (tokens/s with [min, max] when it ran more than once)."""
     headers = ["prompts", "regime", "machine", "process", "system", "B", "runs", "tokens/s [min, max]", "× B=1",
-               "passes", "prompts/pass", "tokens/pass", "GB/token", "prompt s/token (median)", "agrees with offspec B=1"]
+               "passes", "prompts/pass", "tokens/pass", "GB/token", "draft s/pass", "pass s (waiting)",
+               "stream GB/s", "prompt s/token (median)", "agrees with offspec B=1"]
     out, cells = [], cells_of(rows)
     order = {"offspec": 0, "offspec --tree none": 1}
     for key in sorted(cells, key=lambda k: (("code", "chat").index(k[2]), ("disk", "cpu").index(k[3]),
@@ -316,6 +333,10 @@ def report(rows: list[dict], args) -> tuple[list[str], list[list[str]]]:
                     f"{speedup:.2f}×" if speedup else "–", str(round(median_of(runs, "passes"))),
                     f(median_of(runs, "rows_per_pass")) if median_of(runs, "rows_per_pass") else "–",
                     f(median_of(runs, "tokens_per_pass")), f(median_of(runs, "gb_streamed_per_token") or 0.0),
+                    f(median_of(runs, "draft_seconds_per_pass")),        # "–": rows from before these were kept
+                    f(median_of(runs, "target_seconds_per_pass"))
+                    + (f" ({f(waiting)})" if (waiting := median_of(runs, "wait_seconds_per_pass")) is not None else ""),
+                    f(median_of(runs, "stream_gb_per_second"), 2),
                     f(median_of(runs, "median_prompt_seconds_per_token")),
                     f"{agree:.0%}" if agree is not None else "–"])
     return headers, out
@@ -362,7 +383,7 @@ def cell_in_own_process(args, prompt_set: str, regime: str, system: str, B, tmp:
     done = subprocess.run(cell_command(args, prompt_set, regime, system, B, tmp, out))
     if done.returncode != 0 or not os.path.exists(out):
         raise CellFailed(f"the {prompt_set} {regime} {system} B={B} cell failed in its own process "
-                           f"(exit {done.returncode}); the rows measured so far are kept")
+                         f"(exit {done.returncode}); the rows measured so far are kept")
     return json.loads(Path(out).read_text())
 
 
@@ -422,8 +443,8 @@ def goal_lines(rows: list[dict]) -> list[str]:
             for name, base, goal in (("offspec B=1", b1, 3.0), ("transformers B=8", peer, 4.0)):
                 if base is not None:
                     ratio = b8 / base
-                    lines.append(f"- {prompt_set}, cold disk ({machine}, {PROCESS_WORDS[process]}): offspec B=8 {b8:.2f} tokens/s = "
-                                 f"{ratio:.2f}× {name} ({base:.2f}); goal ≥ {goal:g}×: "
+                    lines.append(f"- {prompt_set}, cold disk ({machine}, {PROCESS_WORDS[process]}): offspec B=8 "
+                                 f"{b8:.2f} tokens/s = {ratio:.2f}× {name} ({base:.2f}); goal ≥ {goal:g}×: "
                                  f"{'met' if ratio >= goal else 'NOT met'}")
     return lines
 
@@ -475,7 +496,11 @@ def main(argv=None) -> int:
             "copy). tokens/s = all prompts' tokens / the job's wall time, the median over the cell's runs (runs: "
             "each in an order shuffled per repeat) with their [min, max]; × B=1 = the ratio of the medians; the other "
             "columns are medians over the runs too. A pass streams every target layer once "
-            "for all prompts in flight. Prompt s/token = each prompt's own passes' time over its tokens (the "
+            "for all prompts in flight. Draft s/pass: the draft's work (catch-up and growth of every row's tree) a "
+            "pass; pass s: the target pass (waiting: the part of it spent waiting for streamed layers; the "
+            "transformers peer: its wall time over its forwards); stream GB/s: bytes streamed over the reads' and "
+            "copies' own seconds (they overlap the draft and compute), the drive's pace in the disk regime. "
+            "Prompt s/token = each prompt's own passes' time over its tokens (the "
             "latency a prompt sees), median over prompts. Agreement: the share of each prompt's tokens before the "
             "first difference from offspec at B=1, mean over prompts (bf16: batched matmuls round differently).",
             "", f"machine: the CPU each row was measured on (`{UNRECORDED}`: rows from before rows carried a stamp); "

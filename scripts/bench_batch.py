@@ -499,7 +499,8 @@ def main(argv=None) -> int:
             "for all prompts in flight. Draft s/pass: the draft's work (catch-up and growth of every row's tree) a "
             "pass; pass s: the target pass (waiting: the part of it spent waiting for streamed layers; the "
             "transformers peer: its wall time over its forwards); stream GB/s: bytes streamed over the reads' and "
-            "copies' own seconds (they overlap the draft and compute), the drive's pace in the disk regime. "
+            "copies' own seconds (they overlap the draft and compute), the drive's pace in the disk regime; these "
+            "three are medians over the runs that recorded them (–: none did; rows keep them from commit c2b5e19). "
             "Prompt s/token = each prompt's own passes' time over its tokens (the "
             "latency a prompt sees), median over prompts. Agreement: the share of each prompt's tokens before the "
             "first difference from offspec at B=1, mean over prompts (bf16: batched matmuls round differently).",

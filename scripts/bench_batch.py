@@ -31,7 +31,8 @@ layers as KV caches and trees grow), then s/token = (max(streamed bytes / link, 
 / (B x tokens per row-pass), with every assumption printed beside the table.
 
 Examples:
-  python scripts/bench_batch.py --prompts 4 --new-tokens 8 --concurrency 1,2 --regimes cpu --no-peer   # smoke
+  python scripts/bench_batch.py --prompts 4 --new-tokens 8 --concurrency 1,2 --regimes cpu --no-peer \\
+      --cell-process shared   # smoke: one process, one model load
   python scripts/bench_batch.py --prompts 16 --new-tokens 64 --concurrency 1,2,4,8,16,auto --peer-concurrency 8 \\
       --prompt-sets code,chat --rows docs/bench_batch_rows.jsonl --write-docs
 """

@@ -215,6 +215,10 @@ def test_round_costs_count_a_shared_pass_once():
                     target_seconds=target, wait_seconds=wait, transfer_seconds=moved, bytes_streamed=nbytes,
                     rows_in_pass=rows)
     shared = [step(2, 1.0, 0.8, 0.2, 0.5, 2e9)] * 2
-    costs = bench.round_costs([*shared, step(1, 0.6, 0.4, 0.0, 1.5, 2e9)])
+    steps = [*shared, step(1, 0.6, 0.4, 0.0, 1.5, 2e9)]
+    job = bench.JobReport(concurrency=2)
+    for s in steps:
+        job.add(s)
+    costs = bench.round_costs(job, steps)
     assert costs == pytest.approx({"draft_seconds_per_pass": 0.8, "target_seconds_per_pass": 0.6,
                                    "wait_seconds_per_pass": 0.1, "stream_gb_per_second": 2.0})

@@ -484,6 +484,8 @@ def batch(prompt_file, output, max_new_tokens, stop, raw, strict, concurrency, p
         results.close()
     job.skipped = len(bad) + failed
     click.echo(f"{job.summary()}; results in {output}", err=True)
+    if job.passes:
+        click.echo(job.pass_line(), err=True)
     for worker in job.workers:
         click.echo(f"  {worker.line()}", err=True)
     if json_path:
@@ -517,7 +519,7 @@ def engine_here(run: BatchRun):
     try:
         yield (run_prompts(loaded.engine, run.requests, concurrency, run.prefill_per_pass,
                            adapt_rows=run.concurrency is None),
-               JobReport(concurrency=concurrency), None)
+               JobReport(concurrency=concurrency, device=str(loaded.engine.device)), None)
     finally:
         loaded.engine.close()
 

@@ -186,6 +186,7 @@ class WorkerReport:
     restarts: int = 0                   # its process died and Ray restarted it
     requeued: int = 0                   # prompts given to it and handed back to the queue by those deaths
     peak_host_gb: float = 0.0           # the largest peak resident set its processes reported
+    peak_device_gb: Optional[float] = None   # the largest peak device memory they reported (None: a CPU worker)
 
     def to_dict(self) -> dict:
         return {**asdict(self), "tokens_per_second": self.tokens_per_second}
@@ -394,6 +395,8 @@ class Cluster:
                 report.engine_seconds += sum((s.draft_seconds + s.target_seconds) / s.rows_in_pass
                                              for s in event.steps)
                 report.peak_host_gb = max(report.peak_host_gb, event.report.peak_host_gb)
+                if event.report.peak_device_gb is not None:
+                    report.peak_device_gb = max(report.peak_device_gb or 0.0, event.report.peak_device_gb)
             yield event
 
     def _get(self, ref):

@@ -133,30 +133,49 @@ class RunReport:
 class JobReport:
     """A batch job's totals (`offspec batch` stderr summary and --json), counted from every row's Steps. A
     pass shared by R rows reports its whole time and bytes in each of their R Steps, so each Step adds 1/R
-    of a pass and 1/R of its bytes."""
+    of a pass, of its seconds and of its bytes."""
     concurrency: int                    # requests in flight at once (in each engine: each Ray worker has one)
+    device: Optional[str] = None        # where this process's engine computes; None: the engines are Ray workers'
     prompts: int = 0                    # requests finished (a line written each)
     skipped: int = 0                    # requests refused or malformed
     generated_tokens: int = 0
     passes: float = 0.0                 # target passes (each streams every layer once)
     row_steps: int = 0                  # (request, pass) pairs
     bytes_streamed: float = 0.0         # weight bytes moved, summed over passes
+    draft_seconds: float = 0.0          # the draft's work (catch-up and growth of every row's tree), summed over passes
+    target_seconds: float = 0.0         # target passes
+    wait_seconds: float = 0.0           # of those, waiting for streamed layers
+    transfer_seconds: float = 0.0       # the weight reads' and copies' own time (overlapping the draft and compute)
     wall_seconds: float = 0.0           # from the first pass to the last line (with Ray workers, from their start)
     workers: list = field(default_factory=list)   # cluster.WorkerReport of each Ray worker (batch --workers)
 
     def add(self, step: Step) -> None:
+        share = 1 / step.rows_in_pass
         self.generated_tokens += len(step.tokens)
-        self.passes += 1 / step.rows_in_pass
+        self.passes += share
         self.row_steps += 1
-        self.bytes_streamed += step.bytes_streamed / step.rows_in_pass
+        self.bytes_streamed += step.bytes_streamed * share
+        self.draft_seconds += step.draft_seconds * share
+        self.target_seconds += step.target_seconds * share
+        self.wait_seconds += step.wait_seconds * share
+        self.transfer_seconds += step.transfer_seconds * share
 
     def to_dict(self) -> dict:
         tokens, passes = self.generated_tokens, max(self.passes, 1e-9)
+        device_peaks = ([peak_device_gb(torch.device(self.device))] if self.device is not None else
+                        [w.peak_device_gb for w in self.workers])
+        device_peaks = [gb for gb in device_peaks if gb is not None]
         return {**asdict(self), "passes": round(self.passes),
                 "tokens_per_second": tokens / self.wall_seconds if self.wall_seconds > 0 else 0.0,
                 "rows_per_pass": self.row_steps / passes, "tokens_per_pass": tokens / passes,
                 "gb_streamed_per_token": self.bytes_streamed / 1e9 / tokens if tokens else 0.0,
-                "peak_host_gb": peak_host_gb(), "peak_device_gb": None,
+                # where a pass's time went: what to change (a bigger tree, more rows, a faster drive) follows
+                "draft_seconds_per_pass": self.draft_seconds / passes,
+                "target_seconds_per_pass": self.target_seconds / passes,
+                "wait_seconds_per_pass": self.wait_seconds / passes,
+                "stream_gb_per_second": (self.bytes_streamed / 1e9 / self.transfer_seconds
+                                         if self.transfer_seconds > 0 else None),
+                "peak_host_gb": peak_host_gb(), "peak_device_gb": max(device_peaks) if device_peaks else None,
                 "workers": [w.to_dict() for w in self.workers]}
 
     def summary(self) -> str:
@@ -165,6 +184,15 @@ class JobReport:
                 f"({d['tokens_per_second']:.2f} tokens/s), {d['passes']} passes ({d['rows_per_pass']:.2f} prompts and "
                 f"{d['tokens_per_pass']:.2f} tokens a pass, {d['gb_streamed_per_token']:.3f} GB streamed a token); "
                 f"skipped {self.skipped} bad")
+
+    def pass_line(self) -> str:
+        """Where a pass's time went, e.g. "a pass: draft 1.23 s, target 1.67 s (0.70 s of it waiting for weights
+        streamed at 1.58 GB/s)"."""
+        d = self.to_dict()
+        stream = (f" ({d['wait_seconds_per_pass']:.2f} s of it waiting for weights streamed at "
+                  f"{d['stream_gb_per_second']:.2f} GB/s)" if d["stream_gb_per_second"] is not None else "")
+        return (f"a pass: draft {d['draft_seconds_per_pass']:.2f} s, target {d['target_seconds_per_pass']:.2f} s"
+                f"{stream}")
 
 
 def peak_host_gb() -> float:

@@ -200,7 +200,7 @@ def offspec_cell(models: Models, regime: str, requests: list[GenerationRequest],
     adapt = B == "auto"
     most = auto_concurrency(models, offload, runtime, limits_for, len(requests)) if adapt else B
     loaded = models.load(offload, runtime, limits_for(most), progress=False)
-    job, steps = JobReport(concurrency=most), {}
+    job, steps = JobReport(concurrency=most, device=str(loaded.engine.device)), {}
     started = time.perf_counter()
     try:
         for event in loaded.engine.run_batch(requests, concurrency=most, adapt_rows=adapt):
@@ -215,25 +215,11 @@ def offspec_cell(models: Models, regime: str, requests: list[GenerationRequest],
         loaded.engine.close()
     latency = [sum(s.draft_seconds + s.target_seconds for s in st) / sum(len(s.tokens) for s in st)
                for st in steps.values()]
-    return {**job.to_dict(), **round_costs(job, [s for st in steps.values() for s in st]), "concurrency": B,
+    return {**job.to_dict(), "concurrency": B,
             "most_in_flight": most,
             "median_prompt_seconds_per_token": statistics.median(latency),
             "tokens": {str(i): [t for s in st for t in s.tokens] for i, st in steps.items()},
             "offload": loaded.plan.mode, "weights_source": loaded.engine.weights_source()}
-
-
-def round_costs(job: JobReport, steps) -> dict:
-    """Where a job's rounds went, per target pass: the draft's work (catch-up and growth), the pass, the part of
-    the pass spent waiting for streamed layers, and the stream's GB/s (bytes over the reads' and copies' own
-    seconds, which overlap compute). A pass shared by R rows is in each of their R Steps: each adds 1/R, as
-    JobReport counts the job's passes and bytes (taken from it)."""
-    total = {name: sum(getattr(s, name) / s.rows_in_pass for s in steps)
-             for name in ("draft_seconds", "target_seconds", "wait_seconds", "transfer_seconds")}
-    return {"draft_seconds_per_pass": total["draft_seconds"] / job.passes,
-            "target_seconds_per_pass": total["target_seconds"] / job.passes,
-            "wait_seconds_per_pass": total["wait_seconds"] / job.passes,
-            "stream_gb_per_second": (job.bytes_streamed / 1e9 / total["transfer_seconds"]
-                                     if total["transfer_seconds"] > 0 else None)}
 
 
 def peer_cell(target_dir, regime: str, prompt_ids: list[list[int]], B: int, args, offload_folder) -> dict:

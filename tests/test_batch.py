@@ -88,3 +88,31 @@ def test_openai_batch_format(tmp_path):
                              prompt_tokens=3, finish_reason="eos")
     assert result_record(items[0], report)["custom_id"] == "req-1"
     assert "custom_id" not in result_record(items[2], report)
+
+
+def test_job_report_counts_a_shared_pass_once():
+    """Two rows shared a pass (each Step carries the whole pass), a third ran a pass alone: 2 passes, and the
+    per-pass costs are those two passes' means."""
+    from offspec.cluster import WorkerReport
+    from offspec.metrics import JobReport, Step
+
+    def step(rows, draft, target, wait, moved, nbytes):
+        return Step(tokens=[1], accepted=1, tree_size=1, tree_depth=1, pass_tokens=2, draft_seconds=draft,
+                    target_seconds=target, wait_seconds=wait, transfer_seconds=moved, bytes_streamed=nbytes,
+                    rows_in_pass=rows)
+    job = JobReport(concurrency=2)
+    for s in [*[step(2, 1.0, 0.8, 0.2, 0.5, 2e9)] * 2, step(1, 0.6, 0.4, 0.0, 1.5, 2e9)]:
+        job.add(s)
+    d = job.to_dict()
+    assert d["passes"] == 2 and d["rows_per_pass"] == pytest.approx(1.5)
+    assert {k: d[k] for k in ("draft_seconds_per_pass", "target_seconds_per_pass", "wait_seconds_per_pass",
+                              "stream_gb_per_second")} == pytest.approx(
+        {"draft_seconds_per_pass": 0.8, "target_seconds_per_pass": 0.6, "wait_seconds_per_pass": 0.1,
+         "stream_gb_per_second": 2.0})
+    assert job.pass_line() == ("a pass: draft 0.80 s, target 0.60 s (0.10 s of it waiting for weights streamed at "
+                               "2.00 GB/s)")
+    assert d["peak_device_gb"] is None                                  # no device here, no workers
+    workers = [WorkerReport("worker 0", peak_device_gb=3.5), WorkerReport("worker 1", peak_device_gb=None),
+               WorkerReport("worker 2", peak_device_gb=4.25)]
+    assert JobReport(concurrency=2, workers=workers).to_dict()["peak_device_gb"] == 4.25   # the largest worker's
+    assert JobReport(concurrency=2, device="cpu").to_dict()["peak_device_gb"] is None

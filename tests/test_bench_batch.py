@@ -204,21 +204,3 @@ def test_own_process_cells_run_as_child_processes_and_a_failed_one_is_one_line(t
     err = capsys.readouterr().err
     assert "the code cpu offspec B=3 cell failed in its own process (exit 3)" in err and "Traceback" not in err
     assert len(bench.load_rows(rows_path)) == 2
-
-
-def test_round_costs_count_a_shared_pass_once():
-    """Two rows shared a pass (each Step carries the whole pass), a third ran a pass alone: 2 passes."""
-    from offspec.metrics import Step
-
-    def step(rows, draft, target, wait, moved, nbytes):
-        return Step(tokens=[1], accepted=1, tree_size=1, tree_depth=1, pass_tokens=2, draft_seconds=draft,
-                    target_seconds=target, wait_seconds=wait, transfer_seconds=moved, bytes_streamed=nbytes,
-                    rows_in_pass=rows)
-    shared = [step(2, 1.0, 0.8, 0.2, 0.5, 2e9)] * 2
-    steps = [*shared, step(1, 0.6, 0.4, 0.0, 1.5, 2e9)]
-    job = bench.JobReport(concurrency=2)
-    for s in steps:
-        job.add(s)
-    costs = bench.round_costs(job, steps)
-    assert costs == pytest.approx({"draft_seconds_per_pass": 0.8, "target_seconds_per_pass": 0.6,
-                                   "wait_seconds_per_pass": 0.1, "stream_gb_per_second": 2.0})

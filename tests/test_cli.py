@@ -552,8 +552,20 @@ def test_batch_concurrency_gives_the_same_lines_and_a_job_report(m, tmp_path):
         assert report["prompts"] == 5 and report["concurrency"] == concurrency
         assert report["generated_tokens"] == sum(3 + i for i in range(5)) and report["tokens_per_second"] > 0
         assert report["rows_per_pass"] > (1.5 if concurrency == 3 else 0.99)
+        assert report["target_seconds_per_pass"] > 0 and report["draft_seconds_per_pass"] > 0
+        assert report["stream_gb_per_second"] is None and report["wait_seconds_per_pass"] == 0   # nothing streamed
         assert "tokens/s" in result.stderr and "prompts and" in result.stderr
+        assert "a pass: draft " in result.stderr and "waiting for weights" not in result.stderr
     assert lines[1] == lines[3]
+    # Streamed: the report says where a pass went, the stream's rate included.
+    out, job = tmp_path / "streamed.jsonl", tmp_path / "streamed.json"
+    result = ok(cli("batch", prompts, "-o", out, *m.models, *FAST[:-1], "cpu", "--tree-budget", 8,
+                    "--concurrency", 3, "--json", job))
+    assert {r["id"]: r["tokens"] for r in read_results(out)} == lines[1]
+    report = json.loads(job.read_text())
+    assert report["stream_gb_per_second"] > 0 and 0 <= report["wait_seconds_per_pass"] <= report["target_seconds_per_pass"]
+    assert report["gb_streamed_per_token"] > 0 and report["peak_device_gb"] is None          # a CPU run
+    assert "s of it waiting for weights streamed at" in result.stderr
     # Prompts joining in chunks of 2 tokens a pass beside decoding ones: the same lines again.
     out = tmp_path / "chunked.jsonl"
     ok(cli("batch", prompts, "-o", out, *m.models, *FAST, "--tree-budget", 8, "--concurrency", 3,

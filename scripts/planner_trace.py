@@ -11,7 +11,7 @@ as --offload none and disk).
 Per line of --out: rows, grown, nodes, draft_s (growth), catch_up (tokens fed), catch_up_s, target_s, pass_tokens,
 timed (False: a round that prefilled), yielded, then plain (plain decoding chosen for the next round), miss,
 budgets (their sum). The summary splits the job's seconds and tokens into tree rounds, plain rounds and prefill
-rounds.
+rounds, and again into rounds with every row in flight and the drain (fewer rows: no prompt left to refill them).
 """
 from __future__ import annotations
 
@@ -54,14 +54,19 @@ def traced(log: list):
 
 
 def summary(log: list) -> str:
+    """The job's seconds and tokens by kind of round, then by whether every row was in flight: the drain (fewer
+    rows, once no prompt is left to refill them) is where a short job's passes carry less."""
     def part(name, rounds):
         seconds = sum(r["draft_s"] + r["catch_up_s"] + r["target_s"] for r in rounds)
         tokens = sum(r["yielded"] for r in rounds)
         rate = f"{tokens / seconds:.1f} tokens/s" if seconds else "–"
         return f"{name}: {len(rounds)} rounds, {tokens} tokens in {seconds:.1f} s ({rate})"
-    return "; ".join([part("tree rounds", [r for r in log if r["grown"] and r["timed"]]),
-                      part("plain rounds", [r for r in log if not r["grown"] and r["timed"]]),
-                      part("prefill rounds", [r for r in log if not r["timed"]])])
+    most = max(r["rows"] for r in log)
+    return "\n".join(["; ".join([part("tree rounds", [r for r in log if r["grown"] and r["timed"]]),
+                                  part("plain rounds", [r for r in log if not r["grown"] and r["timed"]]),
+                                  part("prefill rounds", [r for r in log if not r["timed"]])]),
+                       "; ".join([part(f"all {most} rows in flight", [r for r in log if r["rows"] == most]),
+                                  part("fewer (the drain)", [r for r in log if r["rows"] < most])])])
 
 
 def main(argv=None) -> int:

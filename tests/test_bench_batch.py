@@ -124,15 +124,18 @@ def test_repeats_below_one_is_one_line_and_exit_2(capsys):
     assert "--repeats must be at least 1" in capsys.readouterr().err
 
 
-def test_planner_trace_splits_the_job_into_tree_plain_and_prefill_rounds():
+def test_planner_trace_splits_the_job_into_tree_plain_and_prefill_rounds_and_the_drain():
     trace = load_script("planner_trace")
-    log = [dict(grown=2, timed=False, draft_s=1.0, catch_up_s=0.5, target_s=2.5, yielded=6),
-           dict(grown=2, timed=True, draft_s=0.2, catch_up_s=0.05, target_s=0.25, yielded=5),
-           dict(grown=0, timed=True, draft_s=0.0, catch_up_s=0.0, target_s=0.2, yielded=2),
-           dict(grown=0, timed=True, draft_s=0.0, catch_up_s=0.0, target_s=0.2, yielded=2)]
-    assert trace.summary(log) == ("tree rounds: 1 rounds, 5 tokens in 0.5 s (10.0 tokens/s); "
-                                  "plain rounds: 2 rounds, 4 tokens in 0.4 s (10.0 tokens/s); "
-                                  "prefill rounds: 1 rounds, 6 tokens in 4.0 s (1.5 tokens/s)")
+    log = [dict(rows=2, grown=2, timed=False, draft_s=1.0, catch_up_s=0.5, target_s=2.5, yielded=6),
+           dict(rows=2, grown=2, timed=True, draft_s=0.2, catch_up_s=0.05, target_s=0.25, yielded=5),
+           dict(rows=2, grown=0, timed=True, draft_s=0.0, catch_up_s=0.0, target_s=0.2, yielded=2),
+           dict(rows=1, grown=0, timed=True, draft_s=0.0, catch_up_s=0.0, target_s=0.2, yielded=1)]
+    assert trace.summary(log).splitlines() == [
+        "tree rounds: 1 rounds, 5 tokens in 0.5 s (10.0 tokens/s); "
+        "plain rounds: 2 rounds, 3 tokens in 0.4 s (7.5 tokens/s); "
+        "prefill rounds: 1 rounds, 6 tokens in 4.0 s (1.5 tokens/s)",
+        "all 2 rows in flight: 3 rounds, 13 tokens in 4.7 s (2.8 tokens/s); "
+        "fewer (the drain): 1 rounds, 1 tokens in 0.2 s (5.0 tokens/s)"]
 
 
 @pytest.mark.parametrize("args", [["--concurrency", "0"], ["--new-tokens", "0"], ["--tree", "nonsense"], ["--slots", "1"]])

@@ -37,7 +37,7 @@ behind, and the first tree round after it feeds every row's backlog (at 8 rows, 
 tokens to read before any tree grows). So the switch back to trees is charged that backlog, spread over the tokens
 the rows have left, and the probes that re-time trees while plain decoding wins grow one row's tree only, the row
 whose draft is least behind; none at all once the backlog alone costs more a token than plain decoding (no tree
-could then pay for the switch). With probe_first (the engine on a CPU, several rows) a job starts in that state:
+could then pay for the switch). With probe_first (a CPU, the target resident, several rows) a job starts so:
 after the prefill round one row's tree, the other rows' drafts reading nothing, and rows without a tree priced as
 copies of the rows with one (their draft work per node where the rounds cannot tell a call's cost from a node's).
 Such a copy is an extrapolation from few rows, so trees spread to rows without one at most doubling the rows with
@@ -81,8 +81,8 @@ class BudgetPlanner:
         # probe_first: the job starts as if plain decoding had won, with ONE tree of this many nodes (the least
         # behind row's, after the first round), so the other rows' drafts read their prompts only once the measured
         # costs say trees pay. Where a draft's prefill is compute as dear as the target's (a CPU), that read is most
-        # of what trees cost at many rows. None: every row starts with `start` (a GPU, where a streamed pass dwarfs
-        # the draft's prefill).
+        # of what trees cost at many rows. None: every row starts with `start` (a streamed target, on a GPU or a
+        # CPU: a pass's read of every layer is dearer than the drafts' prefill).
         self.probe_first = min(probe_first, max_budget) if probe_first else None
         self.max_budget = max_budget          # nodes per pass, all rows together (+ at least one a row): the
                                               # plan counted logits for that many

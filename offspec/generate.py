@@ -277,10 +277,15 @@ class Engine:
         # decoding plainly, after its first timed pass one row grows a tree (32 nodes alone, 32 / B among B rows
         # but at least 8: a row's share of a first pass, enough to price a draft's nodes), and the planner grows
         # the others' once it has timed that tree and trees pay (probe_first); rows joining later while trees pay
-        # share 32 nodes a pass. One row in flight starts with its 32-node tree: it is every row's.
+        # share 32 nodes a pass. One row in flight starts with its 32-node tree: it is every row's. A CPU whose
+        # target streams (--offload cpu or disk) starts every row's tree at once, as a GPU does: a pass there is
+        # a read of every layer too (cold disk, demo target: ~1 s, against ~0.12 s of draft work a prompt to read
+        # it), so trees pay from the first round; probing first took 9 rounds to reach every row, and once left
+        # a code job decoding plainly for 56 of its 82 rounds (docs/benchmarks.md, the batch notes).
         gpu = self.device.type == "cuda"
+        streamed = self._stream_stats() is not None
         planner = BudgetPlanner(start=128 if gpu else max(1, 32 // B), max_budget=self.max_tree_budget, max_depth=0,
-                                probe_first=None if gpu or B == 1 else max(8, 32 // B))
+                                probe_first=None if gpu or streamed or B == 1 else max(8, 32 // B))
         while rows or feed.wait():          # with no row in flight: wait for a request, or end with the feed
             # refill: the next prompts take free rows (auto concurrency: as many as the costs favour)
             limit = ((planner.rows_worth(B) if adapt_rows else None) or B) if free and feed.waiting() else 0

@@ -455,3 +455,33 @@ def test_while_plain_decoding_wins_a_probe_grows_one_tree_the_least_behind(engin
         assert behind[grew] == min(behind.values()) and mine[k][3][0] == behind[grew]   # its catch-up, alone
     for (_, _, left, _), (_, _, later, _) in zip(mine, mine[1:]):
         assert all(0 <= later[r] < left[r] for r in later)          # tokens left shrink every round
+
+
+@pytest.mark.parametrize("mode", ["none", "cpu"])
+def test_a_cpu_job_probes_first_only_where_the_target_is_resident(pair, mode):
+    """Resident on a CPU (a pass and a draft's prompt read are both compute) the job's first round grows no tree
+    and the next one row's (probe_first); where the target streams, a pass costs its read of every layer as on a
+    GPU, and every row grows its tree from the first round. Either way each row's tokens are its own."""
+    from offspec.costmodel import BudgetPlanner
+    offload = OffloadConfig(mode=mode, n_slots=2)
+    eng = load_engine(pair[0], pair[1], offload, RUNTIME, progress=False, limits=LIMITS).engine
+    grew = []
+    observe = BudgetPlanner.observe
+
+    def spy(self, trees, *args, **kwargs):
+        grew.append({r for r, t in trees.items() if t.size > 0})
+        observe(self, trees, *args, **kwargs)
+    try:
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(BudgetPlanner, "observe", spy)
+            requests = [GenerationRequest(prompt_ids=p, max_new_tokens=n, ignore_eos=True)    # auto tree budget
+                        for p, n in zip(prompts(3), [12, 9, 14])]
+            tokens, _, _ = batched(eng, requests, concurrency=3)
+        if mode == "none":
+            assert grew[0] == set() and len(grew[1]) == 1, grew[:2]
+        else:
+            assert grew[0] == grew[1] == {0, 1, 2}, grew[:2]
+        for i, request in enumerate(requests):
+            assert tokens[i] == alone(eng, request)[0], i
+    finally:
+        eng.close()

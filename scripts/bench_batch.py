@@ -69,6 +69,13 @@ SECTION = "bench_batch"
 UNRECORDED = "unrecorded"                  # the machine of rows measured before rows carried a stamp
 CPU = torch.device("cpu")
 PROCESS_WORDS = {"own": "each cell in its own process", "shared": "cells sharing a process"}
+# --doc-section -> (marker name in docs/benchmarks.md, heading). The goal cells get a table of their own because
+# cells pool their rows across commits: rows measured after an engine change that moves them go in a rows file
+# of their own, and this section shows them apart from the main table's older rows.
+DOC_SECTIONS = {
+    "main": (SECTION, "## Batched speculation: prompts in flight (`scripts/bench_batch.py`)"),
+    "goals": (SECTION + "_goals", "### Issue #11's goal cells in one sitting, at the current engine"),
+}
 
 
 class CellFailed(Exception):
@@ -98,6 +105,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     #                                     dir, out} as JSON; measure that cell alone, write its dict to out, exit
     p.add_argument("--rows", default=None, help="JSONL file the rows are appended to (resume: done cells are skipped)")
     p.add_argument("--write-docs", action="store_true", help="replace the bench_batch section of docs/benchmarks.md")
+    p.add_argument("--doc-section", default="main", choices=sorted(DOC_SECTIONS),
+                   help="with --write-docs, which section: main (the table of every cell) or goals (issue #11's "
+                        "goal cells measured in one sitting at the current engine, from a rows file of their own)")
     p.add_argument("--report-only", action="store_true",
                    help="measure nothing: the table (and with --write-docs the section) from the --rows of these "
                         "--prompt-sets and settings")
@@ -471,8 +481,9 @@ def main(argv=None) -> int:
     print(_common.text_table(headers, table))
     print("\n".join(goal_lines(kept)))
     if args.write_docs:
+        section, heading = DOC_SECTIONS[args.doc_section]
         body = "\n".join([
-            "## Batched speculation: prompts in flight (`scripts/bench_batch.py`)", "",
+            heading, "",
             _common.run_header(CPU, started, load_at_start), "",
             *(["Rendered (not measured) by the command above from the rows in its --rows; the rows were measured "
                "by the same options without --report-only, on the machines the table names.", ""]
@@ -497,7 +508,7 @@ def main(argv=None) -> int:
             "× B=1 and the goals use the runs of one machine and one process kind only. "
             + _stats.provenance_text(kept),
             "", _common.markdown_table(headers, table), "", *goal_lines(kept)])
-        _common.write_doc_section(SECTION, body)
+        _common.write_doc_section(section, body)
     return 0
 
 

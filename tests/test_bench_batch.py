@@ -207,3 +207,19 @@ def test_own_process_cells_run_as_child_processes_and_a_failed_one_is_one_line(t
     err = capsys.readouterr().err
     assert "the code cpu offspec B=3 cell failed in its own process (exit 3)" in err and "Traceback" not in err
     assert len(bench.load_rows(rows_path)) == 2
+
+
+def test_the_goal_cells_render_into_a_section_of_their_own(tmp_path, monkeypatch):
+    written = {}
+    monkeypatch.setattr(bench._common, "write_doc_section", lambda name, body: written.setdefault(name, body))
+    args = bench.parse_args(["--prompt-sets", "chat"])
+    rows = [{**row("offspec", B, speed, 1, prompt_set="chat", regime="disk"), "settings": bench.settings_of(args, "chat")}
+            for B, speed in ((1, 2.0), (8, 7.0))]
+    path = tmp_path / "rows.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    common = ["--report-only", "--prompt-sets", "chat", "--rows", str(path), "--write-docs"]
+    assert bench.main(common + ["--doc-section", "goals"]) == 0
+    assert list(written) == ["bench_batch_goals"]         # the main table's section is left as it was
+    body = written["bench_batch_goals"]
+    assert body.startswith("### Issue #11's goal cells") and "3.50× offspec B=1 (2.00); goal ≥ 3×: met" in body
+    assert bench.main(common) == 0 and written["bench_batch"].startswith("## Batched speculation")

@@ -104,7 +104,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--one-cell", default=None, help=argparse.SUPPRESS)   # internal: {prompt_set, regime, system, B,
     #                                     dir, out} as JSON; measure that cell alone, write its dict to out, exit
     p.add_argument("--rows", default=None, help="JSONL file the rows are appended to (resume: done cells are skipped)")
-    p.add_argument("--write-docs", action="store_true", help="replace the bench_batch section of docs/benchmarks.md")
+    p.add_argument("--write-docs", action="store_true", help="replace this script's section (--doc-section) of docs/benchmarks.md")
     p.add_argument("--doc-section", default="main", choices=sorted(DOC_SECTIONS),
                    help="with --write-docs, which section: main (the table of every cell) or goals (issue #11's "
                         "goal cells measured in one sitting at the current engine, from a rows file of their own)")

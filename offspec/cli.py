@@ -178,9 +178,9 @@ def build_configs(o: dict, check_device: bool = True):
 
     device = parse_device(o["device"], check_available=check_device)
     draft_quant = o["draft_quant"]
+    from .quant import auto_draft_quant, check_draft_quant, check_target_quant
     if draft_quant == "auto":
-        draft_quant = "int8" if device.type == "cpu" else "none"
-    from .quant import check_draft_quant, check_target_quant
+        draft_quant = auto_draft_quant(device.type)
 
     runtime = RuntimeConfig(device=device, dtype=parse_dtype(o["dtype"]), draft_quant=draft_quant,
                             target_quant=o["target_quant"], resident_quant=o["resident_quant"])
@@ -775,6 +775,7 @@ def models_info(model_dir, draft_dir, device_memory, host_memory, dtype, offload
     from .load import parse_dtype
     from .costmodel import GpuSetup, predict_seconds_per_token
     from .plan import Machine, ModelSpec, TargetLayerSizes, make_plan, predicted_pass_seconds
+    from .quant import auto_draft_quant
 
     if json_path:
         check_writable(json_path)
@@ -789,7 +790,7 @@ def models_info(model_dir, draft_dir, device_memory, host_memory, dtype, offload
         machine = measured if host_memory is None else Machine(
             "cuda", measured.device_bytes, parse_bytes(host_memory), "given", measured.name)
     if draft_quant == "auto":
-        draft_quant = "int8" if machine.kind == "cpu" else "none"
+        draft_quant = auto_draft_quant(machine.kind)
     if prefill_chunk < 1:
         raise InputError("--prefill-chunk must be at least 1")
     if tokens_per_pass < 1:

@@ -181,6 +181,12 @@ def bitsandbytes_ops():
     return torch.ops.bitsandbytes
 
 
+def auto_draft_quant(device_kind: str) -> str:
+    """--draft-quant auto on a device of this kind ("cpu" or "cuda"): the int8 copy on a CPU, where a narrow draft
+    call is bound by reading its weights; none on a GPU."""
+    return "int8" if device_kind == "cpu" else "none"
+
+
 def check_draft_quant(draft_quant: str, device: torch.device, dtype: torch.dtype) -> None:
     """Refuse, in one line, a --draft-quant that is unknown, or held quantized where this device and dtype
     cannot run it (the same probe as the target's)."""

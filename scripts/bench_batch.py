@@ -9,12 +9,18 @@ per pass, GB streamed per token, and each prompt's latency (s/token over its own
 
   regimes   disk   the target's layers streamed from its packed store, every read cold (--disk-io; pages
                    dropped behind each read), resident draft
-            cpu    the CPU user's default: both models resident (--offload none); a pass is compute
+            cpu    on a CPU: the CPU user's default, both models resident (--offload none), a pass is compute;
+                   on a GPU: the target's layers in pinned host RAM, streamed over the link (--offload cpu)
+  device    --device (default auto: the GPU when there is one). On a GPU a streamed target keeps only its ring
+            of 2 slots there (--gpu-budget of 2 layers), as for a target many times the GPU's memory: every
+            layer crosses the link every pass, whatever GPU runs it (the demo target would otherwise sit
+            resident on any GPU). The draft is resident, with the int8 copy on a CPU only (--draft-quant auto).
   ablation  offspec --tree none at --none-concurrency: the same engine and batching, no speculation (what
             the trees add at a given B)
   peer      transformers + accelerate, the same prompts left-padded into batches of B, greedy generate()
             (disk: device_map layers -> "disk", pages of the weight files dropped before every forward;
-            cpu: weights in host RAM). Its tokens are checked against offspec's (bf16: agreement, not identity).
+            cpu: weights in host RAM, on a GPU device_map layers -> "cpu"; the rest on the compute device). Its
+            tokens are checked against offspec's (bf16: agreement, not identity).
 
 Every cell runs --repeats times (default 3): each repeat runs all the cells in an order shuffled for (prompt set,
 repeat), so no cell always runs first or last (a drive or a machine that changes speed lands on every cell). Each
@@ -60,10 +66,12 @@ from offspec.batch import auto_concurrency  # noqa: E402
 from offspec.config import OffloadConfig, RunLimits, RuntimeConfig, TreeConfig  # noqa: E402
 from offspec.demo import ensure_demo_models  # noqa: E402
 from offspec.generate import GenerationRequest  # noqa: E402
-from offspec.load import Models, parse_dtype  # noqa: E402
-from offspec.metrics import JobReport  # noqa: E402
+from offspec.load import Models, parse_device, parse_dtype  # noqa: E402
+from offspec.metrics import JobReport, synchronize  # noqa: E402
+from offspec.offload import layer_nbytes  # noqa: E402
 from offspec.prompt import encode_prompt  # noqa: E402
 from offspec.prompt_sets import load_prompt_set  # noqa: E402
+from offspec.quant import auto_draft_quant  # noqa: E402
 
 SECTION = "bench_batch"
 UNRECORDED = "unrecorded"                  # the machine of rows measured before rows carried a stamp
@@ -98,6 +106,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=3, help="runs of every cell, in an order shuffled per repeat")
     p.add_argument("--disk-io", default="direct", choices=["direct", "buffered"], help="disk regime reads")
     p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--device", default="auto",
+                   help="compute device: auto (the GPU when there is one, else the CPU), cpu, or cuda[:N]; rows are "
+                        "kept per device, and a GPU's rows per GPU model")
     p.add_argument("--cell-process", default="own", choices=["own", "shared"],
                    help="own: every cell in a fresh process of its own (as a user's job runs); shared: all cells in "
                         "this process (quicker, for smoke runs; a cell can depend on the one before it)")
@@ -181,6 +192,7 @@ def load_rows(path) -> list[dict]:
         row.get("settings", {}).setdefault("prompt_set", "code")
         row.setdefault("repeat", 0)
         row.get("settings", {}).setdefault("cell_process", "shared")   # rows from before --cell-process
+        row.get("settings", {}).setdefault("device", "cpu")            # rows from before --device
     return rows
 
 
@@ -190,15 +202,37 @@ def append_row(path, row: dict) -> None:
             f.write(json.dumps(row) + "\n")
 
 
+def compute_device(args) -> torch.device:
+    """--device: auto = the GPU when there is one (the regime the tool is built for), else the CPU. A report
+    (--report-only) may name a device this machine lacks: it only picks that device's rows."""
+    if args.device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return parse_device(args.device, check_available=not args.report_only)
+
+
+def offload_of(regime: str, device: torch.device, layer_bytes: int, store_dir, disk_io: str) -> OffloadConfig:
+    """Where the target's layers live in a regime (the module docstring's table). On a GPU a streamed target gets a
+    --gpu-budget of its ring alone, so no layer stays resident and every pass moves the whole target."""
+    if device.type == "cpu":
+        return OffloadConfig(mode="disk" if regime == "disk" else "none", store_dir=store_dir, disk_io=disk_io)
+    ring = OffloadConfig().n_slots * layer_bytes
+    return OffloadConfig(mode=regime, gpu_budget=ring, store_dir=store_dir, disk_io=disk_io)
+
+
+def machine_here(device: torch.device) -> str:
+    """The machine column of the rows measured here: the GPU's model on a GPU, else the CPU's."""
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else _common.cpu_model()
+
+
 def offspec_cell(models: Models, regime: str, requests: list[GenerationRequest], B, args, store_dir,
                  plain: bool = False) -> dict:
     """One job of every request at B in flight -> the row (JobReport totals, latencies, tokens). B "auto": what
     `offspec batch --concurrency auto` does (the memory plan's most, up to AUTO_CONCURRENCY, and as many of
     those as the measured costs favour)."""
     gc.collect()      # the previous cells' engines (reference cycles): the memory plan measures what is free
-    mode = "disk" if regime == "disk" else "none"
-    offload = OffloadConfig(mode=mode, store_dir=store_dir, disk_io=args.disk_io)
-    runtime = RuntimeConfig(device=CPU, dtype=parse_dtype(args.dtype), draft_quant="int8")
+    device, dtype = compute_device(args), parse_dtype(args.dtype)
+    offload = offload_of(regime, device, layer_nbytes(models.target.config, dtype), store_dir, args.disk_io)
+    runtime = RuntimeConfig(device=device, dtype=dtype, draft_quant=auto_draft_quant(device.type))
     if plain:
         requests = [dataclasses.replace(r, tree=TreeConfig(policy="none")) for r in requests]
     longest = max(len(r.prompt_ids) for r in requests) + args.new_tokens
@@ -229,14 +263,17 @@ def offspec_cell(models: Models, regime: str, requests: list[GenerationRequest],
             "most_in_flight": most,
             "median_prompt_seconds_per_token": statistics.median(latency),
             "tokens": {str(i): [t for s in st for t in s.tokens] for i, st in steps.items()},
-            "offload": loaded.plan.mode, "weights_source": loaded.engine.weights_source()}
+            "offload": loaded.plan.mode, "weights_source": loaded.engine.weights_source(),
+            "device": str(loaded.engine.device)}
 
 
 def peer_cell(target_dir, regime: str, prompt_ids: list[list[int]], B: int, args, offload_folder) -> dict:
     """transformers generate over left-padded batches of B prompts (greedy, exactly --new-tokens each)."""
     from bench_peers import HfSystems
     from offspec.offload import drop_page_cache
-    hf = HfSystems(target_dir, None, parse_dtype(args.dtype), regime, offload_folder, cold=True, assist=None)
+    device = compute_device(args)
+    hf = HfSystems(target_dir, None, parse_dtype(args.dtype), regime, offload_folder, cold=True, assist=None,
+                   device=device)
     passes = [0]
     hook = hf.target.register_forward_pre_hook(lambda module, a: passes.__setitem__(0, passes[0] + 1))
     tokens, latency = {}, []
@@ -244,13 +281,14 @@ def peer_cell(target_dir, regime: str, prompt_ids: list[list[int]], B: int, args
     for first in range(0, len(prompt_ids), B):
         batch = prompt_ids[first: first + B]
         width = max(len(ids) for ids in batch)
-        ids = torch.tensor([[0] * (width - len(x)) + x for x in batch])                  # (b, width) left-padded
-        mask = torch.tensor([[0] * (width - len(x)) + [1] * len(x) for x in batch])
+        ids = torch.tensor([[0] * (width - len(x)) + x for x in batch], device=device)    # (b, width) left-padded
+        mask = torch.tensor([[0] * (width - len(x)) + [1] * len(x) for x in batch], device=device)
         drop_page_cache(*hf.weight_files)
         t0 = time.perf_counter()
         with torch.no_grad():
             out = hf.target.generate(ids, attention_mask=mask, max_new_tokens=args.new_tokens,
                                      min_new_tokens=args.new_tokens, do_sample=False, pad_token_id=0)
+            synchronize(device)
         seconds = time.perf_counter() - t0
         for k, row in enumerate(out[:, width:].tolist()):
             tokens[str(first + k)] = row
@@ -280,9 +318,9 @@ def concurrency_values(text: str) -> list:
 
 
 def machine_of(row: dict) -> str:
-    """The CPU a row was measured on (its stamp; rows from before stamps: "unrecorded"). Cells, their B=1
-    baselines, resume and the goals are per machine: runs of two machines are never pooled."""
-    return row.get("stamp", {}).get("machine", "").split(",")[0] or UNRECORDED
+    """The GPU a row was measured on, or on a CPU the CPU (its stamp; rows from before stamps: "unrecorded").
+    Cells, their B=1 baselines, resume and the goals are per machine: runs of two machines are never pooled."""
+    return row.get("gpu") or row.get("stamp", {}).get("machine", "").split(",")[0] or UNRECORDED
 
 
 def process_of(row: dict) -> str:
@@ -343,7 +381,8 @@ def settings_of(args, prompt_set: str) -> dict:
     """What a row must share with this run to be one of its cells (the rest of the key: regime, system, B, repeat,
     machine)."""
     return {"prompts": args.prompts, "new_tokens": args.new_tokens, "tree_budget": args.tree_budget,
-            "dtype": args.dtype, "disk_io": args.disk_io, "prompt_set": prompt_set, "cell_process": args.cell_process}
+            "dtype": args.dtype, "disk_io": args.disk_io, "prompt_set": prompt_set, "cell_process": args.cell_process,
+            "device": compute_device(args).type}
 
 
 def requests_of(models: Models, prompt_set: str, args) -> tuple[list[list[int]], list[GenerationRequest]]:
@@ -369,7 +408,7 @@ def cell_command(args, prompt_set: str, regime: str, system: str, B, tmp: str, o
     spec = {"prompt_set": prompt_set, "regime": regime, "system": system, "B": B, "dir": tmp, "out": out}
     return [sys.executable, str(Path(__file__).resolve()), "--prompts", str(args.prompts),
             "--new-tokens", str(args.new_tokens), "--tree-budget", str(args.tree_budget), "--dtype", args.dtype,
-            "--disk-io", args.disk_io, "--one-cell", json.dumps(spec)]
+            "--disk-io", args.disk_io, "--device", str(compute_device(args)), "--one-cell", json.dumps(spec)]
 
 
 def cell_in_own_process(args, prompt_set: str, regime: str, system: str, B, tmp: str) -> dict:
@@ -400,7 +439,8 @@ def measure_set(models: Models, target_dir, prompt_set: str, args, all_rows: lis
     missing ones measured now (each appended to --rows as it finishes). `models`: opened here for shared-process
     cells, None when every cell runs in its own process."""
     settings = settings_of(args, prompt_set)
-    here = _common.cpu_model()
+    device = compute_device(args)
+    here = machine_here(device)
     rows = [r for r in all_rows if r.get("settings") == settings]
     done = {(r["regime"], r["system"], r["concurrency"], r["repeat"]) for r in rows if machine_of(r) == here}
     cells = []
@@ -417,7 +457,7 @@ def measure_set(models: Models, target_dir, prompt_set: str, args, all_rows: lis
             cell = (cell_in_own_process(args, prompt_set, regime, system, B, tmp) if args.cell_process == "own" else
                     cell_here(models, target_dir, prompt_set, regime, system, B, args, tmp))
             row = {"prompt_set": prompt_set, "regime": regime, "system": system, **cell, "settings": settings,
-                   "repeat": repeat, "stamp": _stats.stamp()}
+                   "repeat": repeat, "stamp": _stats.stamp(), **({"gpu": here} if device.type == "cuda" else {})}
             rows.append(row)
             append_row(args.rows, row)
             print(f"[{prompt_set} {regime}] {system} B={B}: {cell['tokens_per_second']:.3f} tokens/s", file=sys.stderr)
@@ -460,6 +500,8 @@ def main(argv=None) -> int:
             _common.write_doc_section(SECTION + "_prediction", text)
         return 0
     started, load_at_start = time.time(), _common.load_average()
+    device = compute_device(args)
+    header_device = device if device.type == "cpu" or torch.cuda.is_available() else CPU   # a report of GPU rows here
     all_rows, kept = load_rows(args.rows), []
     if args.report_only:            # every row of these settings, whichever --cell-process measured it
         kept = [r for prompt_set in args.prompt_sets.split(",") for r in all_rows
@@ -484,14 +526,16 @@ def main(argv=None) -> int:
         section, heading = DOC_SECTIONS[args.doc_section]
         body = "\n".join([
             heading, "",
-            _common.run_header(CPU, started, load_at_start), "",
+            _common.run_header(header_device, started, load_at_start), "",
             *(["Rendered (not measured) by the command above from the rows in its --rows; the rows were measured "
                "by the same options without --report-only, on the machines the table names.", ""]
               if args.report_only else []),
             f"{args.prompts} prompts of each set (code: HumanEval, chat: MT-Bench first turns; chat template), "
             f"{args.new_tokens} new tokens each (EOS ignored), "
-            f"{args.dtype}, greedy, tree budget {args.tree_budget}; demo pair (1.5B target, 0.5B draft, int8 draft "
-            "copy). tokens/s = all prompts' tokens / the job's wall time, the median over the cell's runs (runs: "
+            f"{args.dtype}, greedy, tree budget {args.tree_budget}; demo pair (1.5B target, 0.5B draft"
+            + (", int8 draft copy" if device.type == "cpu" else
+               f"; on the GPU, only the target's ring of {OffloadConfig().n_slots} slots resident") +
+            "). tokens/s = all prompts' tokens / the job's wall time, the median over the cell's runs (runs: "
             "each in an order shuffled per repeat) with their [min, max]; × B=1 = the ratio of the medians; the other "
             "columns are medians over the runs too. A pass streams every target layer once "
             "for all prompts in flight. Draft s/pass: the draft's work (catch-up and growth of every row's tree) a "
@@ -502,7 +546,7 @@ def main(argv=None) -> int:
             "Prompt s/token = each prompt's own passes' time over its tokens (the "
             "latency a prompt sees), median over prompts. Agreement: the share of each prompt's tokens before the "
             "first difference from offspec at B=1, mean over prompts (bf16: batched matmuls round differently).",
-            "", f"machine: the CPU each row was measured on (`{UNRECORDED}`: rows from before rows carried a stamp); "
+            "", f"machine: the {'CPU' if device.type == 'cpu' else 'GPU'} each row was measured on (`{UNRECORDED}`: rows from before rows carried a stamp); "
             "process: `own` = each cell ran in a fresh process of its own (as a user's job runs), `shared` = all "
             "the cells of a run in one process, one after another (rows from before `--cell-process`). A cell, its "
             "× B=1 and the goals use the runs of one machine and one process kind only. "
@@ -513,4 +557,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    _common.run_main(main)

@@ -94,6 +94,7 @@ from offspec.config import OffloadConfig, RuntimeConfig, SamplingConfig, TreeCon
 from offspec.costmodel import GpuSetup, predict_seconds_per_token  # noqa: E402
 from offspec.generate import GenerationRequest, run  # noqa: E402
 from offspec.load import parse_dtype  # noqa: E402
+from offspec.metrics import synchronize  # noqa: E402
 from offspec.offload import drop_page_cache  # noqa: E402
 from offspec.prompt_sets import PROMPT_SETS, load_prompt_set  # noqa: E402
 
@@ -457,7 +458,7 @@ def hf_generate(target, ids, new_tokens: int, assistant=None, assist: Optional[A
         dict(do_sample=False)
     config = transformers.GenerationConfig(max_new_tokens=new_tokens, min_new_tokens=0, eos_token_id=None,
                                            pad_token_id=0, **sampling)
-    inputs = torch.tensor([ids])
+    inputs = torch.tensor([ids], device=target.device)      # the device of its embeddings (peer_device_map)
     saved = None if assistant is None else assistant.generation_config
     if assistant is not None:
         assistant.generation_config = copy.deepcopy(saved)
@@ -471,6 +472,7 @@ def hf_generate(target, ids, new_tokens: int, assistant=None, assist: Optional[A
             start = time.perf_counter()
             out = target.generate(inputs, attention_mask=torch.ones_like(inputs), generation_config=config,
                                   assistant_model=assistant)
+            synchronize(out.device)
             seconds = time.perf_counter() - start
     finally:
         if assistant is not None:
@@ -500,32 +502,43 @@ def peer_cell(run: PeerRun) -> dict:
     return cell
 
 
-class HfSystems:
-    """The target offloaded by accelerate, and the draft as a plain resident assistant."""
+def peer_device_map(regime: str, n_layers: int, device: torch.device) -> dict:
+    """accelerate's placement of the target in a regime: the decoder layers where the regime keeps them ("disk",
+    or "cpu": host RAM), the rest (embeddings, final norm, rotary, lm_head) on the compute device, where accelerate
+    brings each offloaded layer for its forward. On a CPU the host-RAM regime is every weight in host RAM,
+    executed where it lies: accelerate's cpu_offload hooks with the CPU as the execution device break assisted
+    generation in transformers 5.23 ("Cannot copy out of meta tensor") and would only add copies, so the peer gets
+    its best case, no hooks at all."""
+    home = "cpu" if device.type == "cpu" else (device.index or 0)      # accelerate names a GPU by its index
+    if regime == "cpu" and device.type == "cpu":
+        return {"": "cpu"}
+    device_map = {name: home for name in ("model.embed_tokens", "model.norm", "model.rotary_emb", "lm_head")}
+    device_map.update({f"model.layers.{i}": regime for i in range(n_layers)})
+    return device_map
 
-    def __init__(self, target_dir, draft_dir, dtype, regime, offload_folder, cold, assist: Optional[AssistSettings]):
+
+class HfSystems:
+    """The target offloaded by accelerate, and the draft as a plain resident assistant, on `device`."""
+
+    def __init__(self, target_dir, draft_dir, dtype, regime, offload_folder, cold, assist: Optional[AssistSettings],
+                 device: torch.device = torch.device("cpu")):
         from transformers import AutoConfig, AutoModelForCausalLM
 
         n_layers = AutoConfig.from_pretrained(target_dir).num_hidden_layers
+        self.target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=dtype,
+                                                           device_map=peer_device_map(regime, n_layers, device),
+                                                           offload_folder=offload_folder if regime == "disk" else None)
+        self.weight_files = []
         if regime == "disk":
-            device_map = {"model.embed_tokens": "cpu", "model.norm": "cpu", "model.rotary_emb": "cpu", "lm_head": "cpu"}
-            device_map.update({f"model.layers.{i}": "disk" for i in range(n_layers)})
-            self.target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=dtype, device_map=device_map,
-                                                               offload_folder=offload_folder)
             # transformers 5 reads disk-offloaded weights straight from the checkpoint's safetensors (the
             # offload folder stays empty unless it must convert), so those files are what must go cold.
             self.weight_files = sorted({str(p) for p in Path(target_dir).glob("*.safetensors")}
                                        | {str(p) for p in Path(offload_folder).rglob("*") if p.is_file()})
             if cold:
                 self.target.register_forward_pre_hook(lambda module, args: drop_page_cache(*self.weight_files))
-        else:
-            # Weights in host RAM, executed where they are. (accelerate's cpu_offload hooks with the CPU as the
-            # execution device break assisted generation in transformers 5.23 — "Cannot copy out of meta
-            # tensor" — and would only add copies, so the peer gets its best case: no hooks at all.)
-            self.target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=dtype, device_map={"": "cpu"})
-            self.weight_files = []
         self.target.eval()
-        self.draft = AutoModelForCausalLM.from_pretrained(draft_dir, dtype=dtype).eval() if draft_dir else None
+        self.draft = (AutoModelForCausalLM.from_pretrained(draft_dir, dtype=dtype).to(device).eval() if draft_dir
+                      else None)
         self.assist = assist      # None: the assistant runs transformers' defaults
 
     def generate(self, ids, new_tokens, assisted: bool, temperature: float = 0.0, seed: int = 0,

@@ -102,7 +102,7 @@ def test_a_repeat_measured_on_another_machine_does_not_count_here(fake_cells, tm
                              "--regimes", "cpu", "--repeats", "1", "--rows", str(tmp_path / "rows.jsonl"),
                              "--cell-process", "shared"])
     settings = {"prompts": 2, "new_tokens": 64, "tree_budget": "auto", "dtype": "bfloat16", "disk_io": "direct",
-                "prompt_set": "code", "cell_process": "shared"}
+                "prompt_set": "code", "cell_process": "shared", "device": "cpu"}
     elsewhere = {**row("offspec", 1, 2.0, 0, regime="cpu", machine="Intel Xeon"), "settings": settings}
     monkeypatch.setattr(bench._common, "cpu_model", lambda: "AMD EPYC")
     rows = bench.measure_set(SimpleNamespace(tokenizer=None), "target", "code", args, [elsewhere], str(tmp_path))

@@ -21,7 +21,11 @@ Sections, in order; each records its own failure (with the error) and the check 
               the streamed logits must equal the resident ones bit for bit
   demo        the demo pair end to end with forced streaming (--offload cpu, a --gpu-budget of 3 layers:
               2 ring slots + 1 resident layer): float32 streamed vs --offload none must give identical tokens
-              (greedy, fixed tree budget); a bfloat16 streamed run gives s/token and the report's fields
+              (greedy, fixed tree budget), and so must the prompt in `offspec batch` with 2 prompts in flight
+              (streamed, float32); a bfloat16 streamed run gives s/token and the report's fields. Where the demo
+              models are not installed (the device machine a session is lent reaches no package registry), a
+              random 8-layer pair built on the spot (tests/tiny.py) runs instead: the same checks of the
+              tokens, speed figures that are not the demo pair's
   doctor      `offspec doctor --quick`: devices, host memory, the largest pinnable buffer, link and drive
               rates, the advice for the demo target
 
@@ -85,11 +89,15 @@ OVERLAP_MODEL = ModelConfig(arch="llama", vocab_size=32000, hidden_size=4096, in
                             n_heads=32, n_kv_heads=32, head_dim=128, rms_norm_eps=1e-5)
 
 DEMO_PROMPT = "Write a Python function that checks whether a number is prime."
+BATCH_COMPANION = "Explain what a hash map is."   # the demo prompt's company in the batch run (2 rows in flight)
 DEMO_TREE_BUDGET = 32          # fixed for the float32 pair, so both runs build the same trees
+RANDOM_PAIR_LAYERS = 8         # the random pair's (demo_pair): with the 3-layer --gpu-budget, 7 layers stream
 DEMO_REPORT_FIELDS = ("new_tokens", "finish_reason", "seconds_per_token", "seconds_per_token_e2e", "tokens_per_pass",
                       "passes", "load_seconds", "prefill_seconds", "draft_seconds", "target_seconds", "wait_seconds",
                       "compute_seconds", "transfer_seconds", "gb_streamed", "gb_per_second", "prefetch_gb",
-                      "peak_device_gb", "peak_host_gb", "tree_budget", "offload", "weights_source", "dtype")
+                      "peak_device_gb", "peak_host_gb", "tree_budget", "offload", "weights_source", "dtype",
+                      # the batch run's job report (metrics.JobReport)
+                      "tokens_per_second", "rows_per_pass", "gb_streamed_per_token", "stream_gb_per_second")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -328,36 +336,72 @@ def doctor_section(args, device: torch.device, run: Callable[..., CliRun] = run_
     return out
 
 
-def demo_runs(target: str, draft: str, device: torch.device, max_new_tokens: int) -> dict[str, list[str]]:
-    """name -> `offspec generate` arguments (the report path and the prompt are added by the caller). The
-    streamed runs get a --gpu-budget of 3 of the target's layers with 2 slots: 2 ring slots + 1 resident
-    layer, every other layer streamed from the pinned host arena."""
+def demo_pair(args, tmp: str) -> tuple[str, str, str]:
+    """-> (target, draft, what they are): --target/--draft as given; else the demo pair; else, where the demo models
+    are not installed, a random pair built in `tmp`. The device machine a session is lent reaches no package
+    registry and takes no 4 GB of models, so that is where the random pair runs: a target with peaked
+    distributions and a 2%-noisy copy of it as the draft (tests/tiny.py), so trees grow and are accepted. Its
+    tokens check the streamed path as the demo pair's would; its speed is not the demo pair's."""
+    if args.target is not None:
+        return args.target, args.draft, "given"
+    from offspec.demo import ensure_demo_models
+    from offspec.errors import OffspecError
+    try:
+        target, draft = ensure_demo_models(progress=False)
+        return str(target), str(draft), "the demo pair"
+    except OffspecError as missing:
+        sys.path.insert(0, str(REPO / "tests"))
+        from tiny import save_agreeing_pair
+        target, draft, _ = save_agreeing_pair(Path(tmp), n_layers=RANDOM_PAIR_LAYERS)
+        return str(target), str(draft), f"a random {RANDOM_PAIR_LAYERS}-layer pair (no demo pair: {missing})"
+
+
+def demo_runs(target: str, draft: str, device: torch.device, max_new_tokens: int,
+              prompts_file: str) -> dict[str, list[str]]:
+    """name -> `offspec` arguments (the caller adds --json PATH). The streamed runs get a --gpu-budget of 3 of the
+    target's layers with 2 slots: 2 ring slots + 1 resident layer, every other layer streamed from the pinned host
+    arena. The batch run is the float32 streamed run with 2 prompts in flight (`prompts_file`: the demo prompt,
+    then its companion), writing its results beside the file."""
     from offspec.checkpoint import Checkpoint
     cfg = Checkpoint(target).config
-    common = ["generate", "--target", target, "--draft", draft, "--device", str(device),
-              "--max-new-tokens", str(max_new_tokens), "--quiet"]
+    models = ["--target", target, "--draft", draft, "--device", str(device), "--max-new-tokens", str(max_new_tokens)]
 
     def streamed(dtype: torch.dtype) -> list[str]:
         return ["--offload", "cpu", "--slots", "2", "--gpu-budget", str(3 * layer_nbytes(cfg, dtype))]
     fixed_tree = ["--tree-budget", str(DEMO_TREE_BUDGET)]
     return {
-        "float32_streamed": [*common, "--dtype", "float32", *streamed(torch.float32), *fixed_tree],
-        "float32_resident": [*common, "--dtype", "float32", "--offload", "none", *fixed_tree],
-        "bfloat16_streamed": [*common, "--dtype", "bfloat16", *streamed(torch.bfloat16)],
+        "float32_streamed": ["generate", *models, "--quiet", "--dtype", "float32", *streamed(torch.float32),
+                             *fixed_tree, DEMO_PROMPT],
+        "float32_resident": ["generate", *models, "--quiet", "--dtype", "float32", "--offload", "none", *fixed_tree,
+                             DEMO_PROMPT],
+        "bfloat16_streamed": ["generate", *models, "--quiet", "--dtype", "bfloat16", *streamed(torch.bfloat16),
+                              DEMO_PROMPT],
+        "float32_batch_streamed": ["batch", prompts_file, "-o", prompts_file + ".out", "--concurrency", "2",
+                                   *models, "--dtype", "float32", *streamed(torch.float32), *fixed_tree],
     }
 
 
+def batch_tokens(results_file: str) -> dict[str, list[int]]:
+    """A batch run's tokens per prompt id, from its results file."""
+    lines = Path(results_file).read_text().splitlines() if os.path.exists(results_file) else []
+    return {r["id"]: r["tokens"] for r in map(json.loads, lines)}
+
+
+def first_difference(a: list[int], b: list[int]) -> Optional[int]:
+    """The first index where two token lists differ (a length difference counts), or None."""
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None if len(a) == len(b) else min(len(a), len(b)))
+
+
 def demo_section(args, device: torch.device, run: Callable[..., CliRun] = run_cli) -> dict:
-    if args.target is None:
-        from offspec.demo import ensure_demo_models
-        target, draft = (str(p) for p in ensure_demo_models(progress=False))
-    else:
-        target, draft = args.target, args.draft
     runs, reports, problems = {}, {}, []
     with tempfile.TemporaryDirectory() as tmp:
-        for name, argv in demo_runs(target, draft, device, args.max_new_tokens).items():
+        target, draft, pair = demo_pair(args, tmp)
+        prompts_file = os.path.join(tmp, "prompts.jsonl")
+        Path(prompts_file).write_text("".join(json.dumps({"id": i, "prompt": p}) + "\n"
+                                              for i, p in (("demo", DEMO_PROMPT), ("companion", BATCH_COMPANION))))
+        for name, argv in demo_runs(target, draft, device, args.max_new_tokens, prompts_file).items():
             path = os.path.join(tmp, f"{name}.json")
-            result = run([*argv, "--json", path, DEMO_PROMPT])
+            result = run([*argv, "--json", path])
             runs[name] = {"command": "offspec " + " ".join(argv), "returncode": result.returncode,
                           "seconds": round(result.seconds, 1)}
             if result.returncode != 0 or not os.path.exists(path):
@@ -368,19 +412,26 @@ def demo_section(args, device: torch.device, run: Callable[..., CliRun] = run_cl
             reports[name] = report
             runs[name]["report"] = {k: report.get(k) for k in DEMO_REPORT_FIELDS}
             if name.endswith("streamed"):
-                if not report.get("gb_streamed"):
-                    problems.append(f"{name} streamed nothing (gb_streamed {report.get('gb_streamed')})")
+                if not report.get("gb_streamed") and not report.get("gb_streamed_per_token"):
+                    problems.append(f"{name} streamed nothing")
                 if device.type == "cuda" and "pageable" in str(report.get("weights_source")):
                     problems.append(f"{name}: {report.get('weights_source')}")
-    out = {"target": target, "draft": draft, "prompt": DEMO_PROMPT, "runs": runs}
-    pair = [reports.get("float32_streamed"), reports.get("float32_resident")]
-    if all(pair):
-        out["float32_tokens_identical"] = pair[0]["tokens"] == pair[1]["tokens"]
-        if not out["float32_tokens_identical"]:
-            first = next((i for i, (a, b) in enumerate(zip(*(r["tokens"] for r in pair))) if a != b),
-                         min(len(r["tokens"]) for r in pair))
+        batched = batch_tokens(prompts_file + ".out")
+    out = {"target": target, "draft": draft, "pair": pair, "prompt": DEMO_PROMPT, "runs": runs}
+    streamed, resident = reports.get("float32_streamed"), reports.get("float32_resident")
+    if streamed and resident:
+        first = first_difference(streamed["tokens"], resident["tokens"])
+        out["float32_tokens_identical"] = first is None
+        if first is not None:
             out["float32_first_difference"] = first
             problems.append(f"float32 streamed and resident tokens differ from token {first} on")
+    if resident and "float32_batch_streamed" in reports:
+        first = first_difference(batched.get("demo", []), resident["tokens"])
+        out["float32_batch_tokens_identical"] = first is None
+        if first is not None:
+            out["float32_batch_first_difference"] = first
+            problems.append(f"the demo prompt's tokens in a batch of 2 differ from its resident run's from token "
+                            f"{first} on")
     if problems:
         out.update(status="failed", error="; ".join(problems))
     return out
@@ -517,7 +568,8 @@ def section_line(name: str, s: dict) -> str:
         found = f"link pinned {f(link.get('pinned_gbps'), 1)} GB/s, pageable {f(link.get('pageable_gbps'), 1)} GB/s"
     else:   # demo
         bf16 = s["runs"].get("bfloat16_streamed", {}).get("report")
-        found = f"float32 tokens identical: {s.get('float32_tokens_identical', '–')}" + (
+        found = (f"float32 tokens identical: {s.get('float32_tokens_identical', '–')}, in a batch of 2: "
+                 f"{s.get('float32_batch_tokens_identical', '–')}") + (
             f"; bfloat16 streamed {bf16['seconds_per_token']:.4f} s/token" if bf16 else "")
     return found + (f"; {s['error']}" if "error" in s else "")
 
@@ -602,15 +654,18 @@ def demo_markdown(s: dict) -> list[str]:
     def row(name: str, run: dict) -> list:
         r = run.get("report") or {}
         return [name, run["returncode"], f(r.get("seconds_per_token"), 4), f(r.get("tokens_per_pass"), 2),
-                f(r.get("wait_seconds")), f(r.get("transfer_seconds")), f(r.get("gb_per_second"), 1),
+                f(r.get("wait_seconds")), f(r.get("transfer_seconds")),
+                f(r.get("gb_per_second") or r.get("stream_gb_per_second"), 1),
                 f(r.get("peak_device_gb"), 2), r.get("weights_source", "–")]
-    return ([f"Target `{s['target']}`, draft `{s['draft']}`; prompt \"{s['prompt']}\". float32 streamed and "
-             f"resident tokens identical: **{s.get('float32_tokens_identical', '–')}**.", "",
+    return ([f"Target `{s['target']}`, draft `{s['draft']}` ({s.get('pair', 'given')}); prompt \"{s['prompt']}\". "
+             f"float32 streamed and resident tokens identical: **{s.get('float32_tokens_identical', '–')}**; the "
+             f"prompt's tokens in a streamed batch of 2 and its resident run's identical: "
+             f"**{s.get('float32_batch_tokens_identical', '–')}**.", "",
              _common.markdown_table(["run", "exit", "s/token", "tokens/pass", "wait s", "transfer s", "GB/s",
                                      "device peak GB", "weights"],
                                     [row(name, run) for name, run in s["runs"].items()]),
              "", "Commands:", ""]
-            + [f"- `{run['command']} --json R.json \"PROMPT\"`" for run in s["runs"].values()])
+            + [f"- `{run['command']} --json R.json`" for run in s["runs"].values()])
 
 
 if __name__ == "__main__":

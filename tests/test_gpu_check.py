@@ -129,12 +129,39 @@ def test_demo_section_on_tiny_checkpoints(gc, tiny_pair):
     assert result["status"] == "passed", result
     assert result["float32_tokens_identical"]
     runs = result["runs"]
-    assert set(runs) == {"float32_streamed", "float32_resident", "bfloat16_streamed"}
+    assert set(runs) == {"float32_streamed", "float32_resident", "bfloat16_streamed", "float32_batch_streamed"}
+    assert result["float32_batch_tokens_identical"] and result["pair"] == "given"
+    batch = runs["float32_batch_streamed"]["report"]
+    assert batch["rows_per_pass"] > 1 and batch["gb_streamed_per_token"] > 0
     assert "--gpu-budget" in runs["float32_streamed"]["command"]
     assert "--offload cpu" in runs["bfloat16_streamed"]["command"]
     streamed, resident = runs["float32_streamed"]["report"], runs["float32_resident"]["report"]
     assert streamed["gb_streamed"] > 0 and streamed["offload"] == "cpu" and resident["gb_streamed"] == 0
     assert runs["bfloat16_streamed"]["report"]["dtype"] == "bfloat16"
+
+
+def test_without_the_demo_models_the_demo_section_runs_a_random_pair(gc, monkeypatch):
+    """The device machine lent to a session has no demo models: the section builds a random pair and checks it."""
+    import offspec.demo
+    from offspec.errors import CheckpointError
+
+    def missing(progress=True):
+        raise CheckpointError("the demo model parts are not installed")
+    monkeypatch.setattr(offspec.demo, "ensure_demo_models", missing)
+    result = gc.run_section(lambda: gc.demo_section(options(gc, "--max-new-tokens", "6"), CPU, run=in_process))
+    assert result["status"] == "passed", result
+    assert result["pair"].startswith("a random 8-layer pair (no demo pair: the demo model parts are not installed")
+    assert result["float32_tokens_identical"] and result["float32_batch_tokens_identical"]
+
+
+def test_a_batched_prompt_that_differs_from_its_run_alone_fails_the_section(gc, tiny_pair, monkeypatch):
+    target, draft = tiny_pair
+    real = gc.batch_tokens
+    monkeypatch.setattr(gc, "batch_tokens", lambda path: {k: [t + 1 for t in v] for k, v in real(path).items()})
+    result = gc.run_section(lambda: gc.demo_section(options(gc, "--target", target, "--draft", draft,
+                                                            "--max-new-tokens", "6"), CPU, run=in_process))
+    assert result["status"] == "failed" and not result["float32_batch_tokens_identical"]
+    assert "the demo prompt's tokens in a batch of 2 differ from its resident run's from token 0 on" in result["error"]
 
 
 def test_demo_section_reports_a_failed_run(gc, tiny_pair):

@@ -80,6 +80,20 @@ def cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
+def compute_device(name: str, here: bool = True) -> torch.device:
+    """A benchmark's --device: auto = the GPU when there is one (the regime offspec is built for), else the CPU.
+    here False (a report of stored rows): the device may be another machine's; only its rows are picked."""
+    from offspec.load import parse_device     # when called: by then the script has put its checkout on sys.path
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return parse_device(name, check_available=here)
+
+
+def device_model(device: torch.device) -> str:
+    """What rows measured on `device` name as their machine: the GPU's model on a GPU, else the CPU's."""
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else cpu_model()
+
+
 def load_average() -> str:
     """'1.26 / 1.46 / 1.27' (1, 5, 15 minutes), or 'n/a' where the OS has none."""
     try:

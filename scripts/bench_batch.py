@@ -66,7 +66,7 @@ from offspec.batch import auto_concurrency  # noqa: E402
 from offspec.config import OffloadConfig, RunLimits, RuntimeConfig, TreeConfig  # noqa: E402
 from offspec.demo import ensure_demo_models  # noqa: E402
 from offspec.generate import GenerationRequest  # noqa: E402
-from offspec.load import Models, parse_device, parse_dtype  # noqa: E402
+from offspec.load import Models, parse_dtype  # noqa: E402
 from offspec.metrics import JobReport, synchronize  # noqa: E402
 from offspec.offload import layer_nbytes  # noqa: E402
 from offspec.prompt import encode_prompt  # noqa: E402
@@ -203,11 +203,8 @@ def append_row(path, row: dict) -> None:
 
 
 def compute_device(args) -> torch.device:
-    """--device: auto = the GPU when there is one (the regime the tool is built for), else the CPU. A report
-    (--report-only) may name a device this machine lacks: it only picks that device's rows."""
-    if args.device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return parse_device(args.device, check_available=not args.report_only)
+    """--device (a report, --report-only, may name a device this machine lacks: it only picks that device's rows)."""
+    return _common.compute_device(args.device, here=not args.report_only)
 
 
 def offload_of(regime: str, device: torch.device, layer_bytes: int, store_dir, disk_io: str) -> OffloadConfig:
@@ -217,11 +214,6 @@ def offload_of(regime: str, device: torch.device, layer_bytes: int, store_dir, d
         return OffloadConfig(mode="disk" if regime == "disk" else "none", store_dir=store_dir, disk_io=disk_io)
     ring = OffloadConfig().n_slots * layer_bytes
     return OffloadConfig(mode=regime, gpu_budget=ring, store_dir=store_dir, disk_io=disk_io)
-
-
-def machine_here(device: torch.device) -> str:
-    """The machine column of the rows measured here: the GPU's model on a GPU, else the CPU's."""
-    return torch.cuda.get_device_name(device) if device.type == "cuda" else _common.cpu_model()
 
 
 def offspec_cell(models: Models, regime: str, requests: list[GenerationRequest], B, args, store_dir,
@@ -440,7 +432,7 @@ def measure_set(models: Models, target_dir, prompt_set: str, args, all_rows: lis
     cells, None when every cell runs in its own process."""
     settings = settings_of(args, prompt_set)
     device = compute_device(args)
-    here = machine_here(device)
+    here = _common.device_model(device)
     rows = [r for r in all_rows if r.get("settings") == settings]
     done = {(r["regime"], r["system"], r["concurrency"], r["repeat"]) for r in rows if machine_of(r) == here}
     cells = []

@@ -24,6 +24,11 @@ Regimes:
         (posix_fadvise DONTNEED), as for a target bigger than RAM.
   cpu   target layers in host RAM (transformers: device_map {"": "cpu"}, i.e. resident, the peer's best case
         here; offspec: --offload cpu, i.e. streamed through its slot ring; offspec-resident beside it).
+Device (--device, default auto: the GPU when there is one): on a GPU both sides compute there. accelerate keeps
+the layers where the regime does (device_map -> "disk" or "cpu") and the rest on the GPU; offspec's target keeps
+only its ring of --slots layers on the GPU (every layer crosses the link every pass); offspec-tree-int8 is left
+out (the int8 copy is the CPU's default draft); offspec-resident is the target resident on the GPU. A GPU's rows
+carry its model ("gpu") and are never pooled with a CPU's.
 Prompts: --prompt-set code (HumanEval) or chat (MT-Bench first turns), the first --prompts of offspec.prompt_sets,
 chat template applied; each row is tagged prompt_set and prompt_id. Stopping rule, both sides: EOS (the
 tokenizer's) or --new-tokens, whichever comes first. --temperature 0: greedy, one row per prompt;
@@ -92,6 +97,7 @@ import _stats  # noqa: E402
 
 from offspec.config import OffloadConfig, RuntimeConfig, SamplingConfig, TreeConfig  # noqa: E402
 from offspec.costmodel import GpuSetup, predict_seconds_per_token  # noqa: E402
+from offspec.errors import OffspecError  # noqa: E402
 from offspec.generate import GenerationRequest, run  # noqa: E402
 from offspec.load import parse_dtype  # noqa: E402
 from offspec.metrics import synchronize  # noqa: E402
@@ -250,7 +256,7 @@ STOP_RULE = "EOS or new_tokens, both sides"
 # with the new settings). Before issue #13's statistics: HumanEval, greedy, one run per system in a fixed order,
 # transformers stopping at EOS while offspec ignored it.
 LEGACY_SETTINGS = {"prompt_set": "code", "temperature": 0.0, "repeats": 1,
-                   "stop": "transformers at EOS, offspec ignoring EOS", "chain_length": None}
+                   "stop": "transformers at EOS, offspec ignoring EOS", "chain_length": None, "device": "cpu"}
 
 
 def run_settings(args, dtype) -> dict:
@@ -262,7 +268,7 @@ def run_settings(args, dtype) -> dict:
             "budget": args.budget, "slots": args.slots, "cold": args.cold,
             "assist": assist_record(assist_settings(args)), "prompt_set": args.prompt_set,
             "temperature": args.temperature, "repeats": args.repeats, "stop": STOP_RULE,
-            "chain_length": args.chain_length}
+            "chain_length": args.chain_length, "device": args.device.type}
 
 
 def row_settings(row: dict) -> dict:
@@ -571,7 +577,7 @@ def int8_draft_engine(engine, draft_dir, dtype):
 
     ckpt = Checkpoint(draft_dir)
     try:
-        draft_q = load_resident(ckpt, torch.device("cpu"), dtype, quant="int8")
+        draft_q = load_resident(ckpt, engine.device, dtype, quant="int8")
     finally:
         ckpt.close()
     return Engine(engine.target, draft_q, engine.tokenizer, engine.eos_ids)
@@ -595,10 +601,22 @@ def resident_engine(default_engine, target_dir, dtype):
 
     ckpt = Checkpoint(target_dir)
     try:
-        target = load_resident(ckpt, torch.device("cpu"), dtype)
+        target = load_resident(ckpt, default_engine.device, dtype)
     finally:
         ckpt.close()
     return Engine(target, default_engine.draft, default_engine.tokenizer, default_engine.eos_ids)
+
+
+def ring_bytes(target_dir, dtype, slots: int) -> int:
+    """A --gpu-budget of the ring alone: `slots` of the target's layers, so on a GPU no layer stays resident."""
+    from offspec.checkpoint import Checkpoint
+    from offspec.offload import layer_nbytes
+
+    ckpt = Checkpoint(target_dir)
+    try:
+        return slots * layer_nbytes(ckpt.config, dtype)
+    finally:
+        ckpt.close()
 
 
 def regime_systems(args, regime: str) -> list[str]:
@@ -642,11 +660,12 @@ def measure_regime(args, regime: str, todo, target_dir, draft_dir, dtype, settin
     tmp = tempfile.mkdtemp(prefix=f"bench-peers-{regime}-")
     print(f"\n== regime {regime}: loading transformers + accelerate ...", file=sys.stderr)
     hf = HfSystems(target_dir, draft_dir, dtype, regime, os.path.join(tmp, "hf-offload"), args.cold,
-                   assist_settings(args))
+                   assist_settings(args), device=args.device)
     print(f"== regime {regime}: loading offspec ...", file=sys.stderr)
     offload = OffloadConfig(mode=regime, store_dir=os.path.join(tmp, "offspec-store") if regime == "disk" else None,
-                            drop_page_cache=args.cold, n_slots=args.slots)
-    loaded = load_engine(target_dir, draft_dir, offload, RuntimeConfig(device=torch.device("cpu"), dtype=dtype))
+                            drop_page_cache=args.cold, n_slots=args.slots,
+                            gpu_budget=ring_bytes(target_dir, dtype, args.slots) if args.device.type == "cuda" else None)
+    loaded = load_engine(target_dir, draft_dir, offload, RuntimeConfig(device=args.device, dtype=dtype))
     engine_q = int8_draft_engine(loaded.engine, draft_dir, dtype) if INT8 in systems else None
     # the ablations' draft: offspec's CPU default (the int8 copy) when it runs
     default = engine_q if engine_q is not None else loaded.engine
@@ -685,13 +704,19 @@ def measure_regime(args, regime: str, todo, target_dir, draft_dir, dtype, settin
         shutil.rmtree(tmp, ignore_errors=True)
 
 
+def gpu_of(settings: dict) -> dict:
+    """{"gpu": its model} for a row measured on a GPU (the stamp names the CPU), else nothing."""
+    return {"gpu": _common.device_model(torch.device("cuda"))} if settings.get("device") == "cuda" else {}
+
+
 def make_row(regime, prompt_set, pid, seed, ids, out: dict, settings: dict, greedy: bool = True) -> dict:
     """One (regime, prompt, seed) row from {system: [(tokens, seconds, RunReport or PeerRun, steps) per repeat]}.
 
     A system's seconds_per_token is the median of its repeats (each repeat's seconds over its own tokens);
     tokens and counters are the first repeat's. Greedy rows compare every system's tokens with hf-plain's."""
     row = {"regime": regime, "prompt_set": prompt_set, "id": pid, "prompt_id": pid, "seed": seed,
-           "prompt_tokens": len(ids), "settings": settings, "stamp": _stats.stamp(), "first_divergence": {}}
+           "prompt_tokens": len(ids), "settings": settings, "stamp": _stats.stamp(), "first_divergence": {},
+           **gpu_of(settings)}
     ref = out[REFERENCE][0][0] if greedy and REFERENCE in out else None
     for system, runs in out.items():
         toks, _, report, steps = runs[0]
@@ -741,7 +766,8 @@ def sweep_regime(args, regime, prompts, target_dir, draft_dir, dtype, settings, 
     if todo:
         tmp = tempfile.mkdtemp(prefix=f"bench-peers-sweep-{regime}-")
         try:
-            hf = HfSystems(target_dir, draft_dir, dtype, regime, os.path.join(tmp, "hf-offload"), args.cold, None)
+            hf = HfSystems(target_dir, draft_dir, dtype, regime, os.path.join(tmp, "hf-offload"), args.cold, None,
+                           device=args.device)
 
             def runner(assist):
                 def measure(ids, n, seed):
@@ -770,7 +796,7 @@ def sweep_row(regime, prompt_set, pid, seed, ids, out: dict, settings: dict) -> 
                         "tokens": len(runs[0][0]), **peer_cell(runs[0][2])}
     return {"kind": SWEEP_KIND, "regime": regime, "prompt_set": prompt_set, "id": pid, "prompt_id": pid,
             "seed": seed, "prompt_tokens": len(ids), "settings": {k: v for k, v in settings.items() if k != "assist"},
-            "stamp": _stats.stamp(), "cells": cells}
+            "stamp": _stats.stamp(), "cells": cells, **gpu_of(settings)}
 
 
 def summarize_sweep(rows: list[dict]) -> dict:
@@ -786,7 +812,8 @@ def summarize_sweep(rows: list[dict]) -> dict:
                             "tokens_per_pass": statistics.median(c["tokens_per_pass"] for c in cells),
                             "flags": assist_flags(by_label[label])}
     best = min(table, key=lambda label: table[label]["seconds_per_token"]["median"]) if table else None
-    return {"regime": rows[0]["regime"] if rows else None, "prompt_set": rows[0].get("prompt_set") if rows else None,
+    regime = rows[0]["regime"] + (f" on {rows[0]['gpu']}" if rows[0].get("gpu") else "") if rows else None
+    return {"regime": regime, "prompt_set": rows[0].get("prompt_set") if rows else None,
             "prompts": len(rows), "settings": table, "best": best}
 
 
@@ -940,7 +967,7 @@ def summarize_group(rows: list[dict]) -> dict:
     tokens_per_pass["hf-assisted"] = median_or_none(r["hf-assisted"]["tokens_per_pass"] for r in rows
                                                     if "peer_passes" in r.get("hf-assisted", {}))
     return {"regime": regime, "prompt_set": settings["prompt_set"], "temperature": settings["temperature"],
-            "settings": settings, "prompts": len({r["id"] for r in rows}), "systems": systems, "default": default,
+            "gpu": rows[0].get("gpu"), "settings": settings, "prompts": len({r["id"] for r in rows}), "systems": systems, "default": default,
             "seconds_per_token": {s: _stats.median_ci([r[s]["seconds_per_token"] for r in rows if s in r])
                                   for s in systems},
             "rows_with_system": {s: sum(s in r for r in rows) for s in systems},
@@ -951,8 +978,10 @@ def summarize_group(rows: list[dict]) -> dict:
 
 
 def group_name(r: dict) -> str:
-    """'disk, code' / 'cpu, chat, T=0.7': a group's regime, prompt set and (when sampling) temperature."""
-    return f"{r['regime']}, {r['prompt_set']}" + (f", T={r['temperature']:g}" if r["temperature"] else "")
+    """'disk, code' / 'cpu, chat, T=0.7' / 'disk, code, on NVIDIA H100': a group's regime, prompt set, (when
+    sampling) temperature and (when measured on one) GPU."""
+    return (f"{r['regime']}, {r['prompt_set']}" + (f", T={r['temperature']:g}" if r["temperature"] else "")
+            + (f", on {r['gpu']}" if r.get("gpu") else ""))
 
 
 def fmt(value: Optional[float], spec: str, suffix: str = "") -> str:
@@ -1171,6 +1200,11 @@ def parse_args(argv=None):
                    help="offspec ring slots: while the draft grows a tree, the loader prefetches this many layers of "
                         "the next pass (each slot holds one layer: 93 MB for the 1.5B target in bf16)")
     p.add_argument("--no-cold", dest="cold", action="store_false", help="disk regime: keep the page cache warm")
+    p.add_argument("--device", default="auto",
+                   help="compute device: auto (the GPU when there is one, else the CPU), cpu, or cuda[:N]. On a GPU "
+                        "both sides compute there: offspec's streamed target keeps only its --slots ring on the GPU "
+                        f"(every layer crosses the link every pass), {INT8} is left out (the int8 copy is the CPU's "
+                        "default draft; a GPU's is bf16), and accelerate brings each offloaded layer to the GPU")
     p.add_argument("--no-int8-draft", dest="int8_draft", action="store_false",
                    help=f"leave out {INT8} (offspec-tree with a weight-only int8 draft); the ablations then use "
                         "the bf16 draft")
@@ -1220,6 +1254,12 @@ def parse_args(argv=None):
         args.json = args.json or str(ROOT / "docs" / ("bench_peers_sweep.json" if args.assist_sweep else
                                                       "bench_peers.json"))
         args.plot = args.plot or (None if args.assist_sweep else str(ROOT / "docs" / "peers.png"))
+    try:
+        args.device = _common.compute_device(args.device, here=not args.report_only)
+    except OffspecError as e:
+        p.error(f"--device: {e}")
+    if args.device.type == "cuda":
+        args.int8_draft = False
     if args.int8_draft and INT8 in args.systems and not args.report_only and not int8_draft_available():
         p.error(f"offspec.draft.load_resident has no quant= in this checkout, so {INT8} cannot run: "
                 "pass --no-int8-draft")
@@ -1236,13 +1276,14 @@ def load_prompts(args, tokenizer) -> list[tuple[str, list[int]]]:
 
 
 def group_rows(rows: list[dict]) -> list[list[dict]]:
-    """Timing rows split by (regime, prompt set, temperature): disk before cpu, then set, then temperature."""
+    """Timing rows split by (regime, prompt set, temperature, GPU): disk before cpu, then set, then temperature,
+    the CPU's rows before a GPU's."""
     groups: dict[tuple, list[dict]] = {}
     for row in rows:
         st = row_settings(row)
-        groups.setdefault((row["regime"], st["prompt_set"], st["temperature"]), []).append(row)
+        groups.setdefault((row["regime"], st["prompt_set"], st["temperature"], row.get("gpu", "")), []).append(row)
     order = {"disk": 0, "cpu": 1}
-    return [groups[k] for k in sorted(groups, key=lambda k: (order.get(k[0], 2), k[1], k[2]))]
+    return [groups[k] for k in sorted(groups, key=lambda k: (order.get(k[0], 2), k[1], k[2], k[3]))]
 
 
 def main(argv=None) -> int:
@@ -1273,7 +1314,7 @@ def main(argv=None) -> int:
 
     target_dir, draft_dir = ensure_demo_models()
     prompts = load_prompts(args, AutoTokenizer.from_pretrained(str(target_dir)))
-    header = _common.run_header(torch.device("cpu"), started, load_at_start)
+    header = _common.run_header(args.device, started, load_at_start)
     if args.assist_sweep:
         sweeps = [summarize_sweep(sweep_regime(args, regime, prompts, target_dir, draft_dir, dtype, settings,
                                                old_rows)) for regime in args.regimes]
@@ -1302,7 +1343,7 @@ def report(args, rows: list[dict], checks: dict, started: float, load_at_start: 
         sweep_rows = [r for r in rows if r.get("kind") == SWEEP_KIND and r["regime"] in args.regimes]
         groups = {}                                  # (regime, prompt set) -> its rows, in the order of --regimes
         for r in sorted(sweep_rows, key=lambda r: args.regimes.index(r["regime"])):
-            groups.setdefault((r["regime"], r.get("prompt_set")), []).append(r)
+            groups.setdefault((r["regime"], r.get("prompt_set"), r.get("gpu", "")), []).append(r)
         sweeps = [summarize_sweep(group) for group in groups.values()]
         if not sweeps:
             print(f"error: {files} hold no sweep rows for regimes {','.join(args.regimes)}", file=sys.stderr)
@@ -1311,8 +1352,8 @@ def report(args, rows: list[dict], checks: dict, started: float, load_at_start: 
                            + _stats.provenance_text(sweep_rows))
     timing = [r for r in rows if r.get("kind") is None and r["regime"] in args.regimes]
     # one row per (regime, prompt set, temperature, prompt, seed): a later file's (or line's) row wins
-    timing = list({(r["regime"], row_settings(r)["prompt_set"], row_settings(r)["temperature"], *row_key(r)): r
-                   for r in timing}.values())
+    timing = list({(r["regime"], row_settings(r)["prompt_set"], row_settings(r)["temperature"], r.get("gpu", ""),
+                    *row_key(r)): r for r in timing}.values())
     groups = group_rows(timing)
     if not groups:
         print(f"error: {files} hold no timing rows for regimes {','.join(args.regimes)}", file=sys.stderr)

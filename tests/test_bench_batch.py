@@ -100,7 +100,7 @@ def test_a_repeat_measured_on_another_machine_does_not_count_here(fake_cells, tm
     """Resume skips only this machine's rows: another CPU's repeat 0 is measured again here."""
     args = bench.parse_args(["--prompts", "2", "--concurrency", "1", "--none-concurrency", "", "--no-peer",
                              "--regimes", "cpu", "--repeats", "1", "--rows", str(tmp_path / "rows.jsonl"),
-                             "--cell-process", "shared"])
+                             "--cell-process", "shared", "--device", "cpu"])
     settings = {"prompts": 2, "new_tokens": 64, "tree_budget": "auto", "dtype": "bfloat16", "disk_io": "direct",
                 "prompt_set": "code", "cell_process": "shared", "device": "cpu"}
     elsewhere = {**row("offspec", 1, 2.0, 0, regime="cpu", machine="Intel Xeon"), "settings": settings}

@@ -204,3 +204,42 @@ def test_the_sweep_report_names_a_best_setting_per_regime_and_prompt_set(bp, tmp
     assert bp.main(["--report-only", "--assist-sweep", "--rows", str(path), "--regimes", "cpu"]) == 0
     err = capsys.readouterr().err
     assert f"cpu, code: {labels[1]}:" in err and f"cpu, chat: {labels[2]}:" in err
+
+
+def test_rows_of_a_gpu_never_pool_with_the_cpus_and_name_it(bp, tmp_path, capsys):
+    """A GPU's rows (settings device cuda, the GPU's model in "gpu") are a group of their own, in the timing
+    tables and in the sweep, named by the GPU; rows from before --device ran on the CPU and resume into a CPU run."""
+    cpu = {**row(bp, "p0"), "settings": {**OLD_SETTINGS, "device": "cpu"}}
+    gpu = {**row(bp, "p0"), "settings": {**OLD_SETTINGS, "device": "cuda"}, "gpu": "NVIDIA H100"}
+    groups = bp.group_rows([gpu, cpu, row(bp, "p1")])
+    assert [[r.get("gpu") for r in g] for g in groups] == [[None, None], ["NVIDIA H100"]]
+    assert bp.group_name(bp.summarize_group(groups[1])) == "cpu, code, on NVIDIA H100"
+    assert bp.group_name(bp.summarize_group(groups[0])) == "cpu, code"
+    assert bp.settings_mismatches([row(bp, "p1")], {**OLD_SETTINGS, "device": "cpu"}) == []
+    assert bp.settings_mismatches([gpu], {**OLD_SETTINGS, "device": "cpu"}) == [
+        "device: the file has 'cuda', this run 'cpu'"]
+
+    labels = [bp.assist_label(a) for a in bp.SWEEP]
+    sweep = [{"kind": bp.SWEEP_KIND, "regime": "disk", "prompt_set": "code", "id": "p0", "prompt_id": "p0",
+              "seed": None, **extra, "cells": {label: {"seconds_per_token": 0.1 if label == best else 0.2,
+                                                       "tokens_per_pass": 4.0} for label in labels}}
+             for extra, best in (({}, labels[1]), ({"gpu": "NVIDIA H100"}, labels[3]))]
+    path = tmp_path / "sweep.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in sweep))
+    assert bp.main(["--report-only", "--assist-sweep", "--rows", str(path), "--regimes", "disk"]) == 0
+    err = capsys.readouterr().err
+    assert f"disk, code: {labels[1]}:" in err and f"disk on NVIDIA H100, code: {labels[3]}:" in err
+
+
+def test_device_cuda_without_cuda_is_one_line_and_on_a_gpu_the_int8_draft_is_left_out(bp, monkeypatch, capsys):
+    import torch
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(SystemExit) as exit_:
+        bp.parse_args(["--device", "cuda"])
+    assert exit_.value.code == 2
+    assert "--device: device 'cuda' requested but CUDA is not available on this machine" in capsys.readouterr().err
+    assert bp.parse_args(["--device", "auto"])[1].device.type == "cpu"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)      # parsing touches no GPU
+    _, args = bp.parse_args(["--device", "cuda"])
+    assert args.device.type == "cuda" and not args.int8_draft
+    assert bp.INT8 not in bp.regime_systems(args, "disk")

@@ -106,7 +106,8 @@ def test_negative_control_settings_on_the_targets_config_are_not_used(bp, models
 def test_settings_change_with_the_assist_options_and_old_rows_do_not_resume(bp):
     args = type("Args", (), dict(new_tokens=8, policy="dyspec", budget="auto", slots=8, cold=True, assist_tokens=4,
                                  assist_schedule="constant", assist_threshold=0.0, assist_defaults=False,
-                                 prompt_set="code", temperature=0.0, repeats=3, chain_length=8))()
+                                 prompt_set="code", temperature=0.0, repeats=3, chain_length=8,
+                                 device=torch.device("cpu")))()
     settings = bp.run_settings(args, torch.bfloat16)
     assert settings["assist"] == {"num_assistant_tokens": 4, "schedule": "constant", "confidence_threshold": 0.0}
     args.assist_defaults = True

@@ -25,9 +25,9 @@ def checkpoints(tmp_path_factory):
     return save_checkpoint(target, root / "target"), save_checkpoint(draft, root / "draft")
 
 
-def args_for(bp, rows_file, *extra):
+def args_for(bp, rows_file, *extra, device="cpu"):
     _, args = bp.parse_args(["--regimes", "cpu", "--new-tokens", str(NEW_TOKENS), "--repeats", "2", "--dtype",
-                             "float32", "--chain-length", "4", "--rows", str(rows_file), *extra])
+                             "float32", "--chain-length", "4", "--rows", str(rows_file), "--device", device, *extra])
     return args
 
 
@@ -117,3 +117,19 @@ def test_sweep_rows_and_best_setting(bp, checkpoints, tmp_path):
     # The sweep's rows are kept apart from timing rows, and its report renders from the file.
     assert bp.rows_by_key(bp.read_rows_file(rows_file)[0], "cpu", [("p0", None)]) == {}
     assert bp.main(["--report-only", "--assist-sweep", "--rows", str(rows_file), "--regimes", "cpu"]) == 0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("regime", ["cpu", "disk"])
+def test_on_a_gpu_every_system_makes_hf_plains_tokens_in_fp32(bp, checkpoints, tmp_path, regime):
+    """Both sides compute on the GPU: offspec streams every layer through its ring (no int8 draft: the CPU's
+    default), accelerate brings each offloaded layer there; greedy float32 output is the same for every system."""
+    target_dir, draft_dir = checkpoints
+    args = args_for(bp, tmp_path / "rows.jsonl", "--regimes", regime, "--repeats", "1", device="cuda")
+    settings = bp.run_settings(args, torch.float32)
+    assert settings["device"] == "cuda" and bp.INT8 not in bp.regime_systems(args, regime)
+    result = bp.bench_regime(args, regime, prompts_for(1), target_dir, draft_dir, torch.float32, settings, [])
+    for r in result["rows"]:
+        assert r["first_divergence"] == {} and r["gpu"] == torch.cuda.get_device_name()
+        assert r["offspec-none"]["gb_streamed"] > 0              # streamed on the GPU, not resident there

@@ -538,7 +538,8 @@ def main(argv=None) -> int:
             "Prompt s/token = each prompt's own passes' time over its tokens (the "
             "latency a prompt sees), median over prompts. Agreement: the share of each prompt's tokens before the "
             "first difference from offspec at B=1, mean over prompts (bf16: batched matmuls round differently).",
-            "", f"machine: the {'CPU' if device.type == 'cpu' else 'GPU'} each row was measured on (`{UNRECORDED}`: rows from before rows carried a stamp); "
+            "", f"machine: the {'CPU' if device.type == 'cpu' else 'GPU'} each row was measured on "
+            f"(`{UNRECORDED}`: rows from before rows carried a stamp); "
             "process: `own` = each cell ran in a fresh process of its own (as a user's job runs), `shared` = all "
             "the cells of a run in one process, one after another (rows from before `--cell-process`). A cell, its "
             "× B=1 and the goals use the runs of one machine and one process kind only. "

@@ -662,9 +662,9 @@ def measure_regime(args, regime: str, todo, target_dir, draft_dir, dtype, settin
     hf = HfSystems(target_dir, draft_dir, dtype, regime, os.path.join(tmp, "hf-offload"), args.cold,
                    assist_settings(args), device=args.device)
     print(f"== regime {regime}: loading offspec ...", file=sys.stderr)
+    ring_only = ring_bytes(target_dir, dtype, args.slots) if args.device.type == "cuda" else None
     offload = OffloadConfig(mode=regime, store_dir=os.path.join(tmp, "offspec-store") if regime == "disk" else None,
-                            drop_page_cache=args.cold, n_slots=args.slots,
-                            gpu_budget=ring_bytes(target_dir, dtype, args.slots) if args.device.type == "cuda" else None)
+                            drop_page_cache=args.cold, n_slots=args.slots, gpu_budget=ring_only)
     loaded = load_engine(target_dir, draft_dir, offload, RuntimeConfig(device=args.device, dtype=dtype))
     engine_q = int8_draft_engine(loaded.engine, draft_dir, dtype) if INT8 in systems else None
     # the ablations' draft: offspec's CPU default (the int8 copy) when it runs
@@ -967,7 +967,8 @@ def summarize_group(rows: list[dict]) -> dict:
     tokens_per_pass["hf-assisted"] = median_or_none(r["hf-assisted"]["tokens_per_pass"] for r in rows
                                                     if "peer_passes" in r.get("hf-assisted", {}))
     return {"regime": regime, "prompt_set": settings["prompt_set"], "temperature": settings["temperature"],
-            "gpu": rows[0].get("gpu"), "settings": settings, "prompts": len({r["id"] for r in rows}), "systems": systems, "default": default,
+            "gpu": rows[0].get("gpu"), "settings": settings, "prompts": len({r["id"] for r in rows}),
+            "systems": systems, "default": default,
             "seconds_per_token": {s: _stats.median_ci([r[s]["seconds_per_token"] for r in rows if s in r])
                                   for s in systems},
             "rows_with_system": {s: sum(s in r for r in rows) for s in systems},

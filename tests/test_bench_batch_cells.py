@@ -63,11 +63,11 @@ def test_rows_are_kept_per_device_and_a_gpu_report_renders_here(tmp_path, monkey
     gpu_args = bench.parse_args(["--device", "cuda", "--report-only"])
     assert bench.settings_of(cpu_args, "code")["device"] == "cpu"
     assert bench.settings_of(gpu_args, "code")["device"] == "cuda"
+    stamp = {"machine": "AMD EPYC, 2 torch threads", "commit": "abc1234", "time": "2026-11-26T01:00:00Z",
+             "load_average": [0.5, 0.5, 0.5]}
     rows = [{"prompt_set": "code", "regime": "disk", "system": "offspec", "concurrency": B, "repeat": 0,
              "tokens_per_second": speed, "passes": 4, "tokens_per_pass": 3.0, "tokens": {"0": [1, 2]},
-             "settings": bench.settings_of(args, "code"), "stamp": {"machine": "AMD EPYC, 2 torch threads", "commit": "abc1234",
-                                                                "time": "2026-11-26T01:00:00Z",
-                                                                "load_average": [0.5, 0.5, 0.5]},
+             "settings": bench.settings_of(args, "code"), "stamp": stamp,
              **({"gpu": "NVIDIA H100"} if args is gpu_args else {})}
             for args in (cpu_args, gpu_args) for B, speed in ((1, 2.0), (8, 8.0))]
     assert [bench.machine_of(r) for r in rows] == ["AMD EPYC"] * 2 + ["NVIDIA H100"] * 2

@@ -36,6 +36,12 @@ Examples:
   python scripts/gpu_check.py                         # everything, ~7 min; writes docs/gpu_check.{json,md}
   python scripts/gpu_check.py --quick                 # smaller sizes, ~3 min
   python scripts/gpu_check.py --sections gpu_tests,sanitizer --out /tmp/check.json
+
+On a machine lent for minutes, with no package registry (the workplace's device machine): run it from the
+repository root with that machine's python3, writing where the results come back, e.g.
+  PYTHONUNBUFFERED=1 python3 scripts/gpu_check.py --quick --out $OUT/gpu_check.json
+The demo section then runs its random pair; the nf4 GPU tests need bitsandbytes, which such a machine lacks
+unless its wheel is carried (they fail, and are counted, without it).
 """
 from __future__ import annotations
 

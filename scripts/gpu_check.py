@@ -41,7 +41,7 @@ On a machine lent for minutes, with no package registry (the workplace's device 
 repository root with that machine's python3, writing where the results come back, e.g.
   PYTHONUNBUFFERED=1 python3 scripts/gpu_check.py --quick --out $OUT/gpu_check.json
 The demo section then runs its random pair; the nf4 GPU tests need bitsandbytes, which such a machine lacks
-unless its wheel is carried (they fail, and are counted, without it).
+unless its wheel is carried (without it they are skipped, with that reason).
 """
 from __future__ import annotations
 

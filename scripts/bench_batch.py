@@ -509,7 +509,8 @@ def main(argv=None) -> int:
                 print(f"bench_batch: {e}", file=sys.stderr)
                 return 1
     if not kept:
-        print(f"bench_batch: no rows of these settings in {args.rows}", file=sys.stderr)
+        print(f"bench_batch: no {device.type} rows of these settings in {args.rows} (--device picks another "
+              "device's rows)", file=sys.stderr)
         return 1
     headers, table = report(kept, args)
     print(_common.text_table(headers, table))

@@ -132,7 +132,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="prediction: effective bf16 TFLOP/s of verification matmuls (an RTX 4090 peaks at ~165)")
     p.add_argument("--draft-ms", type=float, default=10.0, help="prediction: one batched draft call, ms")
     p.add_argument("--tree-nodes", type=int, default=64, help="prediction: tree nodes per prompt per pass")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    # Resolved once: a report (--report-only) may name a device this machine lacks; it only picks that device's rows.
+    args.device = _common.compute_device(args.device, here=not args.report_only)
+    return args
 
 
 def predict(args, rows: list[dict]) -> str:
@@ -202,11 +205,6 @@ def append_row(path, row: dict) -> None:
             f.write(json.dumps(row) + "\n")
 
 
-def compute_device(args) -> torch.device:
-    """--device (a report, --report-only, may name a device this machine lacks: it only picks that device's rows)."""
-    return _common.compute_device(args.device, here=not args.report_only)
-
-
 def offload_of(regime: str, device: torch.device, layer_bytes: int, store_dir, disk_io: str) -> OffloadConfig:
     """Where the target's layers live in a regime (the module docstring's table). On a GPU a streamed target gets a
     --gpu-budget of its ring alone, so no layer stays resident and every pass moves the whole target."""
@@ -222,7 +220,7 @@ def offspec_cell(models: Models, regime: str, requests: list[GenerationRequest],
     `offspec batch --concurrency auto` does (the memory plan's most, up to AUTO_CONCURRENCY, and as many of
     those as the measured costs favour)."""
     gc.collect()      # the previous cells' engines (reference cycles): the memory plan measures what is free
-    device, dtype = compute_device(args), parse_dtype(args.dtype)
+    device, dtype = args.device, parse_dtype(args.dtype)
     offload = offload_of(regime, device, layer_nbytes(models.target.config, dtype), store_dir, args.disk_io)
     runtime = RuntimeConfig(device=device, dtype=dtype, draft_quant=auto_draft_quant(device.type))
     if plain:
@@ -263,7 +261,7 @@ def peer_cell(target_dir, regime: str, prompt_ids: list[list[int]], B: int, args
     """transformers generate over left-padded batches of B prompts (greedy, exactly --new-tokens each)."""
     from bench_peers import HfSystems
     from offspec.offload import drop_page_cache
-    device = compute_device(args)
+    device = args.device
     hf = HfSystems(target_dir, None, parse_dtype(args.dtype), regime, offload_folder, cold=True, assist=None,
                    device=device)
     passes = [0]
@@ -374,7 +372,7 @@ def settings_of(args, prompt_set: str) -> dict:
     machine)."""
     return {"prompts": args.prompts, "new_tokens": args.new_tokens, "tree_budget": args.tree_budget,
             "dtype": args.dtype, "disk_io": args.disk_io, "prompt_set": prompt_set, "cell_process": args.cell_process,
-            "device": compute_device(args).type}
+            "device": args.device.type}
 
 
 def requests_of(models: Models, prompt_set: str, args) -> tuple[list[list[int]], list[GenerationRequest]]:
@@ -400,7 +398,7 @@ def cell_command(args, prompt_set: str, regime: str, system: str, B, tmp: str, o
     spec = {"prompt_set": prompt_set, "regime": regime, "system": system, "B": B, "dir": tmp, "out": out}
     return [sys.executable, str(Path(__file__).resolve()), "--prompts", str(args.prompts),
             "--new-tokens", str(args.new_tokens), "--tree-budget", str(args.tree_budget), "--dtype", args.dtype,
-            "--disk-io", args.disk_io, "--device", str(compute_device(args)), "--one-cell", json.dumps(spec)]
+            "--disk-io", args.disk_io, "--device", str(args.device), "--one-cell", json.dumps(spec)]
 
 
 def cell_in_own_process(args, prompt_set: str, regime: str, system: str, B, tmp: str) -> dict:
@@ -431,7 +429,7 @@ def measure_set(models: Models, target_dir, prompt_set: str, args, all_rows: lis
     missing ones measured now (each appended to --rows as it finishes). `models`: opened here for shared-process
     cells, None when every cell runs in its own process."""
     settings = settings_of(args, prompt_set)
-    device = compute_device(args)
+    device = args.device
     here = _common.device_model(device)
     rows = [r for r in all_rows if r.get("settings") == settings]
     done = {(r["regime"], r["system"], r["concurrency"], r["repeat"]) for r in rows if machine_of(r) == here}
@@ -492,7 +490,7 @@ def main(argv=None) -> int:
             _common.write_doc_section(SECTION + "_prediction", text)
         return 0
     started, load_at_start = time.time(), _common.load_average()
-    device = compute_device(args)
+    device = args.device
     header_device = device if device.type == "cpu" or torch.cuda.is_available() else CPU   # a report of GPU rows here
     all_rows, kept = load_rows(args.rows), []
     if args.report_only:            # every row of these settings, whichever --cell-process measured it

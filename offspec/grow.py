@@ -28,9 +28,10 @@ Terms (DySpec, Xiong et al. 2024; p is the draft's processed distribution, q the
               nodes of x's depth and probability. Then v(x) = v(u) * a(x). A calibration is non-decreasing in
               p and at most 1, so values still fall along paths and siblings keep the draft's order.
   n-gram node a continuation the sequence already contains (ngram.py), grafted onto the grown tree after
-              growth at no draft call: v = v(u) * (its own calibrated estimate). Where the tree already has the
-              chain's token, the chain follows that node. The grown nodes and the n-gram nodes then share the
-              budget: the B best keys of both stay (every node ranks below its parent, so the rest is a tree).
+              growth at no draft call: v = v(u) * (its own calibrated estimate), its key. Where the tree already
+              has the chain's token, the chain follows that node (at T > 0 only an n-gram node: see below). The
+              grown nodes and the n-gram nodes then share the budget: the B best keys of both stay (every node
+              ranks below its parent, so the rest is a tree).
 
 Which value decides whether a candidate joins:
   T = 0  candidates are the draft's top tokens, ranked by p, known before anything is drawn: a candidate
@@ -43,9 +44,16 @@ Which value decides whether a candidate joins:
          drawn before it. Every policy here keeps that: a node's children are a prefix of its draw order, and
          every join decision compares keys of candidates that rank ABOVE the one being decided (a node's own
          descendants and later siblings always rank below it), never the candidate's own token.
-         An n-gram node is a deterministic candidate, its parent's LAST child (tried after every drawn one,
-         accept.py), so its presence may depend on the draws before it; it is not added where a drawn sibling
-         has its token already (that sibling, once rejected, leaves its token no mass).
+         An n-gram node is a deterministic candidate, tried after every drawn sibling (accept.py), so ITS
+         presence may depend on their draws; a drawn node's presence must not depend on its own, and so neither
+         may the cut to the B best keys. So at T > 0 a chain follows only n-gram nodes while the cut is made: its
+         nodes' keys are fixed before anything is drawn (by the committed sequence and the calibration), and
+         the cut still decides each drawn node by keys that rank above it. After the cut an n-gram node whose
+         drawn twin (same parent, same token) made it too is dropped, its chosen children moved under the twin
+         (`_fold_twins`): the twin, once rejected, leaves its token no mass, so the copy could never be
+         accepted, while the chain's continuation under the twin can be. Only n-gram nodes leave then; their
+         places stay empty. (Following a drawn twin during the cut, as at T = 0, would let a chain node push
+         out a later drawn sibling exactly when that sibling did not draw the chain's token.)
 
 draft_step(tree, frontier) -> (F, V): `tree` is the WORKING tree: the root plus every node handed to
 draft_step so far that is still in the running (so at most B + 1 nodes, and the draft's KV cache needs room
@@ -261,20 +269,25 @@ class _Growth:
         return len(self.token) - 1
 
     def graft_ngrams(self, keep: list[int]) -> list[int]:
-        """Add the n-gram chains to the kept nodes, then keep the B best keys of both (module docstring).
-        Example: kept root -> a -> b and the chain (a, c): the chain follows a and adds c under it."""
+        """Add the n-gram chains to the kept nodes, then keep the B best keys of both (module docstring,
+        "n-gram node"). A chain follows a node that already has its token: at T = 0 any kept node, at T > 0 only
+        an n-gram node, and a kept n-gram node with a kept drawn twin is folded into that twin afterwards.
+        Example (T = 0): kept root -> a -> b and the chain (a, c): the chain follows a and adds c under it.
+        Example (T > 0): the same tree; the chain adds its own a' and c' under it; if the B best keep a, a' and c',
+        a' is folded into a, so the tree is root -> a -> (b, c')."""
         if not self.ngram or self.budget < 1:
             return keep
-        kept_children: dict[int, list[int]] = {}
+        children: dict[int, list[int]] = {}
         for c in sorted(keep)[1:]:
-            kept_children.setdefault(self.parent[c], []).append(c)
+            children.setdefault(self.parent[c], []).append(c)
         grafted = []
         for chain in self.ngram:
             u = 0
             for token in chain.tokens:
                 if self.depth[u] >= self.max_depth:
                     break
-                same = next((c for c in kept_children.get(u, []) if self.token[c] == token), None)
+                same = next((c for c in children.get(u, [])
+                             if self.token[c] == token and (self.greedy or self.match[c] > 0)), None)
                 if same is None:
                     estimate = (self.calibration.ngram(self.depth[u] + 1, chain.match)
                                 if self.calibration is not None else UNCALIBRATED_NGRAM)
@@ -282,7 +295,7 @@ class _Growth:
                     if value <= 0.0:
                         break
                     same = self._new(u, int(token), value, value, math.nan, estimate, chain.match)
-                    kept_children.setdefault(u, []).append(same)
+                    children.setdefault(u, []).append(same)
                     grafted.append(same)
                 u = same
         # Every node's key is at most its parent's and a child's id is above its parent's (n-gram nodes come
@@ -290,7 +303,26 @@ class _Growth:
         best = sorted([*keep[1:], *grafted], key=lambda n: (-self.key[n], n))[: self.budget]
         chosen = set(best)
         assert all(self.parent[n] == 0 or self.parent[n] in chosen for n in best), "grafted tree not closed"
-        return [0, *best]
+        return [0, *self._fold_twins(best)]
+
+    def _fold_twins(self, best: list[int]) -> list[int]:
+        """T > 0: drop each chosen n-gram node whose parent has a chosen drawn child with its token (its twin),
+        moving the n-gram node's chosen children under the twin; the freed places stay empty. Only n-gram nodes
+        leave, after the cut, so no drawn node's presence depends on a draw (module docstring)."""
+        drawn = {(self.parent[n], self.token[n]): n for n in best if self.match[n] == 0}
+        folded: set[int] = set()
+        for n in sorted(best):                   # parents first, so a moved node is checked under its new parent
+            if self.match[n] == 0:
+                continue
+            twin = drawn.get((self.parent[n], self.token[n]))
+            if twin is not None:
+                folded.add(n)
+                for c in best:
+                    if self.parent[c] == n:
+                        self.parent[c] = twin
+            else:
+                self.value[n] = self.value[self.parent[n]] * self.estimate[n]   # v(x) = v(u) a(x) under its parent
+        return [n for n in best if n not in folded]
 
     def finish(self, keep: list[int]) -> TokenTree:
         """The final tree of the kept candidates (root included, closed under parents) with the n-gram chains

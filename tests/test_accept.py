@@ -174,11 +174,13 @@ HISTORY = [0, 3, 5, 0, 3, 1, 0, 6, 2, 7, 4, 0, 3, 5, 2, 0]   # a fixed "prompt" 
 
 
 def sample_speculatively(cfg: TreeConfig, T: float, budget: int, trials: int = TRIALS, seed: int = 0,
-                         levers: bool = False):
+                         levers: bool = False, ngram: bool | None = None, calibrate: bool | None = None):
     """Run `trials` independent generations from root token 0, each until 3 tokens are out.
-    levers: n-gram chains looked up in HISTORY + the tokens out so far (deterministic candidates), and
-    values calibrated by what the previous trials' trees showed.
-    Returns (first tokens, third tokens, per-round tree statistics)."""
+    ngram: n-gram chains looked up in HISTORY + the tokens out so far (deterministic candidates);
+    calibrate: values calibrated by what the previous trials' trees showed; levers: both (the default of each).
+    Returns (first tokens, third tokens, per-round tree statistics), and with ngram the n-gram nodes' verdicts."""
+    ngram = levers if ngram is None else ngram
+    calibrate = levers if calibrate is None else calibrate
     Q, P, sampling = markov_pair(T, top_p=0.9)
     g = make_generator(seed)
     calibrator = Calibrator()
@@ -192,9 +194,9 @@ def sample_speculatively(cfg: TreeConfig, T: float, budget: int, trials: int = T
         out = []
         while len(out) < 3:
             root = out[-1] if out else 0
-            chains = lookup(HISTORY + out) if levers else ()
+            chains = lookup(HISTORY + out) if ngram else ()
             tree = grow(cfg, sampling, root, P[root], draft_step, budget, g, ngram=chains,
-                        calibration=calibrator.calibration() if levers else None)
+                        calibration=calibrator.calibration() if calibrate else None)
             verdict = verify_stochastic(tree, Q[tree.tokens].__getitem__, g)
             calibrator.add(observe(tree, judged_path(tree, verdict.nodes)))
             for u in verdict.path:
@@ -209,7 +211,7 @@ def sample_speculatively(cfg: TreeConfig, T: float, budget: int, trials: int = T
     exact_first = Q[0].double()
     exact_third = torch.linalg.matrix_power(Q.double(), 3)[0]
     results = (np.array(first), exact_first.numpy()), (np.array(third), exact_third.numpy()), widest, deepest
-    return (*results, ngram_seen) if levers else results
+    return (*results, ngram_seen) if ngram else results
 
 
 def chi_square_pvalue(samples: np.ndarray, pi: np.ndarray) -> float:
@@ -248,7 +250,8 @@ def test_chi_square_catches_a_verifier_without_the_residual(monkeypatch):
 
 
 # One drawn child per node, so n-gram nodes (tried after it is rejected) get room and are accepted ~600 times
-# and rejected thousands of times in TRIALS generations.
+# and rejected thousands of times in TRIALS generations. (Several drawn children competing with n-gram nodes
+# for a binding budget: test_an_ngram_chain_never_decides_a_drawn_siblings_presence below.)
 LOSSLESS_LEVERS = [
     (1.0, TreeConfig(policy="dyspec", threshold=None, branching=1, max_depth=3), 8),    # adaptive C, evictions
     (0.6, TreeConfig(policy="dyspec", threshold=0.1, branching=1, max_depth=3), 8),
@@ -278,3 +281,85 @@ def test_chi_square_catches_a_wrong_rule_for_deterministic_candidates(monkeypatc
     T, cfg, budget = LOSSLESS_LEVERS[2]
     (first, pi1), (third, pi3), _, _, _ = sample_speculatively(cfg, T, budget, levers=True)
     assert min(chi_square_pvalue(first, pi1), chi_square_pvalue(third, pi3)) < 1e-3
+
+
+@pytest.mark.parametrize("T,cfg,budget", [
+    (1.0, TreeConfig(policy="dyspec", threshold=None, branching=3, max_depth=4), 8),
+    (0.6, TreeConfig(policy="heap", branching=3, max_depth=4), 8),
+], ids=["adaptive-b3-T1", "heap-b3-T0.6"])
+def test_sampling_with_calibration_alone_is_lossless(T, cfg, budget):
+    """Calibrated values (no n-gram chains) reorder which drawn children join; every join is still decided
+    before the child is drawn."""
+    (first, pi1), (third, pi3), widest, deepest = sample_speculatively(cfg, T, budget, calibrate=True)
+    assert widest >= 2 and deepest >= 2
+    assert chi_square_pvalue(first, pi1) > 1e-3
+    assert chi_square_pvalue(third, pi3) > 1e-3
+
+
+# An n-gram chain against later drawn siblings, where the budget binds: the target q is uniform over 4 tokens
+# after any context, the draft p = (0.7, 0.2, 0.1, 0) after any context, and one chain proposes the same token
+# again and again. Whether a drawn node makes the cut must not depend on its own token: a chain node that
+# outranks it may push it out, but not only when it did not draw the chain's token (that rule emitted token 2
+# first with probability ~0.34 in the first case, depth 1 and B = 2). The three first tokens must then be
+# uniform over the 64 triples. Power: CHAIN_CUT_DRAWS = 10000 draws at alpha = 0.001 catch a law at total-
+# variation distance >= 0.05 with power > 0.998 on the 64 triples (df = 63, lambda >= 10000 * (2 * 0.05)^2 = 100,
+# Cauchy-Schwarz as above) and > 0.9999 on the first token alone (df = 3). The negative control below shows
+# every case catches the rule the fold replaced.
+CHAIN_CUT_DRAWS = 10000
+CHAIN_CUT = [
+    (TreeConfig(policy="static"), 2, (2,)),                                              # the issue's example
+    (TreeConfig(policy="dyspec", threshold=None, branching=2, max_depth=1), 2, (2,)),
+    (TreeConfig(policy="dyspec", threshold=None, branching=2, max_depth=3), 4, (2, 2, 2)),
+    (TreeConfig(policy="dyspec", threshold=0.05, branching=2, max_depth=3), 3, (2, 2, 2)),
+    (TreeConfig(policy="static", static_widths=(2, 2, 1)), 3, (2, 2, 2)),
+    (TreeConfig(policy="heap", branching=2, max_depth=3), 4, (2, 2, 2)),
+]
+CHAIN_CUT_IDS = ["static-d1", "adaptive-d1", "adaptive-d3", "dyspec-C-d3", "static-d3", "heap-d3"]
+
+
+def first_triples_with_a_chain(cfg: TreeConfig, budget: int, chain: tuple[int, ...]) -> tuple[np.ndarray, int]:
+    """-> (the first three emitted tokens of CHAIN_CUT_DRAWS generations, as 16 t1 + 4 t2 + t3; how many trees
+    had one of the chain's nodes)."""
+    from offspec.ngram import NgramChain
+    q, p = torch.full((4,), 0.25), torch.tensor([0.7, 0.2, 0.1, 0.0])
+    g, sampling, chains = make_generator(0), SamplingConfig(temperature=1.0), (NgramChain(chain, 1),)
+    triples, with_chain = [], 0
+    for _ in range(CHAIN_CUT_DRAWS):
+        out = []
+        while len(out) < 3:
+            tree = grow(cfg, sampling, 0, p, lambda tree, frontier: p.expand(frontier.numel(), 4), budget, g,
+                        ngram=chains)
+            with_chain += any(tree.ngram_match(n) > 0 for n in range(1, tree.n_nodes))
+            out += verify_stochastic(tree, lambda u: q, g).emitted
+        triples.append(16 * out[0] + 4 * out[1] + out[2])
+    return np.array(triples), with_chain
+
+
+def chain_cut_pvalues(cfg: TreeConfig, budget: int, chain: tuple[int, ...]) -> tuple[float, float]:
+    """(p-value of the first token, of the triple) against the uniform laws."""
+    triples, with_chain = first_triples_with_a_chain(cfg, budget, chain)
+    assert with_chain > CHAIN_CUT_DRAWS / 4           # the chain's nodes often made the cut
+    return chi_square_pvalue(triples // 16, np.full(4, 0.25)), chi_square_pvalue(triples, np.full(64, 1 / 64))
+
+
+@pytest.mark.parametrize("cfg,budget,chain", CHAIN_CUT, ids=CHAIN_CUT_IDS)
+def test_an_ngram_chain_never_decides_a_drawn_siblings_presence(cfg, budget, chain):
+    assert min(chain_cut_pvalues(cfg, budget, chain)) > 1e-3
+
+
+@pytest.mark.parametrize("cfg,budget,chain", CHAIN_CUT, ids=CHAIN_CUT_IDS)
+def test_chi_square_catches_a_chain_that_follows_drawn_nodes_during_the_cut(monkeypatch, cfg, budget, chain):
+    """Negative control: the rule the fold replaced (during the cut a chain follows a drawn node with its token,
+    as it may at T = 0) is caught in every case above."""
+    from offspec.grow import _Growth
+
+    graft = _Growth.graft_ngrams
+
+    def graft_as_if_greedy(self, keep):
+        greedy, self.greedy = self.greedy, True
+        try:
+            return graft(self, keep)
+        finally:
+            self.greedy = greedy
+    monkeypatch.setattr(_Growth, "graft_ngrams", graft_as_if_greedy)
+    assert min(chain_cut_pvalues(cfg, budget, chain)) < 1e-3

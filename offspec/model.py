@@ -35,7 +35,7 @@ import torch.nn.functional as F
 from .config import ModelConfig
 from .kv_cache import KVCache
 from .layout import GlobalWeights, LayerWeights
-from .quant import QuantizedResident, layer_weights, linear
+from .quant import QuantizedResident, layer_weights, linear, narrow_rows
 
 
 MaskRows = Callable[[int, int], torch.Tensor]   # (a, b) -> rows a..b-1 of a sequence's mask, (b - a, S) bool
@@ -152,31 +152,34 @@ def layer_forward(
     rows: Sequence[RowSpan],    # the sequences, spans of rows of x (start 0)
     cos: torch.Tensor,          # (N, hd)
     sin: torch.Tensor,          # (N, hd)
+    narrow: Optional[torch.Tensor] = None,   # (N,) bool: rows that read int8 matrices straight (quant.narrow_rows)
 ) -> torch.Tensor:
     """One decoder layer over x: its keys and values into the cache, then attention and the MLP."""
-    write_keys(x, w, cfg, cache, layer, rows, cos, sin)
-    return attend(x, w, cfg, cache, layer, rows, cos, sin)
+    write_keys(x, w, cfg, cache, layer, rows, cos, sin, narrow)
+    return attend(x, w, cfg, cache, layer, rows, cos, sin, narrow)
 
 
 def write_keys(x: torch.Tensor, w: LayerWeights, cfg: ModelConfig, cache: KVCache, layer: int,
-               rows: Sequence[RowSpan], cos: torch.Tensor, sin: torch.Tensor) -> None:
+               rows: Sequence[RowSpan], cos: torch.Tensor, sin: torch.Tensor,
+               narrow: Optional[torch.Tensor] = None) -> None:
     """The first half of layer_forward: x's keys and values, written to each sequence's cache slots."""
     N, H_kv, hd = x.shape[0], cfg.n_kv_heads, cfg.head_dim
     h = rms_norm(x, w.input_norm, cfg.rms_norm_eps)
-    k = head_norm(linear(h, w.k_proj, w.k_bias).view(N, H_kv, hd), w.k_norm, cfg).transpose(0, 1)   # (H_kv, N, hd)
-    v = linear(h, w.v_proj, w.v_bias).view(N, H_kv, hd).transpose(0, 1)         # (H_kv, N, hd)
+    k = head_norm(linear(h, w.k_proj, w.k_bias, narrow).view(N, H_kv, hd), w.k_norm, cfg).transpose(0, 1)   # (H_kv, N, hd)
+    v = linear(h, w.v_proj, w.v_bias, narrow).view(N, H_kv, hd).transpose(0, 1)         # (H_kv, N, hd)
     k = apply_rope(k, cos, sin)
     for r in rows:
         cache.write(layer, r.cache_row, r.slots, k[:, r.start:r.end], v[:, r.start:r.end])
 
 
 def attend(x: torch.Tensor, w: LayerWeights, cfg: ModelConfig, cache: KVCache, layer: int,
-           rows: Sequence[RowSpan], cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+           rows: Sequence[RowSpan], cos: torch.Tensor, sin: torch.Tensor,
+           narrow: Optional[torch.Tensor] = None) -> torch.Tensor:
     """The second half of layer_forward: x's queries attend to each sequence's cache row (every slot its mask
     covers already written), then the MLP. -> (N, D)."""
     N, H, H_kv, hd = x.shape[0], cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
     h = rms_norm(x, w.input_norm, cfg.rms_norm_eps)      # again: cheaper to recompute than to keep for a pass
-    q = head_norm(linear(h, w.q_proj, w.q_bias).view(N, H, hd), w.q_norm, cfg).transpose(0, 1)     # (H, N, hd)
+    q = head_norm(linear(h, w.q_proj, w.q_bias, narrow).view(N, H, hd), w.q_norm, cfg).transpose(0, 1)     # (H, N, hd)
     q = apply_rope(q, cos, sin)
     attn = torch.empty_like(q)                                                    # (H, N, hd)
     for r in rows:
@@ -186,10 +189,11 @@ def attend(x: torch.Tensor, w: LayerWeights, cfg: ModelConfig, cache: KVCache, l
         keys, values = cache.k[layer, r.cache_row, :, :S], cache.v[layer, r.cache_row, :, :S]   # (H_kv, S, hd)
         attn[:, span] = F.scaled_dot_product_attention(q[None, :, span], keys[None], values[None],
                                                        attn_mask=mask[None, None], enable_gqa=H != H_kv)[0]
-    x = x + linear(attn.transpose(0, 1).reshape(N, H * hd), w.o_proj)            # (N, D)
+    x = x + linear(attn.transpose(0, 1).reshape(N, H * hd), w.o_proj, narrow=narrow)            # (N, D)
 
     h = rms_norm(x, w.post_norm, cfg.rms_norm_eps)
-    return x + linear(F.silu(linear(h, w.gate_proj)) * linear(h, w.up_proj), w.down_proj)
+    return x + linear(F.silu(linear(h, w.gate_proj, narrow=narrow)) * linear(h, w.up_proj, narrow=narrow),
+                      w.down_proj, narrow=narrow)
 
 
 class Model:
@@ -227,19 +231,22 @@ class Model:
                               for r in rows if (c := r.clip(a, b)) is not None]) for a, b in bounds]
         x = F.embedding(tokens, self.globals.embed)                                  # (N, D)
         cos, sin = rope_cos_sin(self.inv_freq, positions, self.dtype)                # (N, hd) each
+        narrow = narrow_rows([r.end - r.start for r in rows], self.device)           # (N,) bool, or None
+        cut = (lambda a, b: None) if narrow is None else (lambda a, b: narrow[a:b])
         for i, w in self.layers.pass_layers():
             if len(pieces) == 1:
-                x = layer_forward(x, w, self.cfg, cache, i, pieces[0][2], cos, sin)
+                x = layer_forward(x, w, self.cfg, cache, i, pieces[0][2], cos, sin, narrow)
                 continue
             # Every chunk's keys first: a row's mask reaches (masked off) slots that later chunks write.
             for a, b, spans in pieces:
-                write_keys(x[a:b], w, self.cfg, cache, i, spans, cos[a:b], sin[a:b])
+                write_keys(x[a:b], w, self.cfg, cache, i, spans, cos[a:b], sin[a:b], cut(a, b))
             for a, b, spans in pieces:
-                x[a:b] = attend(x[a:b], w, self.cfg, cache, i, spans, cos[a:b], sin[a:b])
+                x[a:b] = attend(x[a:b], w, self.cfg, cache, i, spans, cos[a:b], sin[a:b], cut(a, b))
         if logit_rows is not None:
             x = x[logit_rows]
+            narrow = None if narrow is None else narrow[logit_rows.cpu()]
         x = rms_norm(x, self.globals.final_norm, self.cfg.rms_norm_eps)
-        return linear(x, self.globals.lm_head).float()                              # (R, V)
+        return linear(x, self.globals.lm_head, narrow=narrow).float()               # (R, V)
 
 
     def forward_one(self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,

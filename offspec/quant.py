@@ -8,28 +8,23 @@ row halves those bytes:
 
     W (N, K)  ~=  Q (N, K) int8  *  s (N,)[:, None],   s = max_k |W[n, k]| / 127   (symmetric, per row)
 
-Calls with more rows (the prompt, wide tree levels) are compute-bound, and there the fused int8 kernel loses
-to the full-precision matmul, so an Int8Weight keeps the full-precision weight as well and each call picks by
-its row count. Seconds per call of the 0.5B demo draft, bf16 against its int8 copy, after 300 cached tokens,
-torch 2.13 on a 2-core EPYC (`scripts/bench_draft.py --rows 1,4,8,10,12,14,16,24 --no-streamer --no-held`,
-with FUSED_MAX_ROWS raised to 16 for the int8 line):
-
-    rows   1      4      8      10     12     14     16     24
-    bf16   0.057  0.056  0.064  0.067  0.069  0.073  0.077  0.087
-    int8   0.024  0.023  0.045  0.058  0.058  0.074  0.078  0.092
-
-so int8 serves calls up to 12 rows (the kernel steps every 4 rows; level at 14-16). This changes the draft's
-distribution p a little and nothing else: the target verifies every token, so output stays exactly the
-target's, greedy and sampled.
+Over more rows (a prompt, a wide tree level) the call is compute-bound, and there the fused int8 kernel loses
+to the full-precision matmul (docs/benchmarks.md, "The draft's int8 copy"), so an Int8Weight keeps the
+full-precision weight as well. Which one a row reads is decided per SEQUENCE of a packed call, never per call:
+a sequence that feeds at most FUSED_MAX_ROWS rows reads the int8 copy, a wider one the weight (narrow_rows).
+Both kernels compute each row on its own, so a sequence's draft distributions do not depend on which other
+sequences share its calls (a call mixing both runs the two kernels over their own rows). This changes the
+draft's distribution p a little and nothing else: the target verifies every token, so output stays exactly
+the target's, greedy and sampled.
 
 Part 1b, a draft held quantized (`--draft-quant int8-held | nf4`): to free device memory rather than to be
 fast, each matrix of the draft's layers is kept ONLY quantized, as a HeldWeight, in the same pieces as the
 target's blocks (per-row int8, or bitsandbytes' nf4): 0.50x / 0.28x of its bf16 bytes. A call dequantizes the
 matrix into a temporary with the target's dequantization (_dequantize_matrix) and runs the plain matmul; a
-held int8 matrix on a CPU serves calls over at most FUSED_MAX_ROWS rows straight from int8, like the copy.
+held int8 matrix on a CPU serves the narrow sequences' rows straight from int8, like the copy.
 lm_head and the embedding stay dense (as bitsandbytes-quantized models usually keep lm_head): every call
-reads lm_head over the full vocabulary, so dequantizing it each call would cost a (V, D) temporary (272 MB
-for the demo draft) and its time. Like the int8 copy, this changes p only: the output stays the target's.
+reads lm_head over the full vocabulary, so dequantizing it each call would cost a (V, D) temporary and its
+time. Like the int8 copy, this changes p only: the output stays the target's.
 
 `linear` accepts a plain tensor, an Int8Weight or a HeldWeight, so the one layer forward serves both models.
 
@@ -52,6 +47,7 @@ import functools
 import logging
 import math
 from dataclasses import dataclass, fields, replace
+from typing import Optional, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -65,7 +61,7 @@ HELD_DRAFT_QUANTS = {"int8-held": "int8", "nf4": "nf4"}  # --draft-quant held qu
 TARGET_QUANTS = ("none", "int8", "nf4")      # the target's layer blocks
 NF4_BLOCK = 64                               # weights per nf4 absmax (bitsandbytes' finest block size)
 
-FUSED_MAX_ROWS = 12     # calls with at most this many rows read the int8 copy (see the table above)
+FUSED_MAX_ROWS = 12     # a sequence feeding at most this many rows to a call reads int8 matrices straight (on a CPU)
 
 
 @dataclass(frozen=True)
@@ -123,22 +119,40 @@ class HeldWeight:
         return out
 
 
-def linear(x: torch.Tensor, w, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear for a plain weight, an Int8Weight or a HeldWeight. x (..., K) -> (..., N)."""
+def narrow_rows(widths: Sequence[int], device: torch.device) -> Optional[torch.Tensor]:
+    """The rows of a packed call that read int8 matrices straight: (N,) bool, N = sum(widths), True for every row
+    of a sequence feeding at most FUSED_MAX_ROWS rows (widths: each sequence's rows, in packing order). None where
+    no row does: on a GPU every call dequantizes or reads the dense weight (the fused kernel is a CPU one)."""
+    if device.type != "cpu" or not any(w <= FUSED_MAX_ROWS for w in widths):
+        return None
+    return torch.cat([torch.full((w,), w <= FUSED_MAX_ROWS, dtype=torch.bool) for w in widths])
+
+
+def linear(x: torch.Tensor, w, bias: torch.Tensor | None = None, narrow: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear for a plain weight, an Int8Weight or a HeldWeight. x (..., K) -> (..., N).
+    narrow (rows of x,) bool, from narrow_rows: the rows that read an int8 matrix straight; the others read the
+    full-precision weight (an Int8Weight's own, a HeldWeight's dequantized). Each row's result is the same
+    whatever the other rows are. A plain weight, an nf4 one, or narrow None: every row reads the dense weight."""
     if isinstance(w, torch.Tensor):
         return F.linear(x, w, bias)
-    rows = x.numel() // x.shape[-1]
-    narrow_on_cpu = x.device.type == "cpu" and rows <= FUSED_MAX_ROWS
-    if isinstance(w, HeldWeight):
-        if not (narrow_on_cpu and w.quant == "int8"):
-            return F.linear(x, w.dequantize(), bias)
-        q, scale = w.pieces["int8"], w.pieces["scale"]
-    elif not narrow_on_cpu:
-        return F.linear(x, w.full, bias)
+    int8 = ((w.q, w.scale) if isinstance(w, Int8Weight) else
+            (w.pieces["int8"], w.pieces["scale"]) if w.quant == "int8" else None)
+    dense = w.full if isinstance(w, Int8Weight) else None           # a HeldWeight is dequantized only if needed
+    if narrow is None or int8 is None or not bool(narrow.any()):
+        return F.linear(x, dense if dense is not None else w.dequantize(), bias)
+    rows = x.reshape(-1, x.shape[-1])                                                  # (M, K)
+    if bool(narrow.all()):
+        out = _int8_matmul(rows, *int8, bias)
     else:
-        q, scale = w.q, w.scale
-    # aten::_weight_int8pack_mm(x (M, K), Q (N, K) int8, s (N,)) = x @ (Q * s[:, None]).T, a CPU kernel.
-    out = torch._weight_int8pack_mm(x.reshape(rows, x.shape[-1]), q, scale).view(*x.shape[:-1], -1)
+        out = rows.new_empty(rows.shape[0], w.shape[0] if isinstance(w, HeldWeight) else dense.shape[0])   # (M, N)
+        out[narrow] = _int8_matmul(rows[narrow], *int8, bias)
+        out[~narrow] = F.linear(rows[~narrow], dense if dense is not None else w.dequantize(), bias)
+    return out.view(*x.shape[:-1], -1)
+
+
+def _int8_matmul(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x (M, K) @ (q * scale[:, None]).T (+ bias) -> (M, N), by aten::_weight_int8pack_mm (a CPU kernel)."""
+    out = torch._weight_int8pack_mm(x, q, scale)
     return out if bias is None else out + bias
 
 

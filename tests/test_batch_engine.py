@@ -4,6 +4,8 @@ Rows share the passes (one packed target forward, one draft forward per growth s
 cache row, generator, tree and stop state; attention never crosses rows. So in fp32 a request's tokens in a
 batch equal its tokens alone, greedy and sampled (with a fixed tree budget its random draws do not depend on
 its neighbours), whatever policy, whenever it joins and whichever rows finish first."""
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -66,9 +68,19 @@ def test_each_row_in_a_batch_equals_its_run_alone(engine, tree):
         assert (tokens[i], reasons[i]) == alone(engine, request), i
 
 
-def test_sampled_rows_have_their_own_randomness(engine):
+@pytest.fixture(scope="module")
+def quantized_draft_engines(pair):
+    """The pair with the draft held each way --draft-quant offers (the int8 copy is the CPU default)."""
+    return {quant: load_engine(pair[0], pair[1], OffloadConfig(), replace(RUNTIME, draft_quant=quant),
+                               progress=False, limits=LIMITS).engine for quant in ("int8", "int8-held")}
+
+
+@pytest.mark.parametrize("draft_quant", ["none", "int8", "int8-held"])
+def test_sampled_rows_have_their_own_randomness(engine, quantized_draft_engines, draft_quant):
     """T > 0, fixed budgets: each row draws from its own generator (seeded by its own seed), so a row's
-    tokens are the same alone or in any batch, and rows with different seeds differ."""
+    tokens are the same alone or in any batch, and rows with different seeds differ. With the draft's int8
+    matrices too: a row reads them by its own width in a draft call, never by the call's (quant.narrow_rows)."""
+    engine = engine if draft_quant == "none" else quantized_draft_engines[draft_quant]
     sampling = [SamplingConfig(temperature=0.9, top_p=0.95, seed=s) for s in (1, 2, 3, 4, 5)]
     requests = [GenerationRequest(prompt_ids=p, max_new_tokens=12, tree=TreeConfig(policy="dyspec", budget=8),
                                   sampling=s, ignore_eos=True) for p, s in zip(prompts(5), sampling)]
@@ -82,7 +94,8 @@ def test_sampled_rows_have_their_own_randomness(engine):
 
 
 def test_stops_inside_a_batch(engine):
-    """EOS, a stop string and max tokens, each inside an accepted block, in rows that share passes."""
+    """EOS, a stop string and max tokens, each inside an accepted block, in rows that share passes: each row
+    stops where it stops alone, speculating or plainly decoding (--tree none)."""
     base = [GenerationRequest(prompt_ids=p, max_new_tokens=30, tree=TreeConfig(policy="dyspec", budget=16),
                               ignore_eos=True) for p in prompts(3)]
     free_run = [alone(engine, r)[0] for r in base]
@@ -99,6 +112,7 @@ def test_stops_inside_a_batch(engine):
         tokens, reasons, _ = batched(engine, requests, concurrency=3)
         for i, request in enumerate(requests):
             assert (tokens[i], reasons[i]) == alone(engine, request)
+            assert (tokens[i], reasons[i]) == alone(engine, replace(request, tree=TreeConfig(policy="none")))
         assert reasons == {0: "eos", 1: "stop", 2: "length"}
         assert tokens[0] == free_run[0][:free_run[0].index(eos)]
     finally:
@@ -369,6 +383,115 @@ def test_sampling_is_lossless_with_several_rows_in_flight(tmp_path):
         assert counts[~support].sum() == 0
         expected = law2[support] / law2[support].sum() * len(second)
         assert chisquare(counts[support], expected).pvalue > 1e-3, prompt
+
+
+# The exact law of whole continuations, through the batched engine, with a target whose next token depends on
+# its context (attention and MLP intact): a request's first LAW_TOKENS tokens must follow
+#     P(t_1 .. t_K | prompt) = prod_i q(t_i | prompt, t_1 .. t_(i-1)),
+# each factor read off the transformers model itself. Trees reach depth 4 and a round often accepts 3 or 4
+# drafted tokens, so the law runs through verification at depths >= 3, residual draws, the bonus token, and the
+# caches a second round reads. LAW_REQUESTS requests over 2 prompts (1500 a law) with 8 rows in flight; the
+# 4-token outcomes with an expected count >= 5 are cells of their own and the rest one merged cell (12-20 cells
+# here); alpha = 0.001. A sampler at total-variation distance >= 0.1 from the law on those cells gives lambda >=
+# 1500 * (2 * 0.1)^2 = 60 (Cauchy-Schwarz), caught with power >= 0.95 for df <= 20 (P(ncx2(20, 60) > 45.3)).
+# The negative controls below show that a verifier reading its parent's distribution, a target attending to the
+# whole tree, and a cache keeping the wrong tree rows are each caught.
+LAW_TOKENS, LAW_REQUESTS, LAW_V = 4, 3000, 8
+LAW_PROMPTS = [(5, 3, 7, 1), (6, 4, 4)]
+
+
+@pytest.fixture(scope="module")
+def context_pair(tmp_path_factory):
+    """(engine, transformers target) of a V = 8 pair: a target with every layer intact, a 10% noisy draft."""
+    from tiny import make_tokenizer
+    root = tmp_path_factory.mktemp("law")
+    target = make_model(hf_config("llama", n_layers=2, vocab=LAW_V), seed=11, scale=1.5)
+    draft = perturbed_copy(target, noise=0.1)
+    tok = make_tokenizer(n_tokens=LAW_V)
+    t_dir, d_dir = save_checkpoint(target, root / "t", tok), save_checkpoint(draft, root / "d", tok)
+    engine = load_engine(t_dir, d_dir, OffloadConfig(), RUNTIME, progress=False,
+                         limits=RunLimits(concurrency=8)).engine
+    return engine, target
+
+
+def continuation_law(target, prompt: tuple[int, ...], sampling: SamplingConfig, k: int) -> dict[tuple, float]:
+    """{(t_1 .. t_k): P(t_1 .. t_k | prompt)} under the transformers model, every factor processed by `sampling`."""
+    from offspec.sampling import process_logits
+    with torch.no_grad():
+        q = process_logits(target(torch.tensor([prompt])).logits[0, -1], sampling).double()   # (V,)
+    if k == 1:
+        return {(t,): float(q[t]) for t in range(q.numel())}
+    return {(t, *rest): float(q[t]) * law for t in range(q.numel()) if q[t] > 0
+            for rest, law in continuation_law(target, (*prompt, t), sampling, k - 1).items()}
+
+
+LAW_TREE = TreeConfig(policy="dyspec", budget=8, branching=3, max_depth=4)
+
+
+def continuation_pvalues(context_pair, tree: TreeConfig = LAW_TREE) -> tuple[list[float], int]:
+    """The engine's continuations of LAW_PROMPTS against their laws: (p-value a prompt, 0 where an outcome the law
+    rules out came; rounds that accepted 3 or more drafted tokens)."""
+    import numpy as np
+    from scipy.stats import chisquare
+
+    engine, target = context_pair
+    sampling = SamplingConfig(temperature=1.0, top_p=0.95)
+    requests = [GenerationRequest(prompt_ids=LAW_PROMPTS[i % 2], max_new_tokens=LAW_TOKENS, ignore_eos=True,
+                                  sampling=replace(sampling, seed=i), tree=tree)
+                for i in range(LAW_REQUESTS)]
+    tokens, deep = {i: [] for i in range(LAW_REQUESTS)}, 0
+    for event in engine.run_batch(requests, concurrency=8):
+        tokens[event.request] += event.step.tokens
+        deep += event.step.accepted >= 3
+    pvalues = []
+    for k, prompt in enumerate(LAW_PROMPTS):
+        law = continuation_law(target, prompt, sampling, LAW_TOKENS)
+        seen: dict[tuple, int] = {}
+        for i in range(k, LAW_REQUESTS, 2):
+            seen[tuple(tokens[i])] = seen.get(tuple(tokens[i]), 0) + 1
+        if any(law.get(outcome, 0.0) == 0 for outcome in seen):   # an outcome the target can never produce
+            pvalues.append(0.0)
+            continue
+        n = sum(seen.values())
+        own = [o for o in law if law[o] * n >= 5]
+        expected = np.array([law[o] for o in own] + [1.0 - sum(law[o] for o in own)]) * n
+        observed = np.array([seen.get(o, 0) for o in own] + [n - sum(seen.get(o, 0) for o in own)])
+        pvalues.append(chisquare(observed, expected * n / expected.sum()).pvalue)
+    return pvalues, deep
+
+
+@pytest.mark.parametrize("tree", [LAW_TREE, TreeConfig(policy="static", budget=8, static_widths=(2, 1, 1, 1),
+                                                        ngram=True, calibrate=True)], ids=["dyspec", "static-levers"])
+def test_continuations_follow_the_context_dependent_targets_law(context_pair, tree):
+    pvalues, deep = continuation_pvalues(context_pair, tree)
+    assert deep > LAW_REQUESTS / 4, deep           # verification at depth >= 3 really happened, often
+    assert min(pvalues) > 1e-3, pvalues
+
+
+@pytest.mark.parametrize("broken", ["verifier reads the parent's distribution", "target attends to the whole tree",
+                                    "cache keeps the first tree rows"])
+def test_the_law_test_catches_wrong_verification_attention_and_caches(context_pair, monkeypatch, broken):
+    from offspec import generate
+    from offspec.kv_cache import KVCache
+    if broken.startswith("verifier"):
+        accept = generate.Engine._accept
+
+        def parents_rows(tree, q_logits, sampling, generator):
+            return accept(tree, q_logits[tree.parents.clamp(min=0)], sampling, generator)
+        monkeypatch.setattr(generate.Engine, "_accept", staticmethod(parents_rows))
+    elif broken.startswith("target"):
+        init = generate.PassMask.__init__
+
+        def whole_tree(self, first_slot, n_pending, tree_mask, device):
+            init(self, first_slot, n_pending, None if tree_mask is None else torch.ones_like(tree_mask), device)
+        monkeypatch.setattr(generate.PassMask, "__init__", whole_tree)
+    else:
+        compact = KVCache.compact
+
+        def first_rows(self, kept_slots, start, row=0):
+            compact(self, torch.arange(start, start + kept_slots.numel()), start, row)
+        monkeypatch.setattr(KVCache, "compact", first_rows)
+    assert min(continuation_pvalues(context_pair)[0]) < 1e-3
 
 
 @pytest.mark.parametrize("per_pass", [7, None])

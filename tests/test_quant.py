@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from offspec.config import OffloadConfig, RuntimeConfig, TreeConfig
 from offspec.generate import GenerationRequest, run
 from offspec.load import load_engine
-from offspec.quant import FUSED_MAX_ROWS, Int8Weight, linear
+from offspec.quant import FUSED_MAX_ROWS, Int8Weight, linear, narrow_rows
 from tiny import hf_config, make_model, perturbed_copy, save_checkpoint
 
 
@@ -22,17 +22,30 @@ def test_quantize_error_is_half_a_step_per_row(dtype):
     assert torch.all(err <= step * 0.5 + cast + 1e-7)
 
 
-def test_narrow_calls_read_the_int8_copy_and_wide_calls_the_weight():
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_narrow_sequences_read_the_int8_copy_whatever_shares_the_call(dtype):
+    """A packed call of three sequences: the two narrow ones read the int8 copy, the wide one the weight, and each
+    sequence's rows are bit for bit what it gets in a call of its own."""
     torch.manual_seed(0)
-    w, bias = torch.randn(40, 64), torch.randn(40)
+    w, bias = torch.randn(40, 64, dtype=dtype), torch.randn(40, dtype=dtype)
     qw = Int8Weight.quantize(w)
-    narrow = torch.randn(1, FUSED_MAX_ROWS, 64)
-    got = linear(narrow, qw, bias)
-    assert torch.allclose(got, F.linear(narrow, qw.dequantize(), bias), atol=1e-4)
-    assert not torch.equal(got, F.linear(narrow, w, bias))            # it really took the int8 path
-    wide = torch.randn(1, FUSED_MAX_ROWS + 1, 64)
-    assert torch.equal(linear(wide, qw, bias), F.linear(wide, w, bias))
-    assert torch.equal(linear(narrow, w, bias), F.linear(narrow, w, bias))   # plain weights: plain F.linear
+    widths, cpu = [3, FUSED_MAX_ROWS + 1, 1], torch.device("cpu")
+    x = torch.randn(sum(widths), 64, dtype=dtype)
+    narrow = narrow_rows(widths, cpu)
+    assert narrow.tolist() == [True] * 3 + [False] * (FUSED_MAX_ROWS + 1) + [True]
+    got = linear(x, qw, bias, narrow)
+    ref = F.linear(x[narrow].float(), qw.dequantize().float(), bias.float())
+    assert (got[narrow].float() - ref).norm() / ref.norm() < 0.01
+    assert not torch.equal(got[narrow], F.linear(x[narrow], w, bias))     # it really took the int8 path
+    assert torch.equal(got[~narrow], F.linear(x[~narrow], w, bias))
+    at = 0
+    for width in widths:
+        assert torch.equal(linear(x[at:at + width], qw, bias, narrow_rows([width], cpu)), got[at:at + width]), width
+        at += width
+    assert torch.equal(linear(x, w, bias, narrow), F.linear(x, w, bias))     # plain weights: plain F.linear
+    assert torch.equal(linear(x, qw, bias), F.linear(x, w, bias))              # no narrow rows: the weight
+    assert narrow_rows([FUSED_MAX_ROWS + 1], cpu) is None
+    assert narrow_rows(widths, torch.device("cuda")) is None                   # the fused kernel is a CPU one
 
 
 @pytest.fixture(scope="module")
@@ -88,7 +101,7 @@ def test_a_held_weight_is_the_dequantized_matrix_and_keeps_no_dense_copy(quant, 
     assert all(p.dtype in (torch.int8, torch.uint8, torch.float32) and p.data_ptr() != w.data_ptr()
                for p in held.pieces.values())
     x = torch.randn(rows, 64)
-    got = linear(x, held, bias)
+    got = linear(x, held, bias, narrow_rows([rows], torch.device("cpu")))
     assert torch.allclose(got, F.linear(x, held.dequantize(), bias), atol=1e-4)
     assert not torch.allclose(got, F.linear(x, w, bias), atol=1e-4)   # it really is quantized ...
     exact = F.linear(x, w, bias)

@@ -22,6 +22,7 @@ import click
 from .batch import AUTO_CONCURRENCY, auto_concurrency
 from .config import AUTO_MAX_TREE_BUDGET, DEFAULT_PREFILL_CHUNK, OffloadConfig, RunLimits, RuntimeConfig, SamplingConfig, TreeConfig
 from .errors import InputError, OffspecError
+from .quant import FUSED_MAX_ROWS
 
 POLICIES = ["dyspec", "heap", "chain", "static", "none"]
 TARGET_QUANT_CHOICES = ["none", "int8", "nf4"]   # quant.TARGET_QUANTS (not imported here: keeps --help fast)
@@ -85,13 +86,15 @@ def model_options(f):
                           "when --target is not given, else none (plain autoregressive)."),
         click.option("--draft-quant", type=click.Choice(DRAFT_QUANT_CHOICES), default="auto", show_default=True,
                      help="How the draft's matrices are held. int8 = beside each its int8 copy (one scale per row, "
-                          "+50% draft memory) that calls over at most 4 tree nodes read instead: such a call on a CPU "
-                          "reads every weight, so the copy makes it about twice as fast. int8-held / nf4 = held ONLY "
+                          "+50% draft memory), which a prompt's tokens in a draft call read when the call covers at most "
+                          f"{FUSED_MAX_ROWS} of that prompt's tokens (its own count, never its batch's): such a call on a "
+                          "CPU reads every weight, so the copy makes it about twice as fast. int8-held / nf4 = held ONLY "
                           "quantized (per-row int8: 0.50x; bitsandbytes nf4: 0.28x of bf16; lm_head stays dense) to free "
                           "device memory for resident target layers: each call dequantizes a matrix at a time (slower on "
-                          "a CPU; int8-held narrow calls read int8 directly, as fast as the copy). Output is unchanged "
-                          "either way (the target verifies every token), only acceptance may move slightly. auto = int8 "
-                          "on a CPU, none on a GPU (where a draft call is latency-bound)."),
+                          "a CPU; int8-held reads int8 directly where the copy would). Output is unchanged either way "
+                          "(the target verifies every token), only acceptance may move slightly, and a prompt's tokens "
+                          "do not depend on what shares its passes. auto = int8 on a CPU, none on a GPU (where a draft "
+                          "call is latency-bound)."),
         click.option("--target-quant", type=click.Choice(TARGET_QUANT_CHOICES), default="none", show_default=True,
                      help="Store, pin, read and stream the target's decoder layers quantized (nf4, by bitsandbytes: "
                           "4.5 bits a weight, 0.28x the bf16 bytes; int8: symmetric, one scale a row, 0.50x) and "

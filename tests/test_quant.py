@@ -166,3 +166,15 @@ def test_unknown_draft_quant_is_one_line(pair):
     from offspec.errors import InputError
     with pytest.raises(InputError, match="unknown draft quantization 'fp8'"):
         load_engine(pair[0], pair[1], OffloadConfig(), RuntimeConfig(draft_quant="fp8"), progress=False)
+
+
+def test_the_help_and_the_readme_quote_the_int8_copys_bound():
+    from pathlib import Path
+
+    from click.testing import CliRunner
+
+    from offspec.cli import main
+    help_text = " ".join(CliRunner().invoke(main, ["generate", "--help"]).output.split())
+    assert f"covers at most {FUSED_MAX_ROWS} of that prompt's tokens" in help_text
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    assert f"covers ≤ {FUSED_MAX_ROWS} of that prompt's tokens" in readme

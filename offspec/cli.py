@@ -93,8 +93,8 @@ def model_options(f):
                           "device memory for resident target layers: each call dequantizes a matrix at a time (slower on "
                           "a CPU; int8-held reads int8 directly where the copy would). Output is unchanged either way "
                           "(the target verifies every token), only acceptance may move slightly, and a prompt's tokens "
-                          "do not depend on what shares its passes. auto = int8 on a CPU, none on a GPU (where a draft "
-                          "call is latency-bound)."),
+                          "do not depend on what shares its passes. auto = int8 on a CPU in bfloat16, none on a GPU (where "
+                          "a draft call is latency-bound) and in float32 or float16 (where the int8 kernel is slower)."),
         click.option("--target-quant", type=click.Choice(TARGET_QUANT_CHOICES), default="none", show_default=True,
                      help="Store, pin, read and stream the target's decoder layers quantized (nf4, by bitsandbytes: "
                           "4.5 bits a weight, 0.28x the bf16 bytes; int8: symmetric, one scale a row, 0.50x) and "
@@ -180,12 +180,13 @@ def build_configs(o: dict, check_device: bool = True):
     from .load import parse_device, parse_dtype
 
     device = parse_device(o["device"], check_available=check_device)
+    dtype = parse_dtype(o["dtype"])
     draft_quant = o["draft_quant"]
     from .quant import auto_draft_quant, check_draft_quant, check_target_quant
     if draft_quant == "auto":
-        draft_quant = auto_draft_quant(device.type)
+        draft_quant = auto_draft_quant(device.type, dtype)
 
-    runtime = RuntimeConfig(device=device, dtype=parse_dtype(o["dtype"]), draft_quant=draft_quant,
+    runtime = RuntimeConfig(device=device, dtype=dtype, draft_quant=draft_quant,
                             target_quant=o["target_quant"], resident_quant=o["resident_quant"])
     check_target_quant(runtime.target_quant, device, runtime.dtype)   # before any model is read
     check_draft_quant(runtime.draft_quant, device, runtime.dtype)
@@ -748,7 +749,7 @@ def models_demo():
 @click.option("--prefill-chunk", type=int, default=DEFAULT_PREFILL_CHUNK, show_default=True,
               help="Rows each layer processes at a time.")
 @click.option("--draft-quant", type=click.Choice(DRAFT_QUANT_CHOICES), default="auto", show_default=True,
-              help="As for generate (auto: int8 when planning for this CPU, none for a GPU).")
+              help="As for generate (auto: int8 when planning for this CPU in bfloat16, none for a GPU).")
 @click.option("--target-quant", type=click.Choice(TARGET_QUANT_CHOICES), default="none", show_default=True,
               help="As for generate: plan the target's layers stored and streamed quantized (int8 or nf4).")
 @click.option("--resident-quant", type=click.Choice(RESIDENT_QUANT_CHOICES), default="auto", show_default=True,
@@ -793,7 +794,7 @@ def models_info(model_dir, draft_dir, device_memory, host_memory, dtype, offload
         machine = measured if host_memory is None else Machine(
             "cuda", measured.device_bytes, parse_bytes(host_memory), "given", measured.name)
     if draft_quant == "auto":
-        draft_quant = auto_draft_quant(machine.kind)
+        draft_quant = auto_draft_quant(machine.kind, dt)
     if prefill_chunk < 1:
         raise InputError("--prefill-chunk must be at least 1")
     if tokens_per_pass < 1:

@@ -165,7 +165,8 @@ def write_keys(x: torch.Tensor, w: LayerWeights, cfg: ModelConfig, cache: KVCach
     """The first half of layer_forward: x's keys and values, written to each sequence's cache slots."""
     N, H_kv, hd = x.shape[0], cfg.n_kv_heads, cfg.head_dim
     h = rms_norm(x, w.input_norm, cfg.rms_norm_eps)
-    k = head_norm(linear(h, w.k_proj, w.k_bias, narrow).view(N, H_kv, hd), w.k_norm, cfg).transpose(0, 1)   # (H_kv, N, hd)
+    k = linear(h, w.k_proj, w.k_bias, narrow).view(N, H_kv, hd)
+    k = head_norm(k, w.k_norm, cfg).transpose(0, 1)                               # (H_kv, N, hd)
     v = linear(h, w.v_proj, w.v_bias, narrow).view(N, H_kv, hd).transpose(0, 1)         # (H_kv, N, hd)
     k = apply_rope(k, cos, sin)
     for r in rows:

@@ -11,7 +11,7 @@
                   streamer.
 
 Every stream, event and pinned-memory call goes through a transfer backend (transfer.py), so the CPU
-backend runs this exact code in the tests; CUDA.md is the checklist the ring protocol follows.
+backend runs this exact code in the tests; docs/streaming.md is the contract the ring protocol follows.
 
 The ring protocol, for the n-th layer copy ever issued (n counts across passes; slot k = n % n_slots):
   loader thread    [disk: wait for the layer's read into staging (started one load earlier, each piece
@@ -127,7 +127,7 @@ class HostArenaStore:
     copy. Pinned (exactly sized) on CUDA, with a reported pageable fallback (transfer.HostBuffer).
 
     Blocks sit at a page-aligned stride so the arena can be pinned in ~1 GiB pieces of whole layers
-    (CUDA.md §4: one huge registration can fail; no copy may span two registrations)."""
+    (docs/streaming.md §4: one huge registration can fail; no copy may span two registrations)."""
 
     def __init__(self, layout: BlockLayout, layers: Sequence[int], backend: TransferBackend,
                  host_budget: Optional[int] = None):
@@ -292,7 +292,7 @@ class DiskStore:
     How layers.bin is read (info().io says which ran):
       O_DIRECT   with drop_page_cache, when the filesystem takes it (probed once at open): the drive
                  writes into the staging buffer, with no page-cache copy (CPU time compute needs) and
-                 nothing cached. CUDA.md §5's rules hold by construction: staging buffers are page-aligned
+                 nothing cached. docs/streaming.md §5's rules hold by construction: staging buffers are page-aligned
                  mmaps, block offsets and piece lengths are multiples of BLOCK_ALIGN.
       buffered   otherwise (or direct_io=False): plain preadv; with drop_page_cache each piece is dropped
                  from the page cache right after it is read, so either way host memory stays bounded by
@@ -391,7 +391,7 @@ class DiskStore:
         """Start reading layer `layer`'s padded block into out[:block_nbytes] ((≥ block_nbytes,) uint8,
         page-aligned), one piece per reader thread; with a gate, each piece first waits for it."""
         offset = self._offsets[layer]
-        # O_DIRECT's rules (CUDA.md §5); _check_manifest checked the offsets, the pieces are whole blocks.
+        # O_DIRECT's rules (docs/streaming.md §5); _check_manifest checked the offsets, the pieces are whole blocks.
         assert offset % BLOCK_ALIGN == 0 and out.data_ptr() % BLOCK_ALIGN == 0, (offset, out.data_ptr())
         assert out.numel() >= self.block_nbytes, (out.numel(), self.block_nbytes)
         view = memoryview(out.numpy())
@@ -417,7 +417,7 @@ class DiskStore:
                     gate: Optional[TransferEvent]) -> tuple[float, float]:
         """out <- layers.bin[offset : offset + len(out)], on a reader thread; -> (start, end) perf_counter()."""
         if gate is not None:
-            gate.synchronize()    # CUDA.md §2 host-side WAR: the copy out of this staging buffer has completed
+            gate.synchronize()    # host-side WAR (docs/streaming.md §2): the copy out of this buffer has completed
         start, got, n = time.perf_counter(), 0, len(out)
         try:
             while got < n:
@@ -562,11 +562,11 @@ class LayerStreamer:
     load numbers; one loader thread takes them in order, gets each layer's host bytes from the store (disk:
     reads them) and issues its copy. Load n always carries streamed layer n % n_streamed into slot
     n % n_slots, with n counted across passes: a per-pass counter would break the wrap-around into the next
-    pass whenever n_streamed % n_slots != 0 (CUDA.md common bug #3). So when a pass ends, the first layers
+    pass whenever n_streamed % n_slots != 0 (docs/streaming.md, review #3). So when a pass ends, the first layers
     of the next pass are already being copied while the draft works.
 
     A yielded LayerWeights is a set of views into a slot: valid only until the consumer asks for the next
-    layer (CUDA.md common bug #4: keep nothing derived from it, e.g. a cached w.T).
+    layer (docs/streaming.md, review #4: keep nothing derived from it, e.g. a cached w.T).
 
     A store of quantized layers (QuantizedLayout): slot k receives the quantized block, and the copy queue
     dequantizes it into slot k's dense buffer, which is what the consumer reads; ready[k] / free[k] cover
@@ -587,7 +587,7 @@ class LayerStreamer:
         if not self.streamed:
             raise ValueError("nothing to stream: every layer is resident (use ResidentLayers)")
 
-        # Allocated once, never freed or reallocated (CUDA.md §3), so no record_stream is needed.
+        # Allocated once, never freed or reallocated (docs/streaming.md §3), so no record_stream is needed.
         self._slots = [backend.device_buffer(self.layout.nbytes) for _ in range(n_slots)]   # each (nbytes,) uint8
         self.quantized = isinstance(self.layout, QuantizedLayout)
         # What the consumer reads: the slot itself, or the dense layer its quantized block dequantizes into.

@@ -195,10 +195,12 @@ def bitsandbytes_ops():
     return torch.ops.bitsandbytes
 
 
-def auto_draft_quant(device_kind: str) -> str:
-    """--draft-quant auto on a device of this kind ("cpu" or "cuda"): the int8 copy on a CPU, where a narrow draft
-    call is bound by reading its weights; none on a GPU."""
-    return "int8" if device_kind == "cpu" else "none"
+def auto_draft_quant(device_kind: str, dtype: torch.dtype) -> str:
+    """--draft-quant auto on a device of this kind ("cpu" or "cuda") in this compute dtype: the int8 copy on a CPU
+    in bfloat16, where a narrow draft call is bound by reading its weights and the fused kernel reads half the
+    bytes; none elsewhere: on a GPU, and in float32 or float16 on a CPU, where the fused kernel has no fast path
+    and loses to the dense matmul (docs/benchmarks.md, "The draft's int8 copy")."""
+    return "int8" if device_kind == "cpu" and dtype == torch.bfloat16 else "none"
 
 
 def check_draft_quant(draft_quant: str, device: torch.device, dtype: torch.dtype) -> None:

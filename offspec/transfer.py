@@ -1,4 +1,4 @@
-"""Transfer backends: the one place offspec touches streams, events and pinned memory (CUDA.md §8).
+"""Transfer backends: the one place offspec touches streams, events and pinned memory (docs/streaming.md §8).
 
 A backend has two queues and events that order work between them:
   copy queue     host -> device layer copies. CUDA: one side stream `copy_s`, made when the backend is made.
@@ -55,7 +55,7 @@ def raise_from_worker(err: BaseException, where: str) -> NoReturn:
 
 
 def check_copy(dst: torch.Tensor, src: torch.Tensor) -> None:
-    """Both backends copy bytes verbatim: same dtype, same size, both contiguous (CUDA.md §2: a mismatch
+    """Both backends copy bytes verbatim: same dtype, same size, both contiguous (docs/streaming.md §2: a mismatch
     would make the copy build temporaries, including a pageable host copy)."""
     if not (src.is_contiguous() and dst.is_contiguous()):
         raise RuntimeError("layer copy needs contiguous source and destination")
@@ -94,7 +94,7 @@ class HostBuffer:
     """`nbytes` of page-aligned host memory, exactly that size, pinned when the backend could pin it.
 
     An anonymous mmap, not torch.empty(pin_memory=True): PyTorch's pinned allocator rounds every request up
-    to a power of two (CUDA.md §4: a 20.4 GiB arena would pin 32 GiB). Page alignment also keeps O_DIRECT
+    to a power of two (docs/streaming.md §4: a 20.4 GiB arena would pin 32 GiB). Page alignment also keeps O_DIRECT
     reads possible later."""
 
     def __init__(self, nbytes: int, pinned: bool, reason: str, mapping: mmap.mmap):
@@ -117,7 +117,7 @@ class HostBuffer:
         return mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
 
     def close(self) -> None:
-        """Unpin (before the memory can be unmapped, CUDA.md §4) and drop our references; the mapping is
+        """Unpin (before the memory can be unmapped, docs/streaming.md §4) and drop our references; the mapping is
         unmapped when the last tensor viewing it dies."""
         if self._unpin is not None:
             unpin, self._unpin = self._unpin, None
@@ -326,7 +326,7 @@ class CpuBackend:
 
 class CudaEvent:
     """torch.cuda.Event behind the backend interface; every record/wait names its stream explicitly
-    (CUDA.md common bug #1: an omitted stream means the *calling thread's* current stream)."""
+    (docs/streaming.md, review #1: an omitted stream means the *calling thread's* current stream)."""
 
     def __init__(self, timing: bool):
         self._event = torch.cuda.Event(enable_timing=timing)
@@ -351,7 +351,7 @@ class CudaBackend:
     """Copies on a side stream made here, compute on whatever stream the consumer runs on.
 
     Any thread may issue copies: copy_async enters `torch.cuda.stream(copy_s)` on the calling thread itself
-    (the current stream is per thread, CUDA.md common bug #10)."""
+    (the current stream is per thread, docs/streaming.md, review #10)."""
 
     def __init__(self, device: torch.device):
         if device.type != "cuda":
@@ -363,12 +363,12 @@ class CudaBackend:
         return torch.cuda.current_stream(self.device)             # comp_s, as seen from the calling thread
 
     def new_event(self, timing: bool = False) -> CudaEvent:
-        return CudaEvent(timing)   # synchronization events stay timing-free (CUDA.md §6)
+        return CudaEvent(timing)   # synchronization events stay timing-free (docs/streaming.md §6)
 
     def copy_async(self, dst: torch.Tensor, src: torch.Tensor, *, src_pinned: bool) -> None:
         """dst (device, uint8) <- src (host, uint8) on copy_s.
 
-        src_pinned=True: an async DMA; the source must really be pinned (CUDA.md §2: from pageable memory
+        src_pinned=True: an async DMA; the source must really be pinned (docs/streaming.md §2: from pageable memory
         the "async" copy is synchronous or driver-staged). src_pinned=False (the reported pageable fallback):
         a blocking copy on the issuing thread, still ordered on copy_s after its waits."""
         check_copy(dst, src)
@@ -391,7 +391,7 @@ class CudaBackend:
 
     def host_buffer(self, nbytes: int, host_budget: Optional[int] = None,
                     chunk_bytes: Optional[int] = None) -> HostBuffer:
-        """Exactly-sized pinned memory: anonymous mmap + torch.frombuffer + cudaHostRegister (CUDA.md §4,
+        """Exactly-sized pinned memory: anonymous mmap + torch.frombuffer + cudaHostRegister (docs/streaming.md §4,
         pytorch#32167); pageable, with the reason, when over host_budget or when registration fails.
 
         chunk_bytes: register in pieces of this size (one piece when None), since one huge registration

@@ -222,7 +222,7 @@ def offspec_cell(models: Models, regime: str, requests: list[GenerationRequest],
     gc.collect()      # the previous cells' engines (reference cycles): the memory plan measures what is free
     device, dtype = args.device, parse_dtype(args.dtype)
     offload = offload_of(regime, device, layer_nbytes(models.target.config, dtype), store_dir, args.disk_io)
-    runtime = RuntimeConfig(device=device, dtype=dtype, draft_quant=auto_draft_quant(device.type))
+    runtime = RuntimeConfig(device=device, dtype=dtype, draft_quant=auto_draft_quant(device.type, dtype))
     if plain:
         requests = [dataclasses.replace(r, tree=TreeConfig(policy="none")) for r in requests]
     longest = max(len(r.prompt_ids) for r in requests) + args.new_tokens

@@ -9,7 +9,7 @@ times Model.forward of the resident demo draft (0.5B) over R rows after a --cont
 cache, R in --rows, median of --calls calls:
 
   bf16            the draft as loaded
-  int8            the same draft with the int8 copy (rows <= quant.FUSED_MAX_ROWS read it)
+  int8            the same draft with the int8 copy (a sequence of <= quant.FUSED_MAX_ROWS rows reads it)
   int8-held       the draft's layer matrices held only as per-row int8 (narrow calls read it, wider ones
                   dequantize each matrix first)
   nf4             the draft's layer matrices held only as bitsandbytes nf4 (every call dequantizes each matrix)
@@ -40,6 +40,7 @@ from offspec.demo import ensure_demo_models  # noqa: E402
 from offspec.draft import load_resident  # noqa: E402
 from offspec.kv_cache import KVCache  # noqa: E402
 from offspec.load import load_target, parse_dtype  # noqa: E402
+from offspec.model import RowSpan  # noqa: E402
 from offspec.plan import ModelSpec, draft_weights_nbytes, int8_copy_nbytes  # noqa: E402
 from offspec.transfer import CpuBackend  # noqa: E402
 
@@ -47,19 +48,30 @@ SECTION = "bench_draft"
 CPU = torch.device("cpu")
 
 
-def time_calls(model, rows: int, context: int, calls: int) -> float:
-    """Median seconds of one draft forward over `rows` new tokens after `context` cached ones."""
-    cache = KVCache.for_model(model.cfg, context + rows, model.dtype, CPU)
-    cache.set_length(context)
+def time_calls(model, rows: int, context: int, calls: int, sequences: int = 1) -> float:
+    """Median seconds of one draft forward over `rows` new tokens after `context` cached ones, the rows split
+    evenly among `sequences` sequences (each its own cache row, as prompts in flight share a growth call)."""
+    cache = KVCache.for_model(model.cfg, context + rows, model.dtype, CPU, batch=sequences)
     tokens = torch.randint(0, model.cfg.vocab_size, (rows,), generator=torch.Generator().manual_seed(rows))
-    positions = torch.arange(context, context + rows)                                     # (R,)
-    mask = torch.ones(rows, context + rows, dtype=torch.bool)                              # (R, S)
+    positions = torch.cat([torch.arange(context, context + width) for width in widths(rows, sequences)])    # (R,)
+    spans, start = [], 0
+    for row, width in enumerate(widths(rows, sequences)):
+        cache.set_length(context, row)
+        slots = torch.arange(context, context + width)                                     # (w,)
+        spans.append(RowSpan(start, start + width, row, slots, torch.ones(width, context + width, dtype=torch.bool)))
+        start += width
     times = []
     for _ in range(calls + 1):                 # the first call warms up
         start = time.perf_counter()
-        model.forward_one(tokens, positions, positions, mask, cache)
+        model.forward(tokens, positions, spans, cache)
         times.append(time.perf_counter() - start)
     return statistics.median(times[1:])
+
+
+def widths(rows: int, sequences: int) -> list[int]:
+    """`rows` split among `sequences` as evenly as whole rows allow (the first ones get the remainder)."""
+    base, extra = divmod(rows, sequences)
+    return [w for w in (base + (i < extra) for i in range(sequences)) if w > 0]
 
 
 @contextlib.contextmanager
@@ -84,6 +96,9 @@ def main() -> int:
     p.add_argument("--rows", default="1,2,4,8,16,32,64", help="tree nodes per call (comma-separated)")
     p.add_argument("--context", type=int, default=300, help="tokens already in the draft's KV cache")
     p.add_argument("--calls", type=int, default=9, help="timed calls per cell (median)")
+    p.add_argument("--sequences", type=int, default=1,
+                   help="split each call's rows among this many sequences (prompts in flight sharing the call): "
+                        "with the int8 copy, each sequence of at most quant.FUSED_MAX_ROWS rows reads it")
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--no-streamer", dest="streamer", action="store_false",
                    help="skip the settings with a live target streamer (they load the 1.5B target)")
@@ -110,7 +125,7 @@ def main() -> int:
     for label, quant, torch_copy in settings:
         streamer = live_streamer(target_dir, dtype, torch_copy) if torch_copy is not None else contextlib.nullcontext()
         with streamer:
-            results[label] = [time_calls(drafts[quant], r, args.context, args.calls) for r in rows]
+            results[label] = [time_calls(drafts[quant], r, args.context, args.calls, args.sequences) for r in rows]
         print(f"{label:28s} " + "  ".join(f"{r}:{t:.3f}" for r, t in zip(rows, results[label])), file=sys.stderr)
 
     spec = ModelSpec.of(Checkpoint(draft_dir, headers_only=True))
@@ -125,7 +140,9 @@ def main() -> int:
             "## One draft call, by rows (`scripts/bench_draft.py`)", "",
             _common.run_header(CPU, started, load_at_start), "",
             f"Seconds per call of the demo draft (Qwen2.5-Coder-0.5B, {args.dtype}), median of {args.calls}, "
-            f"after {args.context} cached tokens. A tree round makes one such call per depth.", "",
+            f"after {args.context} cached tokens"
+            + (f", each call's rows split among {args.sequences} sequences" if args.sequences > 1 else "")
+            + ". A tree round makes one such call per depth.", "",
             _common.markdown_table(headers, table_rows)])
         _common.write_doc_section(SECTION, body)
     return 0

@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""The first-GPU checklist (CUDA.md, "On the first real GPU") in one command: about 7 minutes on one GPU
+"""The first-GPU checklist (docs/streaming.md §8) in one command: about 7 minutes on one GPU
 (3 with --quick), then docs/gpu_check.json and docs/gpu_check.md say what passed and what was measured.
 
 Sections, in order; each records its own failure (with the error) and the check goes on:

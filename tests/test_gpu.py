@@ -1,4 +1,4 @@
-"""The CUDA path on a real GPU (CUDA.md "On the first real GPU"); every test here is skipped without CUDA.
+"""The CUDA path on a real GPU (docs/streaming.md §8); every test here is skipped without CUDA.
 
   ring tearing   the CPU protocol tests of test_offload.py, on CUDA streams: layer L holds the value L+1 in
                  every byte; the consumer's "kernel" sleeps on the compute stream (torch.cuda._sleep) before
@@ -240,7 +240,7 @@ def test_cuda_ring_harness_catches_a_refill_posted_before_free_is_recorded():
 
 
 def test_cuda_ring_harness_catches_per_pass_slot_mapping():
-    """slot = layer % n_slots breaks at the pass boundary when 29 % 3 != 0 (CUDA.md common bug #3)."""
+    """slot = layer % n_slots breaks at the pass boundary when 29 % 3 != 0 (docs/streaming.md, review #3)."""
     assert ring_protocol("compute-bound", 3, streamer_cls=PerPassSlots) != [], "per-pass slots not detected"
 
 

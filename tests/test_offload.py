@@ -1,4 +1,4 @@
-"""Layer streaming on CPU: the ring protocol (CUDA.md §8), streamed == resident bitwise, the disk store's
+"""Layer streaming on CPU: the ring protocol (docs/streaming.md §8), streamed == resident bitwise, the disk store's
 validation and crash safety, bounded host memory in disk mode, and the device budget."""
 import json
 import os
@@ -37,7 +37,7 @@ def filled_layers(cfg, dtype=torch.uint8):
     return lambda i: {name: torch.full(shape, i + 1, dtype=dtype) for name, shape in layer_shapes(cfg).items()}
 
 
-# ---------------------------------------------------------------- the ring protocol (CUDA.md §8)
+# ---------------------------------------------------------------- the ring protocol (docs/streaming.md §8)
 
 # Seconds a copy sleeps between its halves, and a kernel between its two reads. Each regime exposes one
 # hazard: when copies are slow, compute catches up with the copy queue (a missing RAW wait reads a
@@ -185,7 +185,7 @@ def test_ring_protocol_synchronous_compute():
     assert run_protocol(store, backend, 2, 3, kernel_sleep=(0.0, 0.0005)) == []
 
 
-# The same harness must fail on each bug CUDA.md says it catches: proof that the tests above can fail.
+# The same harness must fail on each bug docs/streaming.md §8 says it catches: proof that the tests above can fail.
 
 def test_protocol_test_catches_a_missing_war_wait():
     assert arena_protocol("compute-bound", 2, backend_cls=NoWarBackend) != []
@@ -204,7 +204,7 @@ def test_protocol_test_catches_free_recorded_before_the_reader():
 
 
 def test_protocol_test_catches_per_pass_slot_mapping():
-    """slot = layer % n_slots breaks at the pass boundary when 7 % n_slots != 0 (CUDA.md common bug #3)."""
+    """slot = layer % n_slots breaks at the pass boundary when 7 % n_slots != 0 (docs/streaming.md, review #3)."""
     assert arena_protocol("compute-bound", 2, streamer_cls=PerPassSlots) != []
 
 

@@ -1,4 +1,4 @@
-"""The CPU transfer backend keeps CUDA's event semantics (CUDA.md §8), and its failures surface."""
+"""The CPU transfer backend keeps CUDA's event semantics (docs/streaming.md §8), and its failures surface."""
 import subprocess
 import sys
 import threading

@@ -26,7 +26,7 @@ from .quant import FUSED_MAX_ROWS
 
 POLICIES = ["dyspec", "heap", "chain", "static", "none"]
 TARGET_QUANT_CHOICES = ["none", "int8", "nf4"]   # quant.TARGET_QUANTS (not imported here: keeps --help fast)
-RESIDENT_QUANT_CHOICES = ["auto", "on", "off"]   # offload.RESIDENT_QUANTS
+RESIDENT_QUANT_CHOICES = ["auto", "on", "off"]   # plan.RESIDENT_QUANTS
 DRAFT_QUANT_CHOICES = ["auto", "none", "int8", "int8-held", "nf4"]   # auto + quant.QUANT_MODES
 
 
@@ -190,7 +190,7 @@ def build_configs(o: dict, check_device: bool = True):
                             target_quant=o["target_quant"], resident_quant=o["resident_quant"])
     check_target_quant(runtime.target_quant, device, runtime.dtype)   # before any model is read
     check_draft_quant(runtime.draft_quant, device, runtime.dtype)
-    from .offload import check_resident_quant
+    from .plan import check_resident_quant
     check_resident_quant(runtime.resident_quant, quantized=runtime.target_quant != "none")
     if o["n_slots"] < (1 if o["no_overlap"] else 2):
         raise InputError("--slots must be at least 2 (1 only with --no-overlap)")
@@ -864,7 +864,7 @@ def models_prepare(model_dir, dtype, target_quant, store_dir):
     from .load import parse_dtype, store_dir_for
     import torch
 
-    from .offload import prepare_disk_store
+    from .stores import prepare_disk_store
     from .quant import check_target_quant, target_layout
 
     ckpt = Checkpoint(resolve_model(model_dir))

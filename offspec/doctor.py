@@ -187,7 +187,7 @@ def drive(store_dir: Optional[str], target_dir: Optional[str], quick: bool) -> d
     (DiskStore: O_DIRECT where allowed, several reads in flight) when it exists; else a temporary file written
     there and read back front to back, buffered and with O_DIRECT."""
     from .demo import offspec_home
-    from .offload import drop_page_cache, sequential_read
+    from .stores import drop_page_cache, sequential_read
     folder = Path(store_dir) if store_dir else offspec_home() / "stores"
     folder.mkdir(parents=True, exist_ok=True)
     out: dict = {"folder": str(folder)}
@@ -226,7 +226,7 @@ def _target_store(target_dir: str):
     from .checkpoint import Checkpoint
     from .demo import offspec_home
     from .load import store_dir_for
-    from .offload import disk_store_exists
+    from .stores import disk_store_exists
     ckpt = Checkpoint(target_dir, headers_only=True)
     if ckpt.incomplete:
         return None
@@ -238,7 +238,7 @@ def _read_store(folder: str, ckpt) -> dict:
     """The target's store read cold, every layer, as the streamer reads it: once with O_DIRECT (where the
     filesystem allows it) and once buffered with each range dropped behind (--disk-io direct / buffered)."""
     from .layout import LayerLayout
-    from .offload import LAYERS_BIN, DiskStore, drop_page_cache
+    from .stores import LAYERS_BIN, DiskStore, drop_page_cache
     layout = LayerLayout.of(ckpt.config, torch.bfloat16)
     out = {"store": folder, "note": "the target's packed store, read cold as the streamer reads it"}
     for name, direct in (("direct", True), ("buffered", False)):

@@ -6,12 +6,25 @@ memory plan all speak these types, and this module imports none of them.
 from __future__ import annotations
 
 import math
+import mmap
 from dataclasses import dataclass
 from typing import Optional
 
 import torch
 
 from .config import ModelConfig
+
+PAGE_BYTES = mmap.PAGESIZE   # host page size: mappings start on it, pinned pieces must too
+
+
+def format_bytes(n: float) -> str:
+    """Bytes for people, in decimal units as memory and GPUs are sold and as --gpu-budget 24GB reads them:
+    1.5e9 -> '1.50 GB', 3e8 -> '300 MB'."""
+    if abs(n) >= 1e9:
+        return f"{n / 1e9:.2f} GB"
+    if abs(n) >= 1e6:
+        return f"{n / 1e6:.0f} MB"
+    return f"{n / 1e3:.0f} kB"
 
 
 @dataclass
@@ -49,6 +62,8 @@ def layer_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
 
 
 TENSOR_ALIGN = 256  # bytes; every tensor inside a packed layer starts on this boundary (CUDA likes ≥256)
+BLOCK_ALIGN = 4096  # bytes; a layer block in the disk store starts and ends on this boundary (page cache, O_DIRECT)
+N_STAGING = 2       # pinned staging buffers a disk store reads into: one being read while the other is copied out
 
 
 @dataclass(frozen=True)

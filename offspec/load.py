@@ -5,28 +5,37 @@ streamed), optional draft, shared tokenizer.
           .plan(offload, runtime, limits)  the memory plan (plan.py): where everything will live, or one line
           .load(offload, runtime, limits)  allocate and load exactly what the plan counted -> Loaded(engine)
     load_engine(...)                       the three in one call
+    open_target_layers(...)                the target's decoder layers as a Placement says: resident layers
+                                           and/or a ring (ring.py) over a host arena or disk store (stores.py)
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Optional
+from typing import Iterator, Optional, Union
 
 import torch
+from tqdm import tqdm
 
 from .checkpoint import Checkpoint, load_tokenizer
-from .config import OffloadConfig, RunLimits, RuntimeConfig
+from .config import ModelConfig, OffloadConfig, RunLimits, RuntimeConfig
 from .draft import load_resident
 from .errors import InputError
 from .generate import Engine
 from .hub import resolve_model
-from .model import Model
-from .plan import Machine, MemoryPlan, ModelSpec, Placement, make_plan
+from .layout import LayerWeights
+from .model import Model, ResidentLayers
+from .plan import Machine, MemoryPlan, ModelSpec, Placement, choose_placement, make_plan, ring_slot_nbytes
 from .prompt import stop_token_ids
-from .quant import check_draft_quant
+from .quant import QuantizedResident, check_draft_quant, check_target_quant, dequantized, target_layout
+from .ring import LayerStreamer, StreamStats
+from .stores import (BlockLayout, DiskStore, HostArenaStore, LayerTensorsFn, StoreInfo, WeightStore, _pack_layer,
+                     disk_store_exists, prepare_disk_store)
+from .transfer import make_backend
 from .vocab import check_rows_cover_tokenizer, check_same_tokenizer, token_id_count
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
@@ -68,7 +77,6 @@ def load_target(ckpt: Checkpoint, offload: OffloadConfig, runtime: RuntimeConfig
     if everything_resident and runtime.target_quant == "none":
         return load_resident(ckpt, runtime.device, runtime.dtype)
     from .demo import offspec_home
-    from .offload import open_target_layers
 
     globals_ = ckpt.global_weights(runtime.device, runtime.dtype)
     quant = runtime.target_quant
@@ -164,3 +172,129 @@ def load_engine(target_dir: str | Path, draft_dir: Optional[str | Path], offload
                 machine: Optional[Machine] = None) -> Loaded:
     """target_dir / draft_dir: a model folder, or a hub id such as Qwen/Qwen2.5-7B-Instruct (hub.resolve_model)."""
     return Models.open(target_dir, draft_dir).load(offload, runtime, limits, progress, machine)
+
+
+# ---------------------------------------------------------------- the target's layers, as placed
+
+@dataclass
+class TargetLayers:
+    """What open_target_layers returns: a LayerSource (hand it to Model as its layers) that also says what
+    was decided, reports streaming stats and stops the streamer's threads on close()."""
+    source: Union[ResidentLayers, LayerStreamer]   # the layers themselves
+    placement: Placement                           # resident layers and ring size
+    host: Optional[StoreInfo]                      # where the streamed layers live; None when nothing streams
+
+    def pass_layers(self) -> Iterator[tuple[int, LayerWeights]]:
+        return self.source.pass_layers()
+
+    def stats(self) -> Optional[StreamStats]:
+        return self.source.stats() if isinstance(self.source, LayerStreamer) else None
+
+    def close(self) -> None:
+        if isinstance(self.source, LayerStreamer):
+            self.source.close()
+
+    def __enter__(self) -> "TargetLayers":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _resident_layer(block: torch.Tensor, layout: BlockLayout, device: torch.device,
+                    scratch: Optional[torch.Tensor] = None) -> Union[LayerWeights, QuantizedResident]:
+    """A host block of `layout` -> the layer on the device for good: dense (a quantized block is copied,
+    dequantized there, and dropped), or with a scratch ((dense nbytes,) uint8 on the device) the quantized
+    block itself, held, dequantized into the scratch every pass."""
+    on_device = torch.empty(layout.nbytes, dtype=torch.uint8, device=device)   # (nbytes,)
+    on_device.copy_(block)
+    if scratch is not None:
+        return QuantizedResident(layout, on_device, scratch)
+    return dequantized(layout, on_device)[1]
+
+
+def open_target_layers(layer_tensors_fn: LayerTensorsFn, cfg: ModelConfig, offload: OffloadConfig,
+                       device: torch.device, dtype: torch.dtype, store_dir: Optional[str] = None,
+                       progress: bool = True, *, source_id: str = "",
+                       placement: Optional[Placement] = None, quant: str = "none",
+                       resident_quant: str = "auto") -> TargetLayers:
+    """The target's decoder layers, placed as `offload` says.
+
+    layer_tensors_fn(i) gives layer i's tensors keyed by LayerWeights field names, any dtype (cast to
+    `dtype` when packed). mode "none": all resident. "cpu": streamed layers packed into a host arena.
+    "disk": a packed store at store_dir (or offload.store_dir), built once with a progress bar when
+    missing; source_id (e.g. Checkpoint.fingerprint()) is recorded in it, and a store built from other
+    weights is refused. The result is a LayerSource; close it (or use it as a context manager) to stop
+    the streamer's threads.
+
+    quant "int8" | "nf4": every layer is quantized once, into the packed store at store_dir (whatever the
+    mode: quantizing a 70B takes the better part of an hour on a few cores, reading it back seconds); the
+    arena and the ring hold quantized blocks, the ring's dense buffers the dequantized layer in `dtype`.
+    Resident layers are dense, or held as their quantized blocks and dequantized every pass into one shared
+    scratch layer (placement.resident_held; resident_quant decides it when no placement is given). A store
+    of another quantization is refused.
+
+    placement: which layers stay resident and how many slots stream the rest, as the memory plan decided
+    (plan.make_plan); None = offload.gpu_budget alone decides (no budget: nothing resident beyond the ring)."""
+    check_target_quant(quant, device, dtype)
+    layout = target_layout(cfg, dtype, quant)
+    if placement is None:
+        placement = choose_placement(cfg.n_layers, layout.dense.nbytes, offload, offload.gpu_budget,
+                                     slot_bytes=ring_slot_nbytes(layout),
+                                     held_bytes=None if quant == "none" else layout.nbytes,
+                                     resident_quant=resident_quant)
+    from_store = offload.mode == "disk" or quant != "none"
+    if not placement.streamed and not from_store:
+        layers = []
+        for i in tqdm(range(cfg.n_layers), desc="loading layers", unit="layer", disable=not progress):
+            block = torch.empty(layout.nbytes, dtype=torch.uint8, device=device)   # (nbytes,) one block per layer
+            _pack_layer(layer_tensors_fn, i, layout, block)
+            layers.append(layout.views(block))
+        return TargetLayers(ResidentLayers(layers), placement, host=None)
+
+    backend = make_backend(device)
+    with contextlib.ExitStack() as on_error:
+        on_error.callback(backend.close)
+        disk: Optional[DiskStore] = None
+        if from_store:
+            directory = store_dir or offload.store_dir
+            if directory is None:
+                raise InputError("disk offload and quantized targets need a store directory (store_dir)")
+            if not disk_store_exists(directory):
+                prepare_disk_store(layer_tensors_fn, cfg.n_layers, layout, directory, progress, source_id=source_id)
+            disk = DiskStore(directory, layout, cfg.n_layers, backend, source_id=source_id,
+                             drop_page_cache=offload.drop_page_cache, direct_io=offload.disk_io == "direct")
+            on_error.callback(disk.close)
+
+        def host_block(layer: int) -> torch.Tensor:
+            """Layer `layer`'s block on the host: read from the store, or packed from its tensors."""
+            if disk is not None:
+                return disk.read_layer(layer)
+            block = torch.empty(layout.nbytes, dtype=torch.uint8)
+            _pack_layer(layer_tensors_fn, layer, layout, block)
+            return block
+
+        # Held quantized resident layers share one scratch layer: the plan counted it once (scratch_nbytes).
+        scratch = (torch.empty(layout.dense.nbytes, dtype=torch.uint8, device=device)   # (dense nbytes,)
+                   if placement.resident_held else None)
+        resident = {i: _resident_layer(host_block(i), layout, device, scratch)
+                    for i in tqdm(placement.resident, desc="loading resident layers", unit="layer",
+                                  disable=not progress or not placement.resident)}
+        if not placement.streamed:
+            on_error.close()      # the store and the backend were only needed to read the layers
+            return TargetLayers(ResidentLayers([resident[i] for i in range(cfg.n_layers)]), placement, host=None)
+        store: WeightStore
+        if offload.mode == "cpu" and disk is not None:       # quantized: the arena is filled from the store
+            store = HostArenaStore.filled(lambda layer, block: block.copy_(disk.read_layer(layer)), layout,
+                                          placement.streamed, backend, offload.host_budget, progress)
+            on_error.callback(store.close)
+            disk.close()
+        elif offload.mode == "cpu":
+            store = HostArenaStore.build(layer_tensors_fn, layout, placement.streamed, backend,
+                                         offload.host_budget, progress)
+            on_error.callback(store.close)
+        else:
+            store = disk
+        streamer = LayerStreamer(store, backend, cfg.n_layers, resident, placement.n_slots, overlap=offload.overlap)
+        on_error.pop_all()
+    return TargetLayers(streamer, placement, store.info())

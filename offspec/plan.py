@@ -1,6 +1,9 @@
 """The memory plan: before anything is allocated, where every byte of a run will live, and whether it fits.
 
     make_plan(target, draft, offload, runtime, limits, machine) -> MemoryPlan   (or BudgetError: one line)
+    choose_placement(...) -> Placement   which target layers stay resident, how many ring slots stream the rest
+
+The plan is shape arithmetic: it imports no loading, store or streaming code (load.py carries a plan out).
 
 Inputs are shapes, never weights: ModelSpec comes from config.json and the safetensors headers, so a plan
 can be made for machines and models that are not here (`offspec models info --device-memory 24GB`).
@@ -23,21 +26,21 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from typing import Optional
+from typing import Optional, Union
 
 import psutil
 import torch
 
 from .config import AUTO_MAX_TREE_BUDGET, ModelConfig, OffloadConfig, RunLimits, RuntimeConfig
 from .errors import BudgetError, InputError
-from .layout import LayerLayout, layer_shapes, round_up
-from .offload import BLOCK_ALIGN, N_STAGING, Placement, choose_placement, ring_slot_nbytes
-from .quant import HELD_DRAFT_QUANTS, held_matrix_nbytes, target_layout
-from .transfer import PAGE_BYTES, format_bytes as fmt
+from .layout import BLOCK_ALIGN, N_STAGING, PAGE_BYTES, LayerLayout, layer_shapes, round_up
+from .layout import format_bytes as fmt
+from .quant import HELD_DRAFT_QUANTS, QuantizedLayout, held_matrix_nbytes, target_layout
 
 GB = 10**9
 GIB = 2**30
 MODES = ("none", "cpu", "disk")
+RESIDENT_QUANTS = ("auto", "on", "off")   # a quantized target's resident layers held quantized: where more fit | always | never
 MIN_AUTO_TREE_BUDGET = 16       # a short device lowers the auto maximum, halving, down to this
 PINNED_FRACTION = 0.8           # default pinned budget: this share of the host memory the run may use
 CUDA_RESERVE_MIN = 512 << 20    # allocator fragmentation, cuBLAS / attention workspaces, CUDA graphs: at least
@@ -219,6 +222,125 @@ def logits_nbytes(target: ModelConfig, draft: Optional[ModelConfig], dtype: torc
     drafting = rows * draft.vocab_size * (s + 8) if draft is not None else 0
     kept = rows * target.vocab_size * 4 if (sampling and draft is not None) else 0
     return max(verify, drafting) + kept
+
+
+# ---------------------------------------------------------------- placement: the target's layers
+@dataclass(frozen=True)
+class Placement:
+    """Which target layers stay on the compute device and how many ring slots the rest stream through."""
+    mode: str                   # "none" | "cpu" | "disk": where the streamed layers live
+    n_layers: int               # decoder layers of the target
+    layer_nbytes: int           # bytes of one packed (dense) layer, as a resident layer takes them
+    resident: tuple[int, ...]   # layers kept on the device for good (the first layers)
+    n_slots: int                # ring slots; 0 when nothing streams
+    slot_nbytes: Optional[int] = None   # bytes of one ring slot; None = layer_nbytes (a quantized layer's
+                                        # slot holds its block and the dense layer it dequantizes into)
+    held_nbytes: Optional[int] = None   # resident layers held quantized (--resident-quant): the bytes of one,
+                                        # its block; None = resident layers are dense (layer_nbytes each)
+
+    @property
+    def streamed(self) -> tuple[int, ...]:
+        return tuple(i for i in range(self.n_layers) if i not in self.resident)
+
+    @property
+    def ring_slot_nbytes(self) -> int:
+        return self.layer_nbytes if self.slot_nbytes is None else self.slot_nbytes
+
+    @property
+    def resident_held(self) -> bool:
+        """Resident layers are held quantized and dequantized into one scratch layer every pass."""
+        return self.held_nbytes is not None and bool(self.resident)
+
+    @property
+    def resident_nbytes(self) -> int:
+        """Device bytes of one resident layer: its quantized block when held so, else the dense layer."""
+        return self.held_nbytes if self.resident_held else self.layer_nbytes
+
+    @property
+    def scratch_nbytes(self) -> int:
+        """The dense layer that held quantized resident layers dequantize into, one for them all (else 0)."""
+        return self.layer_nbytes if self.resident_held else 0
+
+    @property
+    def device_bytes(self) -> int:
+        """Device memory the target's decoder layers take: resident layers (+ their scratch) + ring."""
+        return len(self.resident) * self.resident_nbytes + self.scratch_nbytes + self.n_slots * self.ring_slot_nbytes
+
+
+def place_layers(n_layers: int, layer_bytes: int, offload: OffloadConfig,
+                 layer_budget: Optional[int], slot_bytes: Optional[int] = None,
+                 held_bytes: Optional[int] = None) -> Placement:
+    """Spend `layer_budget` device bytes on the target's layers: the ring first (n_slots slots of slot_bytes,
+    default layer_bytes), then resident layers, first layers first. layer_budget None: nothing resident
+    beyond the ring (a CPU device, where cpu/disk offload should really stream).
+
+    held_bytes (a quantized target's block): resident layers are held quantized, held_bytes each, plus one
+    dense scratch layer (layer_bytes) they all dequantize into; e.g. a budget of 10 dense bf16 layers and a
+    2-slot nf4 ring (slots of 1.28 layers) holds 7 dense or (10 - 2.56 - 1) / 0.28 = 23 held nf4 layers."""
+    mode = offload.mode
+    if mode not in MODES:
+        raise InputError(f"unknown offload mode {mode!r} (expected one of {', '.join(MODES)})")
+    min_slots = 2 if offload.overlap else 1
+    if offload.n_slots < min_slots:
+        raise InputError(f"n_slots={offload.n_slots}: streaming needs at least 2 slots (1 only with overlap off)")
+    each, scratch = (layer_bytes, 0) if held_bytes is None else (held_bytes, layer_bytes)
+    all_layers = n_layers * each + scratch
+    slot = layer_bytes if slot_bytes is None else slot_bytes
+    everything = Placement(mode, n_layers, layer_bytes, resident=tuple(range(n_layers)), n_slots=0,
+                           held_nbytes=held_bytes)
+    if mode == "none":
+        if layer_budget is not None and layer_budget < all_layers:
+            held = "" if held_bytes is None else " held quantized, with their dequantization scratch"
+            raise BudgetError(f"{fmt(layer_budget)} for target layers cannot hold all {n_layers} layers{held} "
+                              f"({fmt(all_layers)}): use --offload cpu or disk")
+        return everything
+    if layer_budget is None:
+        return Placement(mode, n_layers, layer_bytes, resident=(), n_slots=offload.n_slots, slot_nbytes=slot_bytes)
+    if layer_budget >= all_layers:     # held quantized, every layer may fit in less than a ring would take
+        return everything
+    ring_min = min_slots * slot
+    if layer_budget < ring_min:
+        raise BudgetError(f"{fmt(layer_budget)} for target layers is too small to stream: it needs at least "
+                          f"{fmt(ring_min)} ({min_slots} slots × {fmt(slot)} per slot)")
+    n_slots = min(offload.n_slots, layer_budget // slot)
+    room = layer_budget - n_slots * slot - scratch       # the scratch is paid once, by the first held layer
+    n_resident = max(0, min(room // each, n_layers - n_slots))
+    return Placement(mode, n_layers, layer_bytes, resident=tuple(range(n_resident)), n_slots=n_slots,
+                     slot_nbytes=slot_bytes, held_nbytes=held_bytes if n_resident else None)
+
+
+def check_resident_quant(resident_quant: str, quantized: bool) -> None:
+    """One line for a --resident-quant that cannot be: unknown, or "on" for a target that is not quantized."""
+    if resident_quant not in RESIDENT_QUANTS:
+        raise InputError(f"unknown --resident-quant {resident_quant!r}; choose one of {', '.join(RESIDENT_QUANTS)}")
+    if resident_quant == "on" and not quantized:
+        raise InputError("--resident-quant on holds resident layers quantized: it needs --target-quant int8 or nf4")
+
+
+def choose_placement(n_layers: int, layer_bytes: int, offload: OffloadConfig, layer_budget: Optional[int],
+                     slot_bytes: Optional[int] = None, held_bytes: Optional[int] = None,
+                     resident_quant: str = "auto") -> Placement:
+    """place_layers, with a quantized target's resident layers dense or held quantized (held_bytes: its block;
+    None for a dense target) as resident_quant says: "on" held, "off" dense, "auto" held only where that keeps
+    MORE layers resident (a tie stays dense: a held layer costs a dequantization every pass, a dense one
+    nothing). A budget no placement fits raises the BudgetError of the held one."""
+    check_resident_quant(resident_quant, quantized=held_bytes is not None)
+    if held_bytes is None or resident_quant == "off":
+        return place_layers(n_layers, layer_bytes, offload, layer_budget, slot_bytes)
+    held = place_layers(n_layers, layer_bytes, offload, layer_budget, slot_bytes, held_bytes)
+    if resident_quant == "on":
+        return held
+    try:
+        dense = place_layers(n_layers, layer_bytes, offload, layer_budget, slot_bytes)
+    except BudgetError:
+        return held
+    return held if len(held.resident) > len(dense.resident) else dense
+
+
+def ring_slot_nbytes(layout: Union[LayerLayout, QuantizedLayout]) -> Optional[int]:
+    """Device bytes of one ring slot for this layout: None for a dense layer (the layer itself); a quantized
+    layer's block plus the dense layer it is dequantized into."""
+    return None if layout.quant == "none" else layout.nbytes + layout.dense.nbytes
 
 
 # ---------------------------------------------------------------- the plan

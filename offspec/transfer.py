@@ -30,18 +30,7 @@ import numpy as np
 import torch
 
 from .errors import OffspecError
-
-PAGE_BYTES = mmap.PAGESIZE   # host page size: mappings start on it, pinned pieces must too
-
-
-def format_bytes(n: float) -> str:
-    """Bytes for people, in decimal units as memory and GPUs are sold and as --gpu-budget 24GB reads them:
-    1.5e9 -> '1.50 GB', 3e8 -> '300 MB'."""
-    if abs(n) >= 1e9:
-        return f"{n / 1e9:.2f} GB"
-    if abs(n) >= 1e6:
-        return f"{n / 1e6:.0f} MB"
-    return f"{n / 1e3:.0f} kB"
+from .layout import PAGE_BYTES, format_bytes  # noqa: F401  (format_bytes: this module's callers use it from here)
 
 
 def raise_from_worker(err: BaseException, where: str) -> NoReturn:

@@ -68,7 +68,7 @@ from offspec.demo import ensure_demo_models  # noqa: E402
 from offspec.generate import GenerationRequest  # noqa: E402
 from offspec.load import Models, parse_dtype  # noqa: E402
 from offspec.metrics import JobReport, synchronize  # noqa: E402
-from offspec.offload import layer_nbytes  # noqa: E402
+from offspec.plan import layer_nbytes  # noqa: E402
 from offspec.prompt import encode_prompt  # noqa: E402
 from offspec.prompt_sets import load_prompt_set  # noqa: E402
 from offspec.quant import auto_draft_quant  # noqa: E402
@@ -260,7 +260,7 @@ def offspec_cell(models: Models, regime: str, requests: list[GenerationRequest],
 def peer_cell(target_dir, regime: str, prompt_ids: list[list[int]], B: int, args, offload_folder) -> dict:
     """transformers generate over left-padded batches of B prompts (greedy, exactly --new-tokens each)."""
     from bench_peers import HfSystems
-    from offspec.offload import drop_page_cache
+    from offspec.stores import drop_page_cache
     device = args.device
     hf = HfSystems(target_dir, None, parse_dtype(args.dtype), regime, offload_folder, cold=True, assist=None,
                    device=device)

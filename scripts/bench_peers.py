@@ -101,7 +101,7 @@ from offspec.errors import OffspecError  # noqa: E402
 from offspec.generate import GenerationRequest, run  # noqa: E402
 from offspec.load import parse_dtype  # noqa: E402
 from offspec.metrics import synchronize  # noqa: E402
-from offspec.offload import drop_page_cache  # noqa: E402
+from offspec.stores import drop_page_cache  # noqa: E402
 from offspec.prompt_sets import PROMPT_SETS, load_prompt_set  # noqa: E402
 
 SYSTEMS = ("hf-plain", "hf-assisted", "offspec-none", "offspec-tree", "offspec-tree-int8", "offspec-chain",
@@ -610,7 +610,7 @@ def resident_engine(default_engine, target_dir, dtype):
 def ring_bytes(target_dir, dtype, slots: int) -> int:
     """A --gpu-budget of the ring alone: `slots` of the target's layers, so on a GPU no layer stays resident."""
     from offspec.checkpoint import Checkpoint
-    from offspec.offload import layer_nbytes
+    from offspec.plan import layer_nbytes
 
     ckpt = Checkpoint(target_dir)
     try:

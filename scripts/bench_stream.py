@@ -70,8 +70,8 @@ from offspec.load import parse_device, parse_dtype, store_dir_for
 from offspec.metrics import Timer
 from offspec.layout import LayerLayout
 from offspec.model import Model
-from offspec.offload import (LAYERS_BIN, READS_IN_FLIGHT, DiskStore, HostArenaStore, TargetLayers,
-                             drop_page_cache, open_target_layers, sequential_read)
+from offspec.load import TargetLayers, open_target_layers
+from offspec.stores import LAYERS_BIN, READS_IN_FLIGHT, DiskStore, HostArenaStore, drop_page_cache, sequential_read
 from offspec.transfer import format_bytes, make_backend
 
 SECTION = "bench_stream"

@@ -75,7 +75,8 @@ from offspec.kv_cache import KVCache  # noqa: E402
 from offspec.layout import GlobalWeights, layer_shapes  # noqa: E402
 from offspec.metrics import Timer  # noqa: E402
 from offspec.model import Model  # noqa: E402
-from offspec.offload import layer_nbytes, open_target_layers  # noqa: E402
+from offspec.load import open_target_layers  # noqa: E402
+from offspec.plan import layer_nbytes  # noqa: E402
 
 DEFAULT_OUT = REPO / "docs" / "gpu_check.json"
 # In this order; doctor comes after demo, so its advice covers the demo target that the demo section prepared.

@@ -371,13 +371,13 @@ def test_models_prepare_then_disk_generate_and_corrupt_stores(m, tmp_path):
 def test_os_error_on_the_loader_thread_is_one_line(m, tmp_path, monkeypatch):
     """An I/O error while streaming arrives wrapped from the loader thread; the CLI still prints one line."""
     import errno
-    import offspec.offload
+    import offspec.stores
 
     def failing_read(self, layer, out, offset, gate):   # a DiskStore reader thread's read of one piece
         raise OSError(errno.EIO, "Input/output error", "layers.bin")
     disk = ["--device", "cpu", "--dtype", "float32", "--offload", "disk", "--store-dir", tmp_path / "store"]
     ok(cli("models", "prepare", m.target, "--dtype", "float32", "--store-dir", tmp_path / "store"))
-    monkeypatch.setattr(offspec.offload.DiskStore, "_read_piece", failing_read)
+    monkeypatch.setattr(offspec.stores.DiskStore, "_read_piece", failing_read)
     assert_clean_error(cli("generate", *m.models, *disk, PROMPT), "Input/output error: layers.bin")
 
 

@@ -218,16 +218,16 @@ def test_workers_on_one_node_build_a_disk_store_once(m, tmp_path, monkeypatch):
     and the second open it (without the lock both would see no store and write the same files)."""
     import threading
 
-    import offspec.offload
+    import offspec.load
     from offspec.cluster import BatchWorker
 
-    builds, real_prepare = [], offspec.offload.prepare_disk_store
+    builds, real_prepare = [], offspec.load.prepare_disk_store
 
     def counted_prepare(*args, **kwargs):
         builds.append(threading.current_thread().name)
         time.sleep(0.5)                          # a build long enough for the other worker to arrive meanwhile
         return real_prepare(*args, **kwargs)
-    monkeypatch.setattr(offspec.offload, "prepare_disk_store", counted_prepare)
+    monkeypatch.setattr(offspec.load, "prepare_disk_store", counted_prepare)
     monkeypatch.setenv("OFFSPEC_HOME", str(tmp_path / "home"))
     spec = WorkerSpec(target=str(m.target), draft=None, demo=False,
                       offload=OffloadConfig(mode="disk", store_dir=str(tmp_path / "store")), runtime=RUNTIME,

@@ -11,7 +11,9 @@ import torch
 from offspec.errors import StoreError
 from offspec.layout import LayerLayout, layer_shapes
 from offspec.transfer import format_bytes
-from offspec.offload import BLOCK_ALIGN, LAYERS_BIN, DiskStore, LayerStreamer, prepare_disk_store
+from offspec.layout import BLOCK_ALIGN
+from offspec.ring import LayerStreamer
+from offspec.stores import LAYERS_BIN, DiskStore, prepare_disk_store
 from offspec.transfer import CpuBackend, HostBuffer
 from test_offload import N_LAYERS, REGIMES, TINY, TearingBackend, filled_layers, random_layers, run_protocol
 

@@ -26,7 +26,10 @@ from offspec.config import ModelConfig, OffloadConfig
 from offspec.kv_cache import KVCache
 from offspec.layout import GlobalWeights, LayerLayout, layer_shapes
 from offspec.model import Model, ResidentLayers
-from offspec.offload import HostArenaStore, LayerStreamer, layer_nbytes, open_target_layers
+from offspec.load import open_target_layers
+from offspec.plan import layer_nbytes
+from offspec.ring import LayerStreamer
+from offspec.stores import HostArenaStore
 from offspec.transfer import PAGE_BYTES, CudaBackend, CudaEvent, check_copy
 
 import test_offload

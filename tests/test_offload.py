@@ -15,9 +15,12 @@ from offspec.errors import BudgetError, InputError, StoreError
 from offspec.kv_cache import KVCache
 from offspec.layout import GlobalWeights, LayerLayout, layer_shapes
 from offspec.model import Model, ResidentLayers
-from offspec.offload import (BLOCK_ALIGN, LAYERS_BIN, MANIFEST, DiskStore, HostArenaStore, LayerStreamer,
-                             disk_store_exists, layer_nbytes, open_target_layers, place_layers,
-                             prepare_disk_store, store_fingerprint)
+from offspec.layout import BLOCK_ALIGN
+from offspec.load import open_target_layers
+from offspec.plan import layer_nbytes, place_layers
+from offspec.ring import LayerStreamer
+from offspec.stores import (LAYERS_BIN, MANIFEST, DiskStore, HostArenaStore, disk_store_exists, prepare_disk_store,
+                            store_fingerprint)
 from offspec.transfer import PAGE_BYTES, CpuBackend, CpuEvent
 
 CPU = torch.device("cpu")
@@ -296,10 +299,10 @@ def test_abandoned_pass_is_finished_before_the_next(tmp_path):
 
 def test_arena_pins_in_whole_layer_pieces(monkeypatch):
     """No layer may straddle two pinned registrations, and every piece starts on a page."""
-    import offspec.offload as offload
+    import offspec.stores as stores
     layout = LayerLayout.of(TINY, torch.float32)
     stride = -(-layout.nbytes // PAGE_BYTES) * PAGE_BYTES
-    monkeypatch.setattr(offload, "PIN_CHUNK_BYTES", 3 * stride + 1)
+    monkeypatch.setattr(stores, "PIN_CHUNK_BYTES", 3 * stride + 1)
     asked = {}
 
     class Recording(CpuBackend):
@@ -529,7 +532,7 @@ RSS_SCRIPT = r"""
 import json, sys
 import psutil, torch
 from offspec.config import ModelConfig, OffloadConfig
-from offspec.offload import open_target_layers
+from offspec.load import open_target_layers
 cfg = ModelConfig(**json.loads(sys.argv[2]))
 def no_checkpoint(i):
     raise AssertionError("the store should exist already")

@@ -296,7 +296,7 @@ def test_resident_quant_auto_keeps_dense_layers_when_they_all_fit(specs):
 
 def test_resident_quant_on_needs_a_quantized_target():
     from offspec.errors import InputError
-    from offspec.offload import choose_placement
+    from offspec.plan import choose_placement
     with pytest.raises(InputError, match="needs --target-quant int8 or nf4"):
         choose_placement(4, 1000, OffloadConfig(mode="cpu"), None, resident_quant="on")
     with pytest.raises(InputError, match="unknown --resident-quant 'yes'"):

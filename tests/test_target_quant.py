@@ -16,7 +16,7 @@ from offspec.generate import GenerationRequest, run
 from offspec.kv_cache import KVCache
 from offspec.layout import LayerLayout, layer_shapes
 from offspec.load import load_engine, store_dir_for
-from offspec.offload import MANIFEST, DiskStore, prepare_disk_store
+from offspec.stores import MANIFEST, DiskStore, prepare_disk_store
 from offspec.quant import NF4_BLOCK, QuantizedLayout, dequantized
 from offspec.transfer import CpuBackend
 from tiny import hf_config, make_model, make_tokenizer, perturbed_copy, save_agreeing_pair, save_checkpoint
@@ -156,7 +156,7 @@ def test_held_resident_layers_equal_streamed_and_dequantized_resident_bitwise(pa
     # arithmetic: tests/test_plan.py); the loader obeys the placement it is given.
     from offspec.checkpoint import Checkpoint
     from offspec.load import load_target
-    from offspec.offload import Placement
+    from offspec.plan import Placement
     dense_layer = LayerLayout.of(held.target.cfg, torch.float32).nbytes
     block = QuantizedLayout.of(held.target.cfg, torch.float32, quant).nbytes
     placement = Placement("disk", 5, dense_layer, resident=(0, 1), n_slots=2, slot_nbytes=block + dense_layer,
@@ -296,10 +296,10 @@ def test_a_store_of_another_quantization_is_refused(tmp_path, built, asked):
 
 
 def test_the_quantized_store_is_built_once(pair, monkeypatch):
-    from offspec import offload
+    from offspec import load
     builds = []
-    real = offload.prepare_disk_store
-    monkeypatch.setattr(offload, "prepare_disk_store", lambda *a, **k: builds.append(1) or real(*a, **k))
+    real = load.prepare_disk_store
+    monkeypatch.setattr(load, "prepare_disk_store", lambda *a, **k: builds.append(1) or real(*a, **k))
     for _ in range(2):
         engine(pair, "nf4", draft=False)
     assert len(builds) == 1
@@ -442,7 +442,7 @@ def layers_and_their_dequantization(cfg, quant, device):
 def test_cuda_streamed_quantized_equals_resident_quantized(tmp_path, quant, mode):
     """On CUDA: bitsandbytes' dequantization into the slot runs on the copy stream (dequantize_4bit.out / in-place
     int8), with no hidden synchronization in a pass, and gives the resident quantized layers bit for bit."""
-    from offspec.offload import open_target_layers
+    from offspec.load import open_target_layers
     cfg = replace(CFG, n_layers=7)
     device = torch.device("cuda")
     weights, _, expected = layers_and_their_dequantization(cfg, quant, device)
@@ -555,7 +555,8 @@ def test_cuda_held_resident_layers_equal_dequantized_resident(tmp_path, quant):
     """On CUDA: resident layers held quantized, dequantized into the shared scratch on the compute stream
     (beside the ring's copies on the copy stream), with no hidden synchronization in a pass, give the
     dequantized layers bit for bit; every pass dequantizes again."""
-    from offspec.offload import Placement, open_target_layers
+    from offspec.load import open_target_layers
+    from offspec.plan import Placement
     from offspec.quant import QuantizedResident
     cfg = replace(CFG, n_layers=7)
     device = torch.device("cuda")

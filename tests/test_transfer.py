@@ -184,7 +184,7 @@ def boom(*a, **k):
 torch.cuda._lazy_init = boom
 torch.cuda.Stream = boom
 torch.cuda.Event = boom
-import offspec.offload, offspec.transfer
+import offspec.load, offspec.ring, offspec.stores, offspec.transfer
 from offspec.transfer import make_backend
 b = make_backend(torch.device("cpu"))
 e = b.new_event(); e.record(b.copy_queue); e.synchronize()

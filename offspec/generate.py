@@ -606,29 +606,33 @@ def run(engine: Engine, request: GenerationRequest, *, load_seconds: float = 0.0
     from .prompt import IncrementalText
 
     text_stream = IncrementalText(engine.tokenizer, request.stop_strings)
-    steps, generated = [], []
+    steps, generated, streamed = [], [], []
     for step in engine.generate(request):
         steps.append(step)
         generated += step.tokens
         if on_text is not None:
             delta = text_stream.delta(generated, final=step.finish_reason is not None)
             if delta:
+                streamed.append(delta)
                 on_text(delta)
         if on_step is not None:
             on_step(step)
-    return report_of(engine, request, steps, load_seconds=load_seconds, offload=offload), steps
+    text = "".join(streamed) if on_text is not None else None      # the deltas add up to the text
+    return report_of(engine, request, steps, load_seconds=load_seconds, offload=offload, text=text), steps
 
 
 def report_of(engine: Engine, request: GenerationRequest, steps: list[Step], *, load_seconds: float = 0.0,
-              offload: Optional[str] = None):
-    """The RunReport of one request from its Steps (run() for one request, `offspec batch` for each of many)."""
+              offload: Optional[str] = None, text: Optional[str] = None):
+    """The RunReport of one request from its Steps (run() for one request, `offspec batch` for each of many).
+    text: the output text when the caller has it already (streamed); else it is decoded from the steps."""
     from .metrics import build_report
     from .prompt import IncrementalText
 
     tokens = [t for s in steps for t in s.tokens]
     speculative = engine.speculative(request)
     return build_report(
-        steps, prompt_tokens=len(request.prompt_ids), text=IncrementalText(engine.tokenizer, request.stop_strings).text(tokens),
+        steps, prompt_tokens=len(request.prompt_ids),
+        text=text if text is not None else IncrementalText(engine.tokenizer, request.stop_strings).text(tokens),
         load_seconds=load_seconds, tree_policy=request.tree.policy if speculative else "none",
         tree_budget=request.tree.budget if speculative else 0,
         offload=offload or (engine.plan.mode if engine.plan is not None else "none"), device=engine.device,

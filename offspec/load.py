@@ -14,7 +14,7 @@ import contextlib
 import hashlib
 import json
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator, Optional, Union
 
@@ -29,7 +29,7 @@ from .generate import Engine
 from .hub import resolve_model
 from .layout import LayerWeights
 from .model import Model, ResidentLayers
-from .plan import Machine, MemoryPlan, ModelSpec, Placement, choose_placement, make_plan, ring_slot_nbytes
+from .plan import LayerPlan, Machine, MemoryPlan, ModelSpec, Placement, make_plan
 from .prompt import stop_token_ids
 from .quant import QuantizedResident, check_draft_quant, check_target_quant, dequantized, target_layout
 from .ring import LayerStreamer, StreamStats
@@ -68,23 +68,14 @@ def store_dir_for(ckpt: Checkpoint, dtype: torch.dtype, home: Path, quant: str =
     return home / "stores" / f"{ckpt.path.name}-{str(dtype).replace('torch.', '')}{quantized}-{key}"
 
 
-def load_target(ckpt: Checkpoint, offload: OffloadConfig, runtime: RuntimeConfig, progress: bool = True,
-                placement: Optional[Placement] = None) -> Model:
-    """The target: globals first, then its layers as `placement` (the memory plan's) says; no placement:
-    as offload says (plan.place_layers with its gpu_budget)."""
-    everything_resident = (placement is not None and not placement.streamed) or (
-        placement is None and offload.mode == "none" and offload.gpu_budget is None)
-    if everything_resident and runtime.target_quant == "none":
+def load_target(ckpt: Checkpoint, layers: LayerPlan, runtime: RuntimeConfig, progress: bool = True) -> Model:
+    """The target: globals first, then its layers as `layers` (the memory plan's) says."""
+    if not layers.placement.streamed and not layers.from_store:
         return load_resident(ckpt, runtime.device, runtime.dtype)
-    from .demo import offspec_home
-
     globals_ = ckpt.global_weights(runtime.device, runtime.dtype)
-    quant = runtime.target_quant
-    store_dir = offload.store_dir or str(store_dir_for(ckpt, runtime.dtype, offspec_home(), quant))
-    layers = open_target_layers(ckpt.layer_tensors, ckpt.config, offload, runtime.device, runtime.dtype,
-                                store_dir=store_dir, progress=progress, source_id=ckpt.fingerprint(),
-                                placement=placement, quant=quant, resident_quant=runtime.resident_quant)
-    return Model(ckpt.config, globals_, layers)
+    target_layers = open_target_layers(ckpt.layer_tensors, ckpt.config, layers, runtime.device, runtime.dtype,
+                                       progress=progress, source_id=ckpt.fingerprint())
+    return Model(ckpt.config, globals_, target_layers)
 
 
 def generation_eos(path: Path):
@@ -140,8 +131,10 @@ class Models:
     def plan(self, offload: OffloadConfig, runtime: RuntimeConfig, limits: RunLimits = RunLimits(),
              machine: Optional[Machine] = None) -> MemoryPlan:
         """The memory plan for this machine now (or `machine`), before anything is allocated."""
+        from .demo import offspec_home
+        store_dir = str(store_dir_for(self.target, runtime.dtype, offspec_home(), runtime.target_quant))
         return make_plan(ModelSpec.of(self.target), ModelSpec.of(self.draft) if self.draft else None, offload,
-                         runtime, limits, machine or Machine.measure(runtime.device))
+                         runtime, limits, machine or Machine.measure(runtime.device), store_dir=store_dir)
 
     def load(self, offload: OffloadConfig, runtime: RuntimeConfig, limits: RunLimits = RunLimits(),
              progress: bool = True, machine: Optional[Machine] = None) -> Loaded:
@@ -149,13 +142,11 @@ class Models:
         or store). The engine keeps to the plan's context, tree budget and prefill chunk."""
         start = time.perf_counter()
         plan = self.plan(offload, runtime, limits, machine)
-        # The plan resolved "auto" and decided the pinned budget; the stores obey both.
-        offload = replace(offload, mode=plan.mode, host_budget=plan.pinned_budget)
         draft = None
         if self.draft is not None:
             check_draft_quant(runtime.draft_quant, runtime.device, runtime.dtype)
             draft = load_resident(self.draft, runtime.device, runtime.dtype, runtime.draft_quant)
-        target = load_target(self.target, offload, runtime, progress, placement=plan.placement)
+        target = load_target(self.target, plan.layers, runtime, progress)
         for ckpt in (self.target, self.draft):
             if ckpt is not None:
                 ckpt.close()     # the weights now live in the models, the arena or the store
@@ -213,57 +204,44 @@ def _resident_layer(block: torch.Tensor, layout: BlockLayout, device: torch.devi
     return dequantized(layout, on_device)[1]
 
 
-def open_target_layers(layer_tensors_fn: LayerTensorsFn, cfg: ModelConfig, offload: OffloadConfig,
-                       device: torch.device, dtype: torch.dtype, store_dir: Optional[str] = None,
-                       progress: bool = True, *, source_id: str = "",
-                       placement: Optional[Placement] = None, quant: str = "none",
-                       resident_quant: str = "auto") -> TargetLayers:
-    """The target's decoder layers, placed as `offload` says.
+def open_target_layers(layer_tensors_fn: LayerTensorsFn, cfg: ModelConfig, layers: LayerPlan, device: torch.device,
+                       dtype: torch.dtype, progress: bool = True, *, source_id: str = "") -> TargetLayers:
+    """The target's decoder layers, as `layers` (plan.LayerPlan: the memory plan's, or LayerPlan.of) says.
 
     layer_tensors_fn(i) gives layer i's tensors keyed by LayerWeights field names, any dtype (cast to
-    `dtype` when packed). mode "none": all resident. "cpu": streamed layers packed into a host arena.
-    "disk": a packed store at store_dir (or offload.store_dir), built once with a progress bar when
-    missing; source_id (e.g. Checkpoint.fingerprint()) is recorded in it, and a store built from other
-    weights is refused. The result is a LayerSource; close it (or use it as a context manager) to stop
-    the streamer's threads.
+    `dtype` when packed). Placement mode "none": all resident. "cpu": streamed layers packed into a host arena.
+    "disk": the packed store at layers.store_dir, built once with a progress bar when missing; source_id (e.g.
+    Checkpoint.fingerprint()) is recorded in it, and a store built from other weights is refused. The result is a
+    LayerSource; close it (or use it as a context manager) to stop the streamer's threads.
 
-    quant "int8" | "nf4": every layer is quantized once, into the packed store at store_dir (whatever the
-    mode: quantizing a 70B takes the better part of an hour on a few cores, reading it back seconds); the
-    arena and the ring hold quantized blocks, the ring's dense buffers the dequantized layer in `dtype`.
-    Resident layers are dense, or held as their quantized blocks and dequantized every pass into one shared
-    scratch layer (placement.resident_held; resident_quant decides it when no placement is given). A store
-    of another quantization is refused.
-
-    placement: which layers stay resident and how many slots stream the rest, as the memory plan decided
-    (plan.make_plan); None = offload.gpu_budget alone decides (no budget: nothing resident beyond the ring)."""
+    A quantized target (layers.quant "int8" | "nf4"): every layer is quantized once, into the packed store
+    (whatever the mode: quantizing a 70B takes the better part of an hour on a few cores, reading it back
+    seconds); the arena and the ring hold quantized blocks, the ring's dense buffers the dequantized layer in
+    `dtype`. Resident layers are dense, or held as their quantized blocks and dequantized every pass into one
+    shared scratch layer (placement.resident_held). A store of another quantization is refused."""
+    placement, quant = layers.placement, layers.quant
     check_target_quant(quant, device, dtype)
     layout = target_layout(cfg, dtype, quant)
-    if placement is None:
-        placement = choose_placement(cfg.n_layers, layout.dense.nbytes, offload, offload.gpu_budget,
-                                     slot_bytes=ring_slot_nbytes(layout),
-                                     held_bytes=None if quant == "none" else layout.nbytes,
-                                     resident_quant=resident_quant)
-    from_store = offload.mode == "disk" or quant != "none"
-    if not placement.streamed and not from_store:
-        layers = []
+    if not placement.streamed and not layers.from_store:
+        resident_layers = []
         for i in tqdm(range(cfg.n_layers), desc="loading layers", unit="layer", disable=not progress):
             block = torch.empty(layout.nbytes, dtype=torch.uint8, device=device)   # (nbytes,) one block per layer
             _pack_layer(layer_tensors_fn, i, layout, block)
-            layers.append(layout.views(block))
-        return TargetLayers(ResidentLayers(layers), placement, host=None)
+            resident_layers.append(layout.views(block))
+        return TargetLayers(ResidentLayers(resident_layers), placement, host=None)
 
     backend = make_backend(device)
     with contextlib.ExitStack() as on_error:
         on_error.callback(backend.close)
         disk: Optional[DiskStore] = None
-        if from_store:
-            directory = store_dir or offload.store_dir
+        if layers.from_store:
+            directory = layers.store_dir
             if directory is None:
                 raise InputError("disk offload and quantized targets need a store directory (store_dir)")
             if not disk_store_exists(directory):
                 prepare_disk_store(layer_tensors_fn, cfg.n_layers, layout, directory, progress, source_id=source_id)
             disk = DiskStore(directory, layout, cfg.n_layers, backend, source_id=source_id,
-                             drop_page_cache=offload.drop_page_cache, direct_io=offload.disk_io == "direct")
+                             drop_page_cache=layers.drop_page_cache, direct_io=layers.disk_io == "direct")
             on_error.callback(disk.close)
 
         def host_block(layer: int) -> torch.Tensor:
@@ -284,17 +262,17 @@ def open_target_layers(layer_tensors_fn: LayerTensorsFn, cfg: ModelConfig, offlo
             on_error.close()      # the store and the backend were only needed to read the layers
             return TargetLayers(ResidentLayers([resident[i] for i in range(cfg.n_layers)]), placement, host=None)
         store: WeightStore
-        if offload.mode == "cpu" and disk is not None:       # quantized: the arena is filled from the store
+        if placement.mode == "cpu" and disk is not None:     # quantized: the arena is filled from the store
             store = HostArenaStore.filled(lambda layer, block: block.copy_(disk.read_layer(layer)), layout,
-                                          placement.streamed, backend, offload.host_budget, progress)
+                                          placement.streamed, backend, layers.host_budget, progress)
             on_error.callback(store.close)
             disk.close()
-        elif offload.mode == "cpu":
+        elif placement.mode == "cpu":
             store = HostArenaStore.build(layer_tensors_fn, layout, placement.streamed, backend,
-                                         offload.host_budget, progress)
+                                         layers.host_budget, progress)
             on_error.callback(store.close)
         else:
             store = disk
-        streamer = LayerStreamer(store, backend, cfg.n_layers, resident, placement.n_slots, overlap=offload.overlap)
+        streamer = LayerStreamer(store, backend, cfg.n_layers, resident, placement.n_slots, overlap=layers.overlap)
         on_error.pop_all()
     return TargetLayers(streamer, placement, store.info())

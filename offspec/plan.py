@@ -337,6 +337,40 @@ def choose_placement(n_layers: int, layer_bytes: int, offload: OffloadConfig, la
     return held if len(held.resident) > len(dense.resident) else dense
 
 
+@dataclass(frozen=True)
+class LayerPlan:
+    """How the target's decoder layers are loaded, every choice made: what load.open_target_layers carries out
+    (it decides nothing). make_plan builds one for a run; LayerPlan.of for a caller with no memory plan."""
+    placement: Placement          # resident layers and ring slots; placement.mode: where the streamed layers live
+    quant: str = "none"           # "none" | "int8" | "nf4": the layers stored, moved and dequantized so
+    store_dir: Optional[str] = None   # the packed store's folder (disk mode, or any quantized target); else None
+    host_budget: Optional[int] = None  # host bytes the arena may pin; None: as many as it needs
+    overlap: bool = True          # copy the next layers while computing; False: copy then compute (debug)
+    drop_page_cache: bool = True  # disk: drop each piece from the page cache once read
+    disk_io: str = "direct"       # disk: "direct" (O_DIRECT where the filesystem takes it) | "buffered"
+
+    @property
+    def from_store(self) -> bool:
+        """The layers are read from a packed store: disk mode, or a quantized target (quantized once, into it)."""
+        return self.placement.mode == "disk" or self.quant != "none"
+
+    @staticmethod
+    def of(cfg: ModelConfig, offload: OffloadConfig, dtype: torch.dtype, *, quant: str = "none",
+           resident_quant: str = "auto", store_dir: Optional[str] = None,
+           placement: Optional[Placement] = None) -> "LayerPlan":
+        """The layer plan of `offload` alone: its mode, and resident layers within its gpu_budget (no budget:
+        nothing resident beyond the ring), unless `placement` is given. For tools and tests that load layers
+        without a memory plan; a run's plan comes from make_plan."""
+        if placement is None:
+            layout = target_layout(cfg, dtype, quant)
+            placement = choose_placement(cfg.n_layers, layout.dense.nbytes, offload, offload.gpu_budget,
+                                         slot_bytes=ring_slot_nbytes(layout),
+                                         held_bytes=None if quant == "none" else layout.nbytes,
+                                         resident_quant=resident_quant)
+        return LayerPlan(placement, quant, store_dir or offload.store_dir, offload.host_budget, offload.overlap,
+                         offload.drop_page_cache, offload.disk_io)
+
+
 def ring_slot_nbytes(layout: Union[LayerLayout, QuantizedLayout]) -> Optional[int]:
     """Device bytes of one ring slot for this layout: None for a dense layer (the layer itself); a quantized
     layer's block plus the dense layer it is dequantized into."""
@@ -361,7 +395,7 @@ class MemoryPlan:
     tree_budget: int              # largest tree a pass may verify
     prefill_chunk: int            # rows per layer call
     concurrency: int              # requests in flight at once: KV-cache rows, trees per pass
-    placement: Placement          # resident layers and ring
+    layers: LayerPlan             # the target's layers: placement, store folder, pinned budget (loading obeys it)
     layer_budget: int             # device bytes that were available for the ring and resident layers
     pinned_budget: int            # host bytes that may be pinned
     host_pinned: bool             # the arena / staging will be pinned (CUDA only)
@@ -370,6 +404,11 @@ class MemoryPlan:
     streamed_bytes: int = 0       # weight bytes moved per target pass
     target_quant: str = "none"    # "none" | "int8" | "nf4": how the target's layers are stored and moved
     block_nbytes: int = 0         # one target layer as stored and moved (quantized or dense)
+
+    @property
+    def placement(self) -> Placement:
+        """Resident layers and ring."""
+        return self.layers.placement
 
     def total(self, where: str) -> int:
         return sum(i.nbytes for i in self.items if i.where == where)
@@ -418,6 +457,7 @@ class MemoryPlan:
 
     def to_dict(self) -> dict:
         d = asdict(self)
+        d["layers"].pop("placement")                     # given below, with its derived fields
         d["placement"] = {"mode": self.placement.mode, "resident": list(self.placement.resident),
                           "streamed": list(self.placement.streamed), "n_slots": self.placement.n_slots,
                           "layer_nbytes": self.placement.layer_nbytes,
@@ -431,8 +471,9 @@ class MemoryPlan:
 
 
 def make_plan(target: ModelSpec, draft: Optional[ModelSpec], offload: OffloadConfig, runtime: RuntimeConfig,
-              limits: RunLimits, machine: Machine) -> MemoryPlan:
+              limits: RunLimits, machine: Machine, store_dir: Optional[str] = None) -> MemoryPlan:
     """Where everything goes, or BudgetError saying in one line what does not fit and what to change.
+    store_dir: where a packed store goes when one is used and offload.store_dir names none (load.store_dir_for).
 
     An auto tree budget (limits.tree_budget None) is the most that fits, up to AUTO_MAX_TREE_BUDGET: a
     device too short for the largest tree's logits gets a smaller auto maximum (said in the notes)."""
@@ -463,7 +504,7 @@ def make_plan(target: ModelSpec, draft: Optional[ModelSpec], offload: OffloadCon
             tree_budget //= 2
         if tree_budget < min(AUTO_MAX_TREE_BUDGET, context):
             notes.append(f"auto tree budget capped at {tree_budget} nodes: larger trees' logits do not fit")
-    return _place(target, offload, runtime, machine, context, tree_budget, limits, fixed, notes)
+    return _place(target, offload, runtime, machine, context, tree_budget, limits, fixed, notes, store_dir)
 
 
 def _fixed_device_items(target: ModelSpec, draft: Optional[ModelSpec], runtime: RuntimeConfig, limits: RunLimits,
@@ -516,7 +557,8 @@ def _fixed_device_items(target: ModelSpec, draft: Optional[ModelSpec], runtime: 
 
 
 def _place(target: ModelSpec, offload: OffloadConfig, runtime: RuntimeConfig, machine: Machine, context: int,
-           tree_budget: int, limits: RunLimits, fixed: list[PlanItem], notes: list[str]) -> MemoryPlan:
+           tree_budget: int, limits: RunLimits, fixed: list[PlanItem], notes: list[str],
+           store_dir: Optional[str] = None) -> MemoryPlan:
     """Given the fixed device items, place the target's layers and the host side, or refuse."""
     shared = machine.kind == "cpu"
     s = itemsize(runtime.dtype)
@@ -620,8 +662,11 @@ def _place(target: ModelSpec, offload: OffloadConfig, runtime: RuntimeConfig, ma
         fix = "use --offload disk" if mode == "cpu" else "lower --context or --tree-budget"
         raise BudgetError(f"the run needs {fmt(host_total)} of host memory but {fmt(machine.host_bytes)} is available "
                           f"({machine.host_source}): {fix}")
+    from_store = mode == "disk" or quant != "none"
+    layers = LayerPlan(placement, quant, (offload.store_dir or store_dir) if from_store else None, pinned_budget,
+                       offload.overlap, offload.drop_page_cache, offload.disk_io)
     return MemoryPlan(machine=machine, mode=mode, context=context, tree_budget=tree_budget,
-                      prefill_chunk=limits.prefill_chunk, concurrency=limits.concurrency, placement=placement,
+                      prefill_chunk=limits.prefill_chunk, concurrency=limits.concurrency, layers=layers,
                       layer_budget=left if offload.gpu_budget is None else offload.gpu_budget,
                       pinned_budget=pinned_budget, host_pinned=host_pinned, items=tuple(items), notes=tuple(notes),
                       streamed_bytes=streamed * B, target_quant=quant, block_nbytes=B)

@@ -41,7 +41,7 @@ from offspec.draft import load_resident  # noqa: E402
 from offspec.kv_cache import KVCache  # noqa: E402
 from offspec.load import load_target, parse_dtype  # noqa: E402
 from offspec.model import RowSpan  # noqa: E402
-from offspec.plan import ModelSpec, draft_weights_nbytes, int8_copy_nbytes  # noqa: E402
+from offspec.plan import LayerPlan, ModelSpec, draft_weights_nbytes, int8_copy_nbytes  # noqa: E402
 from offspec.transfer import CpuBackend  # noqa: E402
 
 SECTION = "bench_draft"
@@ -81,7 +81,8 @@ def live_streamer(target_dir, dtype, torch_copy: bool):
     if torch_copy:
         CpuBackend.copy_bytes = lambda self, dst, src: dst.copy_(src)
     ckpt = Checkpoint(target_dir)
-    target = load_target(ckpt, OffloadConfig(mode="cpu", n_slots=8), RuntimeConfig(device=CPU, dtype=dtype), False)
+    layers = LayerPlan.of(ckpt.config, OffloadConfig(mode="cpu", n_slots=8), dtype)
+    target = load_target(ckpt, layers, RuntimeConfig(device=CPU, dtype=dtype), False)
     ckpt.close()
     try:
         time.sleep(2.0)                        # let the first pass's prefetch finish

@@ -71,6 +71,7 @@ from offspec.metrics import Timer
 from offspec.layout import LayerLayout
 from offspec.model import Model
 from offspec.load import TargetLayers, open_target_layers
+from offspec.plan import LayerPlan
 from offspec.stores import LAYERS_BIN, READS_IN_FLIGHT, DiskStore, HostArenaStore, drop_page_cache, sequential_read
 from offspec.transfer import format_bytes, make_backend
 
@@ -367,8 +368,9 @@ class Row:
 
 def measure_resident(ckpt: Checkpoint, cfg, globals_, inputs: Inputs, args, device, dtype, capacity) -> dict[int, float]:
     print(f"[none] loading {cfg.n_layers} layers resident", file=sys.stderr)
-    layers = open_target_layers(ckpt.layer_tensors, cfg, OffloadConfig(mode="none"), device, dtype,
-                                progress=True, source_id=ckpt.fingerprint())
+    layers = open_target_layers(ckpt.layer_tensors, cfg,
+                                LayerPlan.of(cfg, OffloadConfig(mode="none"), dtype),
+                                device, dtype, progress=True, source_id=ckpt.fingerprint())
     with layers:
         model = Model(cfg, globals_, layers)
         cache = prefill(model, inputs, capacity)
@@ -388,8 +390,9 @@ def measure_streamed(mode: str, ckpt: Checkpoint, cfg, globals_, inputs: Inputs,
     offload = OffloadConfig(mode=mode, n_slots=args.slots, gpu_budget=args.slots * layout.nbytes,
                             store_dir=store_dir, drop_page_cache=True)
     print(f"[{mode}] opening {cfg.n_layers} streamed layers", file=sys.stderr)
-    layers = open_target_layers(ckpt.layer_tensors, cfg, offload, device, dtype, store_dir=store_dir,
-                                progress=True, source_id=ckpt.fingerprint())
+    layers = open_target_layers(ckpt.layer_tensors, cfg,
+                                LayerPlan.of(cfg, offload, dtype, store_dir=store_dir),
+                                device, dtype, progress=True, source_id=ckpt.fingerprint())
     with layers:
         streamed = layers.placement.streamed
         assert len(streamed) == cfg.n_layers and layers.placement.n_slots == args.slots, layers.placement

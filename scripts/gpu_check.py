@@ -76,7 +76,7 @@ from offspec.layout import GlobalWeights, layer_shapes  # noqa: E402
 from offspec.metrics import Timer  # noqa: E402
 from offspec.model import Model  # noqa: E402
 from offspec.load import open_target_layers  # noqa: E402
-from offspec.plan import layer_nbytes  # noqa: E402
+from offspec.plan import LayerPlan, layer_nbytes  # noqa: E402
 
 DEFAULT_OUT = REPO / "docs" / "gpu_check.json"
 # In this order; doctor comes after demo, so its advice covers the demo target that the demo section prepared.
@@ -256,7 +256,8 @@ def measure_overlap(device: torch.device, cfg: ModelConfig, dtype: torch.dtype, 
     inputs = make_inputs(cfg.vocab_size, context, tokens, device)
     capacity = context + max(tokens)
     compute, resident_logits = {}, {}
-    resident = open_target_layers(layers_fn, cfg, OffloadConfig(mode="none"), device, dtype, progress=False)
+    resident = open_target_layers(layers_fn, cfg,
+                                  LayerPlan.of(cfg, OffloadConfig(mode="none"), dtype), device, dtype, progress=False)
     model = Model(cfg, globals_, resident)
     cache = prefill(model, inputs, capacity)
     for T in tokens:
@@ -269,7 +270,8 @@ def measure_overlap(device: torch.device, cfg: ModelConfig, dtype: torch.dtype, 
     layout_bytes = layer_nbytes(cfg, dtype)
     offload = OffloadConfig(mode="cpu", n_slots=n_slots, gpu_budget=n_slots * layout_bytes)
     rows = []
-    with open_target_layers(layers_fn, cfg, offload, device, dtype, progress=False) as streamed:
+    with open_target_layers(layers_fn, cfg,
+                            LayerPlan.of(cfg, offload, dtype), device, dtype, progress=False) as streamed:
         n_streamed = len(streamed.placement.streamed)
         model = Model(cfg, globals_, streamed)
         cache = prefill(model, inputs, capacity)

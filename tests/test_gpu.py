@@ -27,7 +27,7 @@ from offspec.kv_cache import KVCache
 from offspec.layout import GlobalWeights, LayerLayout, layer_shapes
 from offspec.model import Model, ResidentLayers
 from offspec.load import open_target_layers
-from offspec.plan import layer_nbytes
+from offspec.plan import LayerPlan, layer_nbytes
 from offspec.ring import LayerStreamer
 from offspec.stores import HostArenaStore
 from offspec.transfer import PAGE_BYTES, CudaBackend, CudaEvent, check_copy
@@ -281,11 +281,13 @@ def test_cuda_streamed_logits_equal_resident_bitwise(tmp_path, mode, n_slots, n_
     device = cuda()
     layers, globals_ = random_model(device)
     budget = (n_resident + n_slots) * layer_nbytes(MODEL, torch.float32)
-    resident = open_target_layers(layers.__getitem__, MODEL, OffloadConfig(mode="none"), device, torch.float32,
-                                  progress=False)
+    resident = open_target_layers(layers.__getitem__, MODEL,
+                                  LayerPlan.of(MODEL, OffloadConfig(mode="none"), torch.float32),
+                                  device, torch.float32, progress=False)
     offload = OffloadConfig(mode=mode, n_slots=n_slots, gpu_budget=budget)
-    streamed = open_target_layers(layers.__getitem__, MODEL, offload, device, torch.float32, store_dir=str(tmp_path),
-                                  progress=False)
+    streamed = open_target_layers(layers.__getitem__, MODEL,
+                                  LayerPlan.of(MODEL, offload, torch.float32, store_dir=str(tmp_path)),
+                                  device, torch.float32, progress=False)
     with streamed:
         assert isinstance(resident.source, ResidentLayers) and isinstance(streamed.source, LayerStreamer)
         assert streamed.placement.resident == tuple(range(n_resident)) and streamed.placement.n_slots == n_slots
@@ -319,8 +321,9 @@ def test_cuda_stream_loop_does_no_hidden_synchronization(tmp_path, mode):
     device = cuda()
     layers, _ = random_model(device)
     offload = OffloadConfig(mode=mode, n_slots=3, gpu_budget=4 * layer_nbytes(MODEL, torch.float32))
-    with open_target_layers(layers.__getitem__, MODEL, offload, device, torch.float32, store_dir=str(tmp_path),
-                            progress=False) as target:
+    with open_target_layers(layers.__getitem__, MODEL,
+                            LayerPlan.of(MODEL, offload, torch.float32, store_dir=str(tmp_path)),
+                            device, torch.float32, progress=False) as target:
         assert target.host.pinned, target.host.reason
         total = torch.zeros((), device=device)
         with sync_debug_error():
@@ -335,7 +338,9 @@ def test_cuda_streamed_forward_does_no_hidden_synchronization():
     device = cuda()
     layers, globals_ = random_model(device)
     offload = OffloadConfig(mode="cpu", n_slots=2, gpu_budget=3 * layer_nbytes(MODEL, torch.float32))
-    with open_target_layers(layers.__getitem__, MODEL, offload, device, torch.float32, progress=False) as target:
+    with open_target_layers(layers.__getitem__, MODEL,
+                            LayerPlan.of(MODEL, offload, torch.float32),
+                            device, torch.float32, progress=False) as target:
         model = Model(MODEL, globals_, target)
         cache = KVCache.for_model(MODEL, 16, torch.float32, device)
         passes = steps(device)

@@ -17,7 +17,7 @@ from offspec.layout import GlobalWeights, LayerLayout, layer_shapes
 from offspec.model import Model, ResidentLayers
 from offspec.layout import BLOCK_ALIGN
 from offspec.load import open_target_layers
-from offspec.plan import layer_nbytes, place_layers
+from offspec.plan import LayerPlan, layer_nbytes, place_layers
 from offspec.ring import LayerStreamer
 from offspec.stores import (LAYERS_BIN, MANIFEST, DiskStore, HostArenaStore, disk_store_exists, prepare_disk_store,
                             store_fingerprint)
@@ -223,8 +223,9 @@ def test_streamed_layers_equal_checkpoint_bitwise(tmp_path, mode, n_slots, n_res
     weights = random_layers(TINY)
     budget = budget_for(n_resident, n_slots) if n_resident else None
     offload = OffloadConfig(mode=mode, n_slots=n_slots, gpu_budget=budget)
-    with open_target_layers(weights.__getitem__, TINY, offload, CPU, torch.float32,
-                            store_dir=str(tmp_path / "store"), progress=False) as target:
+    with open_target_layers(weights.__getitem__, TINY,
+                            LayerPlan.of(TINY, offload, torch.float32, store_dir=str(tmp_path / "store")),
+                            CPU, torch.float32, progress=False) as target:
         assert target.placement.resident == tuple(range(n_resident))
         assert target.placement.n_slots == n_slots
         assert isinstance(target.source, LayerStreamer)
@@ -251,8 +252,9 @@ def test_bf16_cast_on_pack_and_qwen_extras(tmp_path, arch, extra):
     weights = random_layers(cfg, seed=3)
     for mode in ("cpu", "disk"):
         offload = OffloadConfig(mode=mode, n_slots=2)
-        with open_target_layers(weights.__getitem__, cfg, offload, CPU, torch.bfloat16,
-                                store_dir=str(tmp_path / "store"), progress=False) as target:
+        with open_target_layers(weights.__getitem__, cfg,
+                                LayerPlan.of(cfg, offload, torch.bfloat16, store_dir=str(tmp_path / "store")),
+                                CPU, torch.bfloat16, progress=False) as target:
             for _ in range(2):
                 for i, w in target.source.pass_layers():
                     extra = w.q_bias if arch == "qwen2" else w.k_norm
@@ -268,11 +270,14 @@ def test_streamed_model_logits_equal_resident_bitwise(tmp_path):
     embed = torch.randn(TINY.vocab_size, TINY.hidden_size, generator=g)
     globals_ = GlobalWeights(embed=embed, final_norm=torch.ones(TINY.hidden_size),
                              lm_head=torch.randn(TINY.vocab_size, TINY.hidden_size, generator=g))
-    resident = open_target_layers(weights.__getitem__, TINY, OffloadConfig(mode="none"), CPU, torch.float32,
-                                  progress=False)
+    resident = open_target_layers(weights.__getitem__, TINY,
+                                  LayerPlan.of(TINY, OffloadConfig(mode="none"), torch.float32),
+                                  CPU, torch.float32, progress=False)
     assert isinstance(resident.source, ResidentLayers)
-    streamed = open_target_layers(weights.__getitem__, TINY, OffloadConfig(mode="disk", n_slots=3), CPU,
-                                  torch.float32, store_dir=str(tmp_path), progress=False)
+    streamed = open_target_layers(weights.__getitem__, TINY,
+                                  LayerPlan.of(TINY, OffloadConfig(mode="disk", n_slots=3), torch.float32,
+                                               store_dir=str(tmp_path)),
+                                  CPU, torch.float32, progress=False)
     models = [Model(TINY, globals_, resident), Model(TINY, globals_, streamed)]   # TargetLayers is a LayerSource
     caches = [KVCache.for_model(TINY, 16, torch.float32, CPU) for _ in models]
     tokens = torch.randint(0, TINY.vocab_size, (8,), generator=g)
@@ -286,8 +291,9 @@ def test_streamed_model_logits_equal_resident_bitwise(tmp_path):
 
 def test_abandoned_pass_is_finished_before_the_next(tmp_path):
     weights = random_layers(TINY)
-    with open_target_layers(weights.__getitem__, TINY, OffloadConfig(mode="cpu", n_slots=3), CPU,
-                            torch.float32, progress=False) as target:
+    with open_target_layers(weights.__getitem__, TINY,
+                            LayerPlan.of(TINY, OffloadConfig(mode="cpu", n_slots=3), torch.float32),
+                            CPU, torch.float32, progress=False) as target:
         for i, _ in target.source.pass_layers():
             if i == 3:
                 break                                       # a consumer that fails mid-pass
@@ -347,8 +353,9 @@ def test_loader_errors_surface_and_close_is_clean():
 
 def test_one_pass_at_a_time():
     weights = random_layers(TINY)
-    with open_target_layers(weights.__getitem__, TINY, OffloadConfig(mode="cpu"), CPU, torch.float32,
-                            progress=False) as target:
+    with open_target_layers(weights.__getitem__, TINY,
+                            LayerPlan.of(TINY, OffloadConfig(mode="cpu"), torch.float32),
+                            CPU, torch.float32, progress=False) as target:
         outer = target.source.pass_layers()
         next(outer)
         with pytest.raises(RuntimeError, match="already running"):
@@ -358,8 +365,9 @@ def test_one_pass_at_a_time():
 
 def test_stats_reset():
     weights = random_layers(TINY)
-    with open_target_layers(weights.__getitem__, TINY, OffloadConfig(mode="cpu"), CPU, torch.float32,
-                            progress=False) as target:
+    with open_target_layers(weights.__getitem__, TINY,
+                            LayerPlan.of(TINY, OffloadConfig(mode="cpu"), torch.float32),
+                            CPU, torch.float32, progress=False) as target:
         for _ in target.source.pass_layers():
             pass
         target.source.reset_stats()
@@ -458,8 +466,9 @@ def flip_byte(store_dir, layer, at=100):
 def test_flipped_byte_fails_the_checksum_when_streamed(store_dir):
     flip_byte(store_dir, layer=3)
     weights = random_layers(TINY)
-    with open_target_layers(weights.__getitem__, TINY, OffloadConfig(mode="disk"), CPU, torch.float32,
-                            store_dir=str(store_dir), progress=False, source_id="tiny-v1") as target:
+    with open_target_layers(weights.__getitem__, TINY,
+                            LayerPlan.of(TINY, OffloadConfig(mode="disk"), torch.float32, store_dir=str(store_dir)),
+                            CPU, torch.float32, progress=False, source_id="tiny-v1") as target:
         seen = []
         with pytest.raises(StoreError, match="layer 3 of the store .* fails its checksum"):
             for i, _ in target.source.pass_layers():
@@ -471,8 +480,9 @@ def test_flipped_byte_in_a_resident_layer(store_dir):
     flip_byte(store_dir, layer=0, at=5000)
     offload = OffloadConfig(mode="disk", gpu_budget=budget_for(2, 2))
     with pytest.raises(StoreError, match="layer 0 of the store"):
-        open_target_layers(random_layers(TINY).__getitem__, TINY, offload, CPU, torch.float32,
-                           store_dir=str(store_dir), progress=False, source_id="tiny-v1")
+        open_target_layers(random_layers(TINY).__getitem__, TINY,
+                           LayerPlan.of(TINY, offload, torch.float32, store_dir=str(store_dir)),
+                           CPU, torch.float32, progress=False, source_id="tiny-v1")
 
 
 def test_interrupted_prepare_leaves_no_store(tmp_path):
@@ -513,8 +523,9 @@ def test_disk_mode_builds_the_store_once(tmp_path):
         calls.append(i)
         return weights[i]
     for _ in range(2):
-        with open_target_layers(layer_tensors, TINY, OffloadConfig(mode="disk"), CPU, torch.float32,
-                                store_dir=str(tmp_path), progress=False) as target:
+        with open_target_layers(layer_tensors, TINY,
+                                LayerPlan.of(TINY, OffloadConfig(mode="disk"), torch.float32, store_dir=str(tmp_path)),
+                                CPU, torch.float32, progress=False) as target:
             assert target.host.kind == "disk store" and target.host.path == str(tmp_path)
             assert not target.host.pinned and target.host.reason == "cpu device"
     assert calls == list(range(N_LAYERS))
@@ -522,8 +533,9 @@ def test_disk_mode_builds_the_store_once(tmp_path):
 
 def test_disk_mode_needs_a_directory():
     with pytest.raises(InputError, match="store directory"):
-        open_target_layers(random_layers(TINY).__getitem__, TINY, OffloadConfig(mode="disk"), CPU,
-                           torch.float32, progress=False)
+        open_target_layers(random_layers(TINY).__getitem__, TINY,
+                           LayerPlan.of(TINY, OffloadConfig(mode="disk"), torch.float32),
+                           CPU, torch.float32, progress=False)
 
 
 # ---------------------------------------------------------------- host memory in disk mode
@@ -533,14 +545,16 @@ import json, sys
 import psutil, torch
 from offspec.config import ModelConfig, OffloadConfig
 from offspec.load import open_target_layers
+from offspec.plan import LayerPlan
 cfg = ModelConfig(**json.loads(sys.argv[2]))
 def no_checkpoint(i):
     raise AssertionError("the store should exist already")
 process = psutil.Process()
 base = peak = process.memory_info().rss
 offload = OffloadConfig(mode="disk", n_slots=2, drop_page_cache=True)
-with open_target_layers(no_checkpoint, cfg, offload, torch.device("cpu"), torch.float32, store_dir=sys.argv[1],
-                        progress=False) as target:
+with open_target_layers(no_checkpoint, cfg,
+                        LayerPlan.of(cfg, offload, torch.float32, store_dir=sys.argv[1]),
+                        torch.device("cpu"), torch.float32, progress=False) as target:
     for _ in range(2):
         for i, w in target.source.pass_layers():
             total = float(w.down_proj.sum())   # touch the slot
@@ -575,7 +589,8 @@ def test_budget_below_two_slots_is_refused():
     one_layer = layer_nbytes(TINY, torch.float32)
     offload = OffloadConfig(mode="cpu", gpu_budget=one_layer + 100)
     with pytest.raises(BudgetError, match=r"too small to stream: it needs at least 83 kB \(2 slots"):
-        open_target_layers(random_layers(TINY).__getitem__, TINY, offload, CPU, torch.float32, progress=False)
+        open_target_layers(random_layers(TINY).__getitem__, TINY,
+                           LayerPlan.of(TINY, offload, torch.float32), CPU, torch.float32, progress=False)
 
 
 def test_placement_spends_the_ring_first_then_resident_layers():
@@ -609,7 +624,8 @@ def test_placement_errors():
 def test_budget_that_holds_everything_gives_resident_layers():
     weights = random_layers(TINY)
     offload = OffloadConfig(mode="cpu", gpu_budget=budget_for(N_LAYERS, 0))
-    target = open_target_layers(weights.__getitem__, TINY, offload, CPU, torch.float32, progress=False)
+    target = open_target_layers(weights.__getitem__, TINY,
+                                LayerPlan.of(TINY, offload, torch.float32), CPU, torch.float32, progress=False)
     assert isinstance(target.source, ResidentLayers) and target.host is None and target.stats() is None
     for i, w in target.source.pass_layers():
         assert torch.equal(w.o_proj, weights[i]["o_proj"])
@@ -618,7 +634,8 @@ def test_budget_that_holds_everything_gives_resident_layers():
 def test_overlap_off_single_slot_streams_correctly():
     weights = random_layers(TINY)
     offload = OffloadConfig(mode="cpu", n_slots=1, overlap=False)
-    with open_target_layers(weights.__getitem__, TINY, offload, CPU, torch.float32, progress=False) as target:
+    with open_target_layers(weights.__getitem__, TINY,
+                            LayerPlan.of(TINY, offload, torch.float32), CPU, torch.float32, progress=False) as target:
         for _ in range(2):
             for i, w in target.source.pass_layers():
                 assert torch.equal(w.gate_proj, weights[i]["gate_proj"])
@@ -634,8 +651,9 @@ def test_cuda_streamed_equals_checkpoint(tmp_path, mode):
     device = torch.device("cuda")
     weights = random_layers(TINY)
     offload = OffloadConfig(mode=mode, n_slots=3, gpu_budget=budget_for(1, 3))
-    with open_target_layers(weights.__getitem__, TINY, offload, device, torch.float32,
-                            store_dir=str(tmp_path), progress=False) as target:
+    with open_target_layers(weights.__getitem__, TINY,
+                            LayerPlan.of(TINY, offload, torch.float32, store_dir=str(tmp_path)),
+                            device, torch.float32, progress=False) as target:
         assert target.host.pinned, target.host.reason
         expected = {i: {n: t.to(device) for n, t in w.items()} for i, w in weights.items()}
         mismatches = torch.zeros((), dtype=torch.int64, device=device)
@@ -655,8 +673,9 @@ def test_the_next_pass_prefetched_while_the_consumer_was_away_is_counted():
     """The wrap-around prefetch at work: layers of the next pass copied while the consumer did other things
     (drafting) are already in their slots when the pass begins, and StreamStats counts them."""
     weights = random_layers(TINY)
-    with open_target_layers(weights.__getitem__, TINY, OffloadConfig(mode="cpu", n_slots=3), CPU, torch.float32,
-                            progress=False) as target:
+    with open_target_layers(weights.__getitem__, TINY,
+                            LayerPlan.of(TINY, OffloadConfig(mode="cpu", n_slots=3), torch.float32),
+                            CPU, torch.float32, progress=False) as target:
         for _ in target.pass_layers():
             pass
         time.sleep(0.3)                                  # "drafting": the copy worker fills the ring meanwhile

@@ -156,14 +156,16 @@ def test_held_resident_layers_equal_streamed_and_dequantized_resident_bitwise(pa
     # arithmetic: tests/test_plan.py); the loader obeys the placement it is given.
     from offspec.checkpoint import Checkpoint
     from offspec.load import load_target
-    from offspec.plan import Placement
+    from offspec.plan import LayerPlan, Placement
     dense_layer = LayerLayout.of(held.target.cfg, torch.float32).nbytes
     block = QuantizedLayout.of(held.target.cfg, torch.float32, quant).nbytes
     placement = Placement("disk", 5, dense_layer, resident=(0, 1), n_slots=2, slot_nbytes=block + dense_layer,
                           held_nbytes=block)
     assert placement.device_bytes == 2 * (block + dense_layer) + dense_layer + 2 * block   # ring, scratch, 2 held
-    mixed = load_target(Checkpoint(pair[0]), OffloadConfig(mode="disk", n_slots=2, store_dir=str(tmp_path / "s")),
-                        runtime(quant), progress=False, placement=placement)
+    ckpt = Checkpoint(pair[0])
+    layers = LayerPlan.of(ckpt.config, OffloadConfig(mode="disk", n_slots=2, store_dir=str(tmp_path / "s")),
+                          torch.float32, quant=quant, placement=placement)
+    mixed = load_target(ckpt, layers, runtime(quant), progress=False)
     try:
         assert all(isinstance(mixed.layers.source.resident[i], QuantizedResident) for i in (0, 1))
         for _ in range(2):
@@ -443,12 +445,14 @@ def test_cuda_streamed_quantized_equals_resident_quantized(tmp_path, quant, mode
     """On CUDA: bitsandbytes' dequantization into the slot runs on the copy stream (dequantize_4bit.out / in-place
     int8), with no hidden synchronization in a pass, and gives the resident quantized layers bit for bit."""
     from offspec.load import open_target_layers
+    from offspec.plan import LayerPlan
     cfg = replace(CFG, n_layers=7)
     device = torch.device("cuda")
     weights, _, expected = layers_and_their_dequantization(cfg, quant, device)
     offload = OffloadConfig(mode=mode, n_slots=3)
-    with open_target_layers(weights.__getitem__, cfg, offload, device, torch.float32, store_dir=str(tmp_path / "s"),
-                            progress=False, quant=quant) as target:
+    with open_target_layers(weights.__getitem__, cfg,
+                            LayerPlan.of(cfg, offload, torch.float32, store_dir=str(tmp_path / "s"), quant=quant),
+                            device, torch.float32, progress=False) as target:
         assert target.host.pinned, target.host.reason
         mismatches = torch.zeros((), dtype=torch.int64, device=device)
         torch.cuda.set_sync_debug_mode("error")
@@ -556,15 +560,17 @@ def test_cuda_held_resident_layers_equal_dequantized_resident(tmp_path, quant):
     (beside the ring's copies on the copy stream), with no hidden synchronization in a pass, give the
     dequantized layers bit for bit; every pass dequantizes again."""
     from offspec.load import open_target_layers
-    from offspec.plan import Placement
+    from offspec.plan import LayerPlan, Placement
     from offspec.quant import QuantizedResident
     cfg = replace(CFG, n_layers=7)
     device = torch.device("cuda")
     weights, layout, expected = layers_and_their_dequantization(cfg, quant, device)
     placement = Placement("cpu", cfg.n_layers, layout.dense.nbytes, resident=(0, 1, 2), n_slots=2,
                           slot_nbytes=layout.nbytes + layout.dense.nbytes, held_nbytes=layout.nbytes)
-    with open_target_layers(weights.__getitem__, cfg, OffloadConfig(mode="cpu", n_slots=2), device, torch.float32,
-                            store_dir=str(tmp_path / "s"), progress=False, placement=placement, quant=quant) as target:
+    with open_target_layers(weights.__getitem__, cfg,
+                            LayerPlan.of(cfg, OffloadConfig(mode="cpu", n_slots=2), torch.float32,
+                                         store_dir=str(tmp_path / "s"), placement=placement, quant=quant),
+                            device, torch.float32, progress=False) as target:
         assert all(isinstance(target.source.resident[i], QuantizedResident) for i in (0, 1, 2))
         mismatches = torch.zeros((), dtype=torch.int64, device=device)
         torch.cuda.set_sync_debug_mode("error")

@@ -59,9 +59,7 @@ class TreeConfig:
     branching: int = 8                          # candidate children examined per frontier node each depth
     static_widths: tuple = (4, 2, 2, 1, 1, 1)   # "static": children per node at each depth
     prune: bool = True                          # dyspec: run the draft only on nodes at least as likely as last round's C
-    # Both off by default: on the demo pair, greedy, fixed budgets (docs/benchmarks.md, issue 15's grid) they were
-    # level on 32 chat prompts and lost on code (budget 256: 0.86x tokens a pass, 11 prompts). On where a grid shows
-    # them winning.
+    # Both off by default: no measured grid shows them winning yet (docs/benchmarks.md, "Better trees for chat").
     calibrate: bool = False                     # node values from acceptance rates observed this run (calibrate.py), not raw draft probabilities
     ngram: bool = False                         # graft continuations the sequence already contains onto each tree, no draft call (ngram.py)
 

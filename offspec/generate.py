@@ -271,17 +271,14 @@ class Engine:
         free = list(range(B))[::-1]
         rows: list[_Row] = []
         # One planner for every auto-budget row: it shares each pass's node budget among them by node value.
-        # First trees: 128 nodes a row on a GPU, where a pass costs its transfer whatever it computes. On a CPU a
-        # pass and a draft call are compute, and every row's first tree costs its draft reading its prompt (at 16
-        # rows that read was a tenth of the job, with plain decoding winning most rounds after it): the job starts
-        # decoding plainly, after its first timed pass one row grows a tree (32 nodes alone, 32 / B among B rows
-        # but at least 8: a row's share of a first pass, enough to price a draft's nodes), and the planner grows
-        # the others' once it has timed that tree and trees pay (probe_first); rows joining later while trees pay
-        # share 32 nodes a pass. One row in flight starts with its 32-node tree: it is every row's. A CPU whose
-        # target streams (--offload cpu or disk) starts every row's tree at once, as a GPU does: a pass there is
-        # a read of every layer too (cold disk, demo target: ~1 s, against ~0.12 s of draft work a prompt to read
-        # it), so trees pay from the first round; probing first took 9 rounds to reach every row, and once left
-        # a code job decoding plainly for 56 of its 82 rounds (docs/benchmarks.md, the batch notes).
+        # First trees: 128 nodes a row on a GPU, where a pass costs its transfer whatever it computes, and on a CPU
+        # whose target streams (--offload cpu or disk: a pass is a read of every layer there too), every row's tree
+        # from the first round. On a CPU with the target resident, a pass and a draft call are compute, and every
+        # row's first tree costs its draft reading its prompt: the job starts decoding plainly, after its first
+        # timed pass one row grows a tree (32 nodes alone, 32 / B among B rows but at least 8: enough to price a
+        # draft's nodes), and the planner grows the others' once it has timed that tree and trees pay
+        # (probe_first); rows joining later while trees pay share 32 nodes a pass. One row in flight starts with
+        # its 32-node tree. Why each start: docs/benchmarks.md, "Reading the batch numbers".
         gpu = self.device.type == "cuda"
         streamed = self._stream_stats() is not None
         planner = BudgetPlanner(start=128 if gpu else max(1, 32 // B), max_budget=self.max_tree_budget, max_depth=0,

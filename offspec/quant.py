@@ -254,8 +254,8 @@ def _quantize_matrix(quant: str, w: torch.Tensor, dtype: torch.dtype) -> dict[st
 def _dequantize_matrix(quant: str, pieces: dict[str, torch.Tensor], out: torch.Tensor) -> None:
     """out (N, K), in the compute dtype <- the matrix its pieces hold."""
     if quant == "int8":
-        # q then a row scale, in place: 20 ms for a 1536x8960 bf16 matrix on 2 cores (the cast and multiply
-        # in one torch.mul into `out` took 31 ms, bitsandbytes' int8_vectorwise_dequant 80 ms, in float32).
+        # q then a row scale, in place: two passes over `out`, no temporary (the fastest of the ways tried:
+        # docs/benchmarks.md, "Held quantized resident layers and drafts").
         out.copy_(pieces["int8"])
         out.mul_(pieces["scale"][:, None])
         return
@@ -344,8 +344,8 @@ class QuantizedResident:
     layer that every such layer shares. Each pass dequantizes it into the scratch right before it runs
     (weights()), with the streamer's dequantization (QuantizedLayout.dequantize) on the compute queue: in
     stream order after the previous layer's kernels, which read the scratch before, so no event is needed.
-    That costs compute every pass (a GPU: ~1 ms a layer; this 2-core CPU: ~85 ms for a 1.5B nf4 layer), which
-    is why a layer is held so only where that lets more layers stay resident (plan.py)."""
+    That costs compute every pass (docs/benchmarks.md, "Held quantized resident layers and drafts"), which is
+    why a layer is held so only where that lets more layers stay resident (plan.py)."""
     layout: QuantizedLayout
     block: torch.Tensor      # (layout.nbytes,) uint8 on the device, for good
     scratch: torch.Tensor    # (layout.dense.nbytes,) uint8 on the device, shared by every quantized resident layer

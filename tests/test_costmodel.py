@@ -487,3 +487,23 @@ def test_probe_first_keeps_plain_decoding_where_the_probes_draft_nodes_are_dear(
     assert p.plain_wins
 
 
+
+
+def test_a_rounding_residual_never_picks_the_draft_model(monkeypatch):
+    """Draft rounds that cost exactly c0 a call: the fit's per-node cost is 0 up to rounding, whose sign (which may
+    vary with how the solver runs) must not switch the model to per node."""
+    p = planner_costing(a=5.0, b=1e-4)
+    real = torch.linalg.lstsq
+
+    def residual(sign):
+        def lstsq(A, B):
+            out = real(A, B)
+            return type("Solution", (), {"solution": torch.tensor([[out.solution[0, 0]], [sign * 1e-19]],
+                                                                    dtype=torch.float64)})
+        return lstsq
+    fits = []
+    for sign in (1, -1):
+        monkeypatch.setattr(torch.linalg, "lstsq", residual(sign))
+        fits.append(p.draft_fit("per node"))
+    assert fits[0] == fits[1] and abs(fits[0][0] - 0.01) < 1e-12 and fits[0][1] == 0.0
+    assert p.rows_worth(16) == 16

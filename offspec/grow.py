@@ -306,7 +306,8 @@ class _Growth:
         return [0, *self._fold_twins(best)]
 
     def _fold_twins(self, best: list[int]) -> list[int]:
-        """T > 0: drop each chosen n-gram node whose parent has a chosen drawn child with its token (its twin),
+        """Drop each chosen n-gram node whose parent has a chosen drawn child with its token (its twin; only at
+        T > 0, since at T = 0 the chains followed their twins during the cut),
         moving the n-gram node's chosen children under the twin; the freed places stay empty. Only n-gram nodes
         leave, after the cut, so no drawn node's presence depends on a draw (module docstring)."""
         drawn = {(self.parent[n], self.token[n]): n for n in best if self.match[n] == 0}

@@ -70,7 +70,7 @@ def store_dir_for(ckpt: Checkpoint, dtype: torch.dtype, home: Path, quant: str =
 
 def load_target(ckpt: Checkpoint, layers: LayerPlan, runtime: RuntimeConfig, progress: bool = True) -> Model:
     """The target: globals first, then its layers as `layers` (the memory plan's) says."""
-    if not layers.placement.streamed and not layers.from_store:
+    if layers.dense_resident:
         return load_resident(ckpt, runtime.device, runtime.dtype)
     globals_ = ckpt.global_weights(runtime.device, runtime.dtype)
     target_layers = open_target_layers(ckpt.layer_tensors, ckpt.config, layers, runtime.device, runtime.dtype,
@@ -222,7 +222,7 @@ def open_target_layers(layer_tensors_fn: LayerTensorsFn, cfg: ModelConfig, layer
     placement, quant = layers.placement, layers.quant
     check_target_quant(quant, device, dtype)
     layout = target_layout(cfg, dtype, quant)
-    if not placement.streamed and not layers.from_store:
+    if layers.dense_resident:
         resident_layers = []
         for i in tqdm(range(cfg.n_layers), desc="loading layers", unit="layer", disable=not progress):
             block = torch.empty(layout.nbytes, dtype=torch.uint8, device=device)   # (nbytes,) one block per layer

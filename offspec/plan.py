@@ -354,6 +354,11 @@ class LayerPlan:
         """The layers are read from a packed store: disk mode, or a quantized target (quantized once, into it)."""
         return self.placement.mode == "disk" or self.quant != "none"
 
+    @property
+    def dense_resident(self) -> bool:
+        """Every layer stays on the device, dense, read straight from the checkpoint: no store, no ring."""
+        return not self.placement.streamed and not self.from_store
+
     @staticmethod
     def of(cfg: ModelConfig, offload: OffloadConfig, dtype: torch.dtype, *, quant: str = "none",
            resident_quant: str = "auto", store_dir: Optional[str] = None,
@@ -390,25 +395,37 @@ class PlanItem:
 @dataclass(frozen=True)
 class MemoryPlan:
     machine: Machine
-    mode: str                     # the offload mode that runs ("auto" resolved)
     context: int                  # tokens per sequence in both KV caches (capped at the models' context)
     tree_budget: int              # largest tree a pass may verify
     prefill_chunk: int            # rows per layer call
     concurrency: int              # requests in flight at once: KV-cache rows, trees per pass
     layers: LayerPlan             # the target's layers: placement, store folder, pinned budget (loading obeys it)
     layer_budget: int             # device bytes that were available for the ring and resident layers
-    pinned_budget: int            # host bytes that may be pinned
     host_pinned: bool             # the arena / staging will be pinned (CUDA only)
     items: tuple[PlanItem, ...]
     notes: tuple[str, ...] = ()   # decisions worth a line in the report (pageable fallback, auto mode, ...)
     streamed_bytes: int = 0       # weight bytes moved per target pass
-    target_quant: str = "none"    # "none" | "int8" | "nf4": how the target's layers are stored and moved
     block_nbytes: int = 0         # one target layer as stored and moved (quantized or dense)
 
     @property
     def placement(self) -> Placement:
         """Resident layers and ring."""
         return self.layers.placement
+
+    @property
+    def mode(self) -> str:
+        """The offload mode that runs ("auto" resolved)."""
+        return self.placement.mode
+
+    @property
+    def pinned_budget(self) -> int:
+        """Host bytes that may be pinned."""
+        return self.layers.host_budget
+
+    @property
+    def target_quant(self) -> str:
+        """"none" | "int8" | "nf4": how the target's layers are stored and moved."""
+        return self.layers.quant
 
     def total(self, where: str) -> int:
         return sum(i.nbytes for i in self.items if i.where == where)
@@ -458,6 +475,7 @@ class MemoryPlan:
     def to_dict(self) -> dict:
         d = asdict(self)
         d["layers"].pop("placement")                     # given below, with its derived fields
+        d.update(mode=self.mode, pinned_budget=self.pinned_budget, target_quant=self.target_quant)
         d["placement"] = {"mode": self.placement.mode, "resident": list(self.placement.resident),
                           "streamed": list(self.placement.streamed), "n_slots": self.placement.n_slots,
                           "layer_nbytes": self.placement.layer_nbytes,
@@ -662,14 +680,15 @@ def _place(target: ModelSpec, offload: OffloadConfig, runtime: RuntimeConfig, ma
         fix = "use --offload disk" if mode == "cpu" else "lower --context or --tree-budget"
         raise BudgetError(f"the run needs {fmt(host_total)} of host memory but {fmt(machine.host_bytes)} is available "
                           f"({machine.host_source}): {fix}")
-    from_store = mode == "disk" or quant != "none"
-    layers = LayerPlan(placement, quant, (offload.store_dir or store_dir) if from_store else None, pinned_budget,
-                       offload.overlap, offload.drop_page_cache, offload.disk_io)
-    return MemoryPlan(machine=machine, mode=mode, context=context, tree_budget=tree_budget,
+    layers = LayerPlan(placement, quant, offload.store_dir or store_dir, pinned_budget, offload.overlap,
+                       offload.drop_page_cache, offload.disk_io)
+    if not layers.from_store:
+        layers = replace(layers, store_dir=None)           # no store is read: name no folder
+    return MemoryPlan(machine=machine, context=context, tree_budget=tree_budget,
                       prefill_chunk=limits.prefill_chunk, concurrency=limits.concurrency, layers=layers,
                       layer_budget=left if offload.gpu_budget is None else offload.gpu_budget,
-                      pinned_budget=pinned_budget, host_pinned=host_pinned, items=tuple(items), notes=tuple(notes),
-                      streamed_bytes=streamed * B, target_quant=quant, block_nbytes=B)
+                      host_pinned=host_pinned, items=tuple(items), notes=tuple(notes),
+                      streamed_bytes=streamed * B, block_nbytes=B)
 
 
 def _auto_mode(shared: bool, left: int, all_layers: int, full_arena: int, host_fixed: int, machine: Machine,

@@ -102,10 +102,10 @@ class IncrementalText:
                 self.searched = 0
             elif final:
                 tail = new
-        self._find_stops(final, tail)
+        self._find_stops(tail)
         return tail
 
-    def _find_stops(self, final: bool, tail: str) -> None:
+    def _find_stops(self, tail: str) -> None:
         """Look for stop strings in the text not searched yet (and the longest stop string's length before it)."""
         if not self.stop_strings or self.cut is not None:
             return

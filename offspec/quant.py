@@ -137,16 +137,16 @@ def linear(x: torch.Tensor, w, bias: torch.Tensor | None = None, narrow: torch.T
         return F.linear(x, w, bias)
     int8 = ((w.q, w.scale) if isinstance(w, Int8Weight) else
             (w.pieces["int8"], w.pieces["scale"]) if w.quant == "int8" else None)
-    dense = w.full if isinstance(w, Int8Weight) else None           # a HeldWeight is dequantized only if needed
+    dense = (lambda: w.full) if isinstance(w, Int8Weight) else w.dequantize   # a HeldWeight's only when needed
     if narrow is None or int8 is None or not bool(narrow.any()):
-        return F.linear(x, dense if dense is not None else w.dequantize(), bias)
+        return F.linear(x, dense(), bias)
     rows = x.reshape(-1, x.shape[-1])                                                  # (M, K)
     if bool(narrow.all()):
         out = _int8_matmul(rows, *int8, bias)
     else:
-        out = rows.new_empty(rows.shape[0], w.shape[0] if isinstance(w, HeldWeight) else dense.shape[0])   # (M, N)
+        out = rows.new_empty(rows.shape[0], int8[0].shape[0])                           # (M, N)
         out[narrow] = _int8_matmul(rows[narrow], *int8, bias)
-        out[~narrow] = F.linear(rows[~narrow], dense if dense is not None else w.dequantize(), bias)
+        out[~narrow] = F.linear(rows[~narrow], dense(), bias)
     return out.view(*x.shape[:-1], -1)
 
 

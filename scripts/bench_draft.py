@@ -53,9 +53,10 @@ def time_calls(model, rows: int, context: int, calls: int, sequences: int = 1) -
     evenly among `sequences` sequences (each its own cache row, as prompts in flight share a growth call)."""
     cache = KVCache.for_model(model.cfg, context + rows, model.dtype, CPU, batch=sequences)
     tokens = torch.randint(0, model.cfg.vocab_size, (rows,), generator=torch.Generator().manual_seed(rows))
-    positions = torch.cat([torch.arange(context, context + width) for width in widths(rows, sequences)])    # (R,)
+    split = widths(rows, sequences)
+    positions = torch.cat([torch.arange(context, context + width) for width in split])    # (R,)
     spans, start = [], 0
-    for row, width in enumerate(widths(rows, sequences)):
+    for row, width in enumerate(split):
         cache.set_length(context, row)
         slots = torch.arange(context, context + width)                                     # (w,)
         spans.append(RowSpan(start, start + width, row, slots, torch.ones(width, context + width, dtype=torch.bool)))

@@ -108,6 +108,8 @@ def main() -> int:
                    help="skip the drafts held quantized (int8-held, nf4: --draft-quant)")
     p.add_argument("--write-docs", action="store_true", help="replace the bench_draft section of docs/benchmarks.md")
     args = p.parse_args()
+    if args.sequences < 1:
+        p.error("--sequences must be at least 1")
     started, load_at_start = time.time(), _common.load_average()
     rows = [int(r) for r in args.rows.split(",")]
     dtype = parse_dtype(args.dtype)

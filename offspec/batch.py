@@ -4,8 +4,8 @@ Each finished prompt is appended to OUT as one complete line with a single write
 Ctrl-C or a kill loses no finished line; a torn last line (a kill inside the write) is cut away on the next
 run. Rerunning skips ids already in OUT.
 
-run_prompts turns Engine.run_batch's per-pass RowSteps into one event per prompt (finished or refused): what
-`offspec batch` writes, whether its engine runs in the same process or in a Ray actor (cluster.py).
+This module holds the two file formats only: the prompt file (PromptItem, read_prompt_file) and the result file
+(ResultFile, result_record). Running the prompts is jobs.py's (one process) and cluster.py's (Ray workers).
 """
 from __future__ import annotations
 
@@ -13,29 +13,10 @@ import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator, Optional, Sequence, Union
+from typing import Optional, Union
 
-from .errors import BudgetError, InputError
-from .feed import RequestFeed
-from .metrics import RunReport, Step
-
-
-AUTO_CONCURRENCY = 16    # batch --concurrency auto: at most this many prompts in flight (halved until the plan fits)
-
-
-def auto_concurrency(models, offload, runtime, limits_for, n_prompts: int,
-                     machine=None) -> int:
-    """The most prompts in flight, up to AUTO_CONCURRENCY and the number of prompts, whose memory plan fits
-    (each adds KV-cache rows, a tree's logits and activations); halving from there. machine: the plan's
-    plan.Machine (a Ray worker's); default this one."""
-    b = min(AUTO_CONCURRENCY, n_prompts)
-    while b > 1:
-        try:
-            models.plan(offload, runtime, limits_for(b), machine)
-            return b
-        except BudgetError:
-            b //= 2
-    return 1
+from .errors import InputError
+from .request import check_max_new_tokens, check_messages, check_text
 
 
 @dataclass(frozen=True)
@@ -105,21 +86,16 @@ def _parse_json_line(line: str, number: int, bad: list) -> Optional[PromptItem]:
     if "prompt" in obj and "messages" in obj:
         bad.append(BadLine(number, "give either prompt or messages, not both"))
         return None
-    if isinstance(prompt, str):
-        if not prompt.strip():
-            bad.append(BadLine(number, "empty prompt"))
-            return None
-    elif isinstance(prompt, list):
-        if not prompt or not all(isinstance(m, dict) and isinstance(m.get("role"), str)
-                                 and isinstance(m.get("content"), str) for m in prompt):
-            bad.append(BadLine(number, "messages must be a non-empty list of {role, content} objects"))
-            return None
-    else:
+    if prompt is None:
         bad.append(BadLine(number, "needs a 'prompt' string or a 'messages' list"))
         return None
     max_new = obj.get("max_new_tokens")
-    if max_new is not None and (not isinstance(max_new, int) or isinstance(max_new, bool) or max_new < 1):
-        bad.append(BadLine(number, "max_new_tokens must be a positive integer"))
+    try:
+        check_text(prompt)
+        if max_new is not None:
+            check_max_new_tokens(max_new)
+    except InputError as e:
+        bad.append(BadLine(number, str(e)))
         return None
     return PromptItem(id=str(item_id), prompt=prompt, max_new_tokens=max_new, line=number)
 
@@ -136,13 +112,13 @@ def _parse_openai_line(obj: dict, number: int, bad: list) -> Optional[PromptItem
         bad.append(BadLine(number, "an OpenAI batch line needs a 'body' object"))
         return None
     messages = body.get("messages")
-    if not isinstance(messages, list) or not messages or not all(
-            isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in messages):
-        bad.append(BadLine(number, "body.messages must be a non-empty list of {role, content} objects"))
-        return None
     max_new = body.get("max_completion_tokens", body.get("max_tokens"))
-    if max_new is not None and (not isinstance(max_new, int) or isinstance(max_new, bool) or max_new < 1):
-        bad.append(BadLine(number, "body.max_tokens must be a positive integer"))
+    try:
+        check_messages(messages, "body.messages")
+        if max_new is not None:
+            check_max_new_tokens(max_new, "body.max_tokens")
+    except InputError as e:
+        bad.append(BadLine(number, str(e)))
         return None
     return PromptItem(id=custom_id, prompt=messages, max_new_tokens=max_new, line=number, openai=True)
 
@@ -197,6 +173,7 @@ class ResultFile:
 
 
 def result_record(item: PromptItem, report) -> dict:
+    """A finished prompt's line in the result file (report: its metrics.RunReport); OpenAI lines keep custom_id."""
     return {
         **({"custom_id": item.id} if item.openai else {}),
         "id": item.id,
@@ -208,43 +185,3 @@ def result_record(item: PromptItem, report) -> dict:
         "prompt_tokens": report.prompt_tokens,
         "finish_reason": report.finish_reason,
     }
-
-
-@dataclass(frozen=True)
-class PromptDone:
-    """A finished prompt: its report (the result line is made from it) and the Steps of its passes (the job's
-    totals are counted from them)."""
-    request: int                     # index in the requests given to run_prompts (with a feed: its key)
-    report: RunReport
-    steps: list[Step]
-
-
-@dataclass(frozen=True)
-class PromptRefused:
-    """A prompt the engine refused (an empty prompt, one longer than the context, ...)."""
-    request: int
-    error: InputError
-
-
-def run_prompts(engine, requests: Union[Sequence, RequestFeed], concurrency: int,
-                prefill_per_pass: Optional[int] = None, adapt_rows: bool = False
-                ) -> Iterator[Union[PromptDone, PromptRefused]]:
-    """Engine.run_batch over `requests` (GenerationRequests, or a RequestFeed that may be put more while the job
-    runs: a Ray worker's), one event per prompt as each finishes; an event's `request` is the request's
-    position in the list, or its key in the feed.
-    adapt_rows: concurrency is the most in flight, the measured costs may keep fewer (auto concurrency)."""
-    from . import generate    # report_of looked up at call time (tests interrupt a job there)
-
-    feed = requests if isinstance(requests, RequestFeed) else RequestFeed.of(requests)
-    steps: dict = {}
-    for event in engine.run_batch(feed, concurrency=concurrency, prefill_per_pass=prefill_per_pass,
-                                  adapt_rows=adapt_rows):
-        if event.error is not None:
-            feed.forget(event.request)
-            yield PromptRefused(event.request, event.error)
-            continue
-        steps.setdefault(event.request, []).append(event.step)
-        if event.step.finish_reason is not None:
-            done, request = steps.pop(event.request), feed.request(event.request)
-            feed.forget(event.request)
-            yield PromptDone(event.request, generate.report_of(engine, request, done), done)

@@ -11,18 +11,18 @@ import json
 import os
 import re
 import sys
-import time
 from pathlib import Path
-from contextlib import contextmanager
-from dataclasses import dataclass
-from typing import Callable, NoReturn, Optional
+from typing import NoReturn, Optional
 
 import click
 
-from .batch import AUTO_CONCURRENCY, auto_concurrency
 from .config import AUTO_MAX_TREE_BUDGET, DEFAULT_PREFILL_CHUNK, OffloadConfig, RunLimits, RuntimeConfig, SamplingConfig, TreeConfig
+from .controller import MIN_JOIN_CHUNK, ROW_GAIN
 from .errors import InputError, OffspecError
+from .model_info import Rates
+from .plan import AUTO_CONCURRENCY, PINNED_FRACTION
 from .quant import FUSED_MAX_ROWS
+from .request import check_max_new_tokens, check_text
 
 POLICIES = ["dyspec", "heap", "chain", "static", "none"]
 TARGET_QUANT_CHOICES = ["none", "int8", "nf4"]   # quant.TARGET_QUANTS (not imported here: keeps --help fast)
@@ -88,7 +88,8 @@ def model_options(f):
                      help="How the draft's matrices are held. int8 = beside each its int8 copy (one scale per row, "
                           "+50% draft memory), which a prompt's tokens in a draft call read when the call covers at most "
                           f"{FUSED_MAX_ROWS} of that prompt's tokens (its own count, never its batch's): such a call on a "
-                          "CPU reads every weight, so the copy makes it about twice as fast. int8-held / nf4 = held ONLY "
+                          "CPU reads every weight, so reading half the bytes makes it faster (draft-call times: "
+                          "docs/benchmarks.md). int8-held / nf4 = held ONLY "
                           "quantized (per-row int8: 0.50x; bitsandbytes nf4: 0.28x of bf16; lm_head stays dense) to free "
                           "device memory for resident target layers: each call dequantizes a matrix at a time (slower on "
                           "a CPU; int8-held reads int8 directly where the copy would). Output is unchanged either way "
@@ -107,7 +108,8 @@ def model_options(f):
                           "as their quantized blocks, 0.28x (nf4) / 0.50x (int8) of bf16 plus one dense scratch layer, "
                           "and dequantize each into the scratch right before it runs, every pass: about 2x (int8) / "
                           "3.5x (nf4) as many layers stay resident, so fewer stream; the price is a dequantization per "
-                          "held layer per pass (a GPU: ~1 ms a layer; a 2-core CPU: ~85 ms for a 1.5B nf4 layer). "
+                          "held layer per pass (its cost on a GPU and a CPU: docs/benchmarks.md, \"Held quantized "
+                          "resident layers\"). "
                           "auto = held only where that keeps more layers resident (never when all fit dense); off = "
                           "resident layers dequantized once, dense."),
         click.option("--device", default=default_device, show_default="cuda if available, else cpu",
@@ -129,8 +131,8 @@ def model_options(f):
         click.option("--store-dir", default=None, help="Disk-mode packed store folder. Default: under $OFFSPEC_HOME/stores."),
         click.option("--host-budget", default=None, help="Host RAM that may be pinned (the cpu-mode arena, disk-mode "
                      "staging; e.g. 64GB); an arena above it stays pageable (slower copies, said in the report). "
-                     "Refused when above the host memory the run may use. Default: 80% of min(MemAvailable, the "
-                     "cgroup's memory limit)."),
+                     "Refused when above the host memory the run may use. "
+                     f"Default: {PINNED_FRACTION:.0%} of min(MemAvailable, the cgroup's memory limit)."),
         click.option("--context", "context", default="auto", show_default=True,
                      help="Tokens one sequence may reach (prompt + generated + one tree): sizes both KV caches. auto = "
                           "the longest prompt + --max-new-tokens + the largest tree, capped at the models' context."),
@@ -146,7 +148,8 @@ def model_options(f):
         click.option("--tree", "policy", type=click.Choice(POLICIES), default="dyspec", show_default=True,
                      help="Tree growth policy; none = plain autoregressive with the target alone."),
         click.option("--tree-budget", default="auto", show_default=True,
-                     help="Max tree nodes per target pass, or 'auto' (chosen from measured draft and target times)."),
+                     help="Max tree nodes per target pass, or 'auto' (chosen from measured draft and target times, "
+                          f"up to {AUTO_MAX_TREE_BUDGET})."),
         click.option("--threshold", type=float, default=None,
                      help="DySpec threshold C. Default: adaptive (C set so the tree fills the budget)."),
         click.option("--max-depth", type=int, default=TreeConfig.max_depth, show_default=True, help="Deepest tree level."),
@@ -177,21 +180,10 @@ def model_options(f):
 
 def build_configs(o: dict, check_device: bool = True):
     """check_device False: the device is a Ray worker's, not this machine's (CUDA need not be here)."""
-    from .load import parse_device, parse_dtype
+    from .load import parse_device, parse_dtype, runtime_config
 
-    device = parse_device(o["device"], check_available=check_device)
-    dtype = parse_dtype(o["dtype"])
-    draft_quant = o["draft_quant"]
-    from .quant import auto_draft_quant, check_draft_quant, check_target_quant
-    if draft_quant == "auto":
-        draft_quant = auto_draft_quant(device.type, dtype)
-
-    runtime = RuntimeConfig(device=device, dtype=dtype, draft_quant=draft_quant,
-                            target_quant=o["target_quant"], resident_quant=o["resident_quant"])
-    check_target_quant(runtime.target_quant, device, runtime.dtype)   # before any model is read
-    check_draft_quant(runtime.draft_quant, device, runtime.dtype)
-    from .plan import check_resident_quant
-    check_resident_quant(runtime.resident_quant, quantized=runtime.target_quant != "none")
+    runtime = runtime_config(parse_device(o["device"], check_available=check_device), parse_dtype(o["dtype"]),
+                             o["draft_quant"], o["target_quant"], o["resident_quant"])   # before any model is read
     if o["n_slots"] < (1 if o["no_overlap"] else 2):
         raise InputError("--slots must be at least 2 (1 only with --no-overlap)")
     if o["prefill_chunk"] < 1:
@@ -237,15 +229,17 @@ def open_from_options(o: dict, check_device: bool = True):
     return Models.open(target, draft), configs
 
 
-def run_limits(o: dict, tree: TreeConfig, sampling: bool, longest: int, concurrency: int = 1) -> RunLimits:
+def run_limits(o: dict, tree: TreeConfig, sampling: bool, longest: int, concurrency: Optional[int] = 1,
+               prompts: Optional[int] = None) -> RunLimits:
     """--context auto: the longest sequence the run can make (prompt + new tokens, `longest`), one full tree
-    and its root on top, so the last rounds still get whole trees; the plan caps it at the models' context."""
+    and its root on top, so the last rounds still get whole trees; the plan caps it at the models' context.
+    concurrency None (--concurrency auto): the memory plan's most, no more than the job's `prompts`."""
     context = parse_context(o["context"])
     if context is None:
         tree_room = tree.budget if tree.budget is not None else AUTO_MAX_TREE_BUDGET
         context = longest + (tree_room if tree.policy != "none" else 0) + 2
     return RunLimits(context=context, tree_budget=tree.budget, prefill_chunk=o["prefill_chunk"], sampling=sampling,
-                     concurrency=concurrency)
+                     concurrency=concurrency, concurrency_cap=prompts)
 
 
 def fail(message: str) -> NoReturn:
@@ -316,8 +310,7 @@ def generate(prompt, prompt_file, raw, max_new_tokens, stop, json_path, quiet, *
     from .prompt import encode_prompt
 
     text = read_prompt(prompt, prompt_file)
-    if max_new_tokens < 1:
-        raise InputError("--max-new-tokens must be at least 1")
+    check_max_new_tokens(max_new_tokens, "--max-new-tokens")
     if json_path:
         check_writable(json_path)
     models, (runtime, offload, tree, sampling) = open_from_options(o)
@@ -356,8 +349,7 @@ def read_prompt(prompt: Optional[str], prompt_file: Optional[str]) -> str:
         text = sys.stdin.read()
     else:
         raise InputError("no prompt: give one as an argument, with --prompt-file, or on stdin")
-    if not text.strip():
-        raise InputError(f"the prompt is empty{f' ({prompt_file})' if prompt_file not in (None, '-') else ''}")
+    check_text(text, where=prompt_file if prompt_file != "-" else None)
     return text
 
 
@@ -396,8 +388,8 @@ def write_json(path: str, data: dict) -> None:
               help="Prompts in flight at once (in each worker): every target pass streams the layers once for all "
                    "of them (each with its own tree, KV-cache rows and randomness; outputs are the same as one at a "
                    f"time). auto = the most, up to {AUTO_CONCURRENCY}, that the memory plan fits, and of those only "
-                   "as many as the measured pass and draft costs say add at least 5% to tokens/s (finished prompts "
-                   "are then not all refilled); 1 = one at a time.")
+                   f"as many as the measured pass and draft costs say add at least {ROW_GAIN:.0%} to tokens/s "
+                   "(finished prompts are then not all refilled); 1 = one at a time.")
 @click.option("--workers", type=int, default=None,
               help="Run the job on Ray with this many workers, each with its own engine: one GPU each where the "
                    "cluster has GPUs, else --worker-cpus cores each. Needs Ray (pip install -e '.[ray]'). "
@@ -410,7 +402,8 @@ def write_json(path: str, data: dict) -> None:
 @click.option("--prefill-per-pass", default="auto", show_default=True,
               help="A prompt joining while others decode is fed at most this many tokens a pass, so a long prompt "
                    "does not stall their passes. auto = from measured pass times: a chunk costs the others at most "
-                   "one more pass's fixed cost (whole prompts at once when passes are transfer-bound).")
+                   f"one more pass's fixed cost, and is at least {MIN_JOIN_CHUNK} tokens (whole prompts at once when "
+                   "passes are transfer-bound).")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None,
               help="Write the job's totals (tokens/s, passes, prompts per pass, GB per token; per worker with "
                    "--workers) here. Default: none.")
@@ -424,12 +417,15 @@ def batch(prompt_file, output, max_new_tokens, stop, raw, strict, concurrency, p
     would be alone. Each finished prompt is one complete line in OUTPUT; Ctrl-C (exit 130) or a kill loses
     no finished line, and rerunning the same command continues where it stopped. --workers N shards the job
     over N Ray workers (docs/cluster.md); this process stays the only writer of OUTPUT."""
+    from tqdm import tqdm
+
     from .batch import ResultFile, read_prompt_file
+    from .cluster import RaySetup, engines_on_ray, import_ray
     from .generate import GenerationRequest
+    from .jobs import BatchRun, engine_here, write_results
     from .prompt import encode_prompt
 
-    if max_new_tokens < 1:
-        raise InputError("--max-new-tokens must be at least 1")
+    check_max_new_tokens(max_new_tokens, "--max-new-tokens")
     concurrency = parse_auto_count(concurrency, "--concurrency", 1)
     prefill_per_pass = parse_auto_count(prefill_per_pass, "--prefill-per-pass", 1)
     ray = None
@@ -439,7 +435,6 @@ def batch(prompt_file, output, max_new_tokens, stop, raw, strict, concurrency, p
     else:
         if workers < 1 or worker_cpus < 1:
             raise InputError("--workers and --worker-cpus must be at least 1")
-        from .cluster import import_ray
         ray = import_ray()
     if json_path:
         check_writable(json_path)
@@ -459,12 +454,13 @@ def batch(prompt_file, output, max_new_tokens, stop, raw, strict, concurrency, p
         models, (runtime, offload, tree, sampling) = open_from_options(o, check_device=workers is None)
         failed = 0
 
-        def skip(item, e, write=click.echo):
+        def skip(item, e) -> str:
+            """The line for a prompt that cannot run; with --strict the job stops there instead."""
             nonlocal failed
             if strict:
                 raise InputError(f"{prompt_file} line {item.line}: {e}") from None
             failed += 1
-            write(f"offspec: skipping {prompt_file} line {item.line} (id {item.id}): {e}", err=True)
+            return f"offspec: skipping {prompt_file} line {item.line} (id {item.id}): {e}"
 
         # Every prompt is tokenized before loading: the longest one sizes the KV caches (--context auto).
         requests = []
@@ -475,15 +471,27 @@ def batch(prompt_file, output, max_new_tokens, stop, raw, strict, concurrency, p
                                                          max_new_tokens=item.max_new_tokens or max_new_tokens,
                                                          sampling=sampling)))
             except InputError as e:
-                skip(item, e)
+                click.echo(skip(item, e), err=True)
         if not requests:
             raise InputError(f"{prompt_file}: no prompt could be encoded")
         longest = max(len(r.prompt_ids) + r.max_new_tokens for _, r in requests)
-        run = BatchRun(models, offload, runtime, concurrency, prefill_per_pass, [r for _, r in requests],
-                       limits_for=lambda b: run_limits(o, tree, not sampling.greedy, longest, b))
-        source = engine_here(run) if ray is None else engines_on_ray(run, ray, ray_address, workers, worker_cpus, o)
-        with source as (events, job, status):
-            write_results(events, requests, job, skip, results, output, status)
+        limits = run_limits(o, tree, not sampling.greedy, longest, concurrency, prompts=len(requests))
+        run = BatchRun(models, offload, runtime, limits, prefill_per_pass, [r for _, r in requests])
+        if ray is None:
+            source = engine_here(run)
+        else:
+            setup = RaySetup(workers, worker_cpus, ray_address, device=o["device"] if device_given() else None,
+                             draft_quant=o["draft_quant"], target=o["target"], draft=o["draft"])
+            source = engines_on_ray(run, setup, ray, notify=lambda text: tqdm.write(f"offspec: {text}", file=sys.stderr))
+        with source as running:
+            if running.where:
+                click.echo(running.where, err=True)
+            try:
+                write_results(running, requests, results, skip)
+            except KeyboardInterrupt:
+                click.echo(f"\noffspec: interrupted; finished prompts are saved in {output}; rerun to resume", err=True)
+                sys.exit(130)
+        job = running.report
     finally:
         results.close()
     job.skipped = len(bad) + failed
@@ -498,115 +506,9 @@ def batch(prompt_file, output, max_new_tokens, stop, raw, strict, concurrency, p
         sys.exit(2 if job.prompts == 0 else 0)
 
 
-@dataclass(frozen=True)
-class BatchRun:
-    """What a batch job runs, wherever its engines are."""
-    models: object                      # load.Models, opened (configs, headers, tokenizer)
-    offload: OffloadConfig
-    runtime: RuntimeConfig              # this machine's (engine_here); engines_on_ray makes the workers' own
-    concurrency: Optional[int]          # prompts in flight per engine; None = auto (the memory plan's most, fewer
-                                        # where the measured costs say more rows add little: BudgetPlanner.rows_worth)
-    prefill_per_pass: Optional[int]     # prompt tokens a joining prompt is fed per pass; None = auto (run_batch)
-    requests: list                      # GenerationRequests, tokenized
-    limits_for: Callable[[int], RunLimits]   # prompts in flight -> the run's limits (context, tree, chunk)
-
-
-@contextmanager
-def engine_here(run: BatchRun):
-    """One engine in this process: yields (events, job report, status for the progress bar)."""
-    from .batch import run_prompts
-    from .metrics import JobReport
-
-    concurrency = run.concurrency or auto_concurrency(run.models, run.offload, run.runtime, run.limits_for,
-                                                      len(run.requests))
-    loaded = run.models.load(run.offload, run.runtime, run.limits_for(concurrency))
-    try:
-        yield (run_prompts(loaded.engine, run.requests, concurrency, run.prefill_per_pass,
-                           adapt_rows=run.concurrency is None),
-               JobReport(concurrency=concurrency, device=str(loaded.engine.device)), None)
-    finally:
-        loaded.engine.close()
-
-
-@contextmanager
-def engines_on_ray(run: BatchRun, ray, address: Optional[str], n_workers: int, worker_cpus: int, o: dict):
-    """N Ray workers with an engine each (cluster.py): yields (events, job report, status); this process stays the
-    only writer. The workers' device: --device if given, else cuda where the cluster has GPUs, else cpu."""
-    from tqdm import tqdm
-
-    from .cluster import Cluster, ClusterError, WorkerSpec, plan_host_bytes
-    from .metrics import JobReport
-
-    with Cluster(ray, address, notify=lambda text: tqdm.write(f"offspec: {text}", file=sys.stderr)) as cluster:
-        if click.get_current_context().get_parameter_source("device") != click.core.ParameterSource.DEFAULT:
-            device = o["device"]
-            if device.startswith("cuda") and cluster.gpus() == 0:
-                raise ClusterError(f"--device {device}: the Ray cluster has no GPU")
-        else:
-            device = "cuda" if cluster.gpus() > 0 else "cpu"
-        runtime = build_configs({**o, "device": device}, check_device=False)[0]
-        cluster.check_slots(n_workers, runtime.device.type, worker_cpus)
-        machine = cluster.probe(runtime.device.type, worker_cpus)
-        concurrency = run.concurrency or auto_concurrency(run.models, run.offload, runtime, run.limits_for,
-                                                          len(run.requests), machine=machine)
-        limits = run.limits_for(concurrency)
-        plan = run.models.plan(run.offload, runtime, limits, machine)    # what a worker cannot hold stops here
-        host_bytes = plan_host_bytes(plan)
-        cluster.check_memory(host_bytes)
-        demo = o["target"] is None
-        draft = None if o["policy"] == "none" else ("demo" if demo else absolute(o["draft"]))
-        spec = WorkerSpec(target=absolute(o["target"]), draft=draft, demo=demo, offload=run.offload,
-                          runtime=runtime, limits=limits, prefill_per_pass=run.prefill_per_pass, cpus=worker_cpus,
-                          adapt_rows=run.concurrency is None)
-        click.echo(f"ray: {n_workers} workers on {runtime.device.type} ({worker_cpus} CPU"
-                   f"{'s' if worker_cpus > 1 else ''}{', 1 GPU' if runtime.device.type == 'cuda' else ''} and "
-                   f"{host_bytes / 1e9:.1f} GB host memory each, by the memory plan), {concurrency} prompts in "
-                   f"flight each; {plan.layers_line()}", err=True)
-        cluster.start(spec, n_workers, host_bytes)
-        job = JobReport(concurrency=concurrency, workers=[w.report for w in cluster.workers])
-        yield (cluster.run(run.requests, concurrency), job,
-               lambda: f"{sum(not w.gone for w in cluster.workers)}/{n_workers} workers")
-
-
-def absolute(name: Optional[str]) -> Optional[str]:
-    """A model folder that exists here as an absolute path (a worker's working folder is not ours); a hub id as
-    given (each node resolves it in its own cache)."""
-    if name is None or not Path(name).expanduser().exists():
-        return name
-    return str(Path(name).expanduser().resolve())
-
-
-def write_results(events, requests, job, skip, results, output, status=None):
-    """The one writer: each finished prompt's line, in the order prompts finish; the progress bar; Ctrl-C.
-    events: run_prompts' or Cluster.run's; requests: [(PromptItem, GenerationRequest)], which they index."""
-    from tqdm import tqdm
-
-    from .batch import PromptDone, result_record
-
-    bar = tqdm(total=len(requests), desc="prompts", unit="prompt", file=sys.stderr, dynamic_ncols=True)
-    started = time.perf_counter()
-    try:
-        for event in events:
-            item, _ = requests[event.request]
-            if not isinstance(event, PromptDone):     # e.g. a prompt longer than the context: skip it, keep going
-                skip(item, event.error, write=lambda text, err: bar.write(text, file=sys.stderr))
-                bar.update(1)
-                continue
-            results.append(result_record(item, event.report))
-            for step in event.steps:
-                job.add(step)
-            job.prompts += 1
-            job.wall_seconds = time.perf_counter() - started
-            bar.update(1)
-            bar.set_postfix_str((f"{status()}, " if status else "")
-                                + f"{job.generated_tokens / job.wall_seconds:.2f} tokens/s, "
-                                f"{job.generated_tokens / max(job.passes, 1e-9):.2f} tokens/pass")
-    except KeyboardInterrupt:
-        bar.close()
-        click.echo(f"\noffspec: interrupted; finished prompts are saved in {output}; rerun to resume", err=True)
-        sys.exit(130)
-    finally:
-        bar.close()
+def device_given() -> bool:
+    """--device was given on the command line (else its default: this machine's, which a Ray worker's is not)."""
+    return click.get_current_context().get_parameter_source("device") != click.core.ParameterSource.DEFAULT
 
 
 # ------------------------------------------------------------------ bench
@@ -741,11 +643,11 @@ def models_demo():
 @click.option("--gpu-budget", default=None,
               help="As for generate: device bytes for the target's layers. Default: what the plan leaves.")
 @click.option("--host-budget", default=None,
-              help="As for generate: host bytes that may be pinned. Default: 80% of the host memory.")
+              help=f"As for generate: host bytes that may be pinned. Default: {PINNED_FRACTION:.0%} of the host memory.")
 @click.option("--slots", "n_slots", type=int, default=2, show_default=True, help="Streaming ring slots.")
 @click.option("--context", default="4096", show_default=True,
               help="Tokens per sequence the KV caches hold (capped at the models' context), or 'auto' = the models' context.")
-@click.option("--tree-budget", default="auto", show_default=True, help="Largest tree per pass, or auto (up to 1024).")
+@click.option("--tree-budget", default="auto", show_default=True, help=f"Largest tree per pass, or auto (up to {AUTO_MAX_TREE_BUDGET}).")
 @click.option("--prefill-chunk", type=int, default=DEFAULT_PREFILL_CHUNK, show_default=True,
               help="Rows each layer processes at a time.")
 @click.option("--draft-quant", type=click.Choice(DRAFT_QUANT_CHOICES), default="auto", show_default=True,
@@ -755,12 +657,12 @@ def models_demo():
 @click.option("--resident-quant", type=click.Choice(RESIDENT_QUANT_CHOICES), default="auto", show_default=True,
               help="As for generate: with --target-quant, resident layers held quantized (+ one dense scratch layer) "
                    "where that keeps more of them on the device.")
-@click.option("--tokens-per-pass", type=float, default=8.0, show_default=True,
-              help="For the PREDICTED s/token: tokens one target pass yields (dyspec trees on the demo pair measured "
-                   "6.5-10 here; a 70B with a 1B draft: unmeasured).")
-@click.option("--link-gbps", type=float, default=24.0, show_default=True,
+@click.option("--tokens-per-pass", type=float, default=Rates.tokens_per_pass, show_default=True,
+              help="For the PREDICTED s/token: tokens one target pass yields (measured values: "
+                   "docs/benchmarks.md, \"Tokens per target pass vs tree budget\").")
+@click.option("--link-gbps", type=float, default=Rates.link_gbps, show_default=True,
               help="Host-to-device bandwidth in GB/s for the predicted pass time (PCIe 4.0 x16 pinned ≈ 24).")
-@click.option("--disk-gbps", type=float, default=3.0, show_default=True,
+@click.option("--disk-gbps", type=float, default=Rates.disk_gbps, show_default=True,
               help="Read rate of the disk store's drive in GB/s for disk offload (a PCIe 4.0 NVMe ≈ 3–7).")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None,
               help="Also write the plan as JSON. Default: none.")
@@ -777,72 +679,28 @@ def models_info(model_dir, draft_dir, device_memory, host_memory, dtype, offload
     from .checkpoint import Checkpoint
     from .hub import resolve_model
     from .load import parse_dtype
-    from .costmodel import GpuSetup, predict_seconds_per_token
-    from .plan import Machine, ModelSpec, TargetLayerSizes, make_plan, predicted_pass_seconds
+    from .model_info import machine_for, model_info
+    from .plan import ModelSpec, make_plan
     from .quant import auto_draft_quant
 
     if json_path:
         check_writable(json_path)
-    ckpt = Checkpoint(resolve_model(model_dir), headers_only=True)
-    draft = Checkpoint(resolve_model(draft_dir), headers_only=True) if draft_dir else None
-    cfg = ckpt.config
-    dt = parse_dtype(dtype)
-    if device_memory is not None or not torch.cuda.is_available():
-        machine = Machine.given(parse_bytes(device_memory), parse_bytes(host_memory))
-    else:
-        measured = Machine.measure(torch.device("cuda"))
-        machine = measured if host_memory is None else Machine(
-            "cuda", measured.device_bytes, parse_bytes(host_memory), "given", measured.name)
-    if draft_quant == "auto":
-        draft_quant = auto_draft_quant(machine.kind, dt)
     if prefill_chunk < 1:
         raise InputError("--prefill-chunk must be at least 1")
     if tokens_per_pass < 1:
         raise InputError("--tokens-per-pass must be at least 1 (every pass yields its bonus token)")
-    plan = make_plan(ModelSpec.of(ckpt), ModelSpec.of(draft) if draft else None,
+    target = Checkpoint(resolve_model(model_dir), headers_only=True)
+    draft = Checkpoint(resolve_model(draft_dir), headers_only=True) if draft_dir else None
+    dt = parse_dtype(dtype)
+    machine = machine_for(parse_bytes(device_memory), parse_bytes(host_memory))
+    runtime = RuntimeConfig(device=torch.device("cpu"), dtype=dt, target_quant=target_quant, resident_quant=resident_quant,
+                            draft_quant=auto_draft_quant(machine.kind, dt) if draft_quant == "auto" else draft_quant)
+    plan = make_plan(ModelSpec.of(target), ModelSpec.of(draft) if draft else None,
                      OffloadConfig(mode=offload, gpu_budget=parse_bytes(gpu_budget), n_slots=n_slots,
-                                   host_budget=parse_bytes(host_budget)),
-                     RuntimeConfig(device=torch.device("cpu"), dtype=dt, draft_quant=draft_quant,
-                                   target_quant=target_quant, resident_quant=resident_quant),
+                                   host_budget=parse_bytes(host_budget)), runtime,
                      RunLimits(context=parse_context(context), tree_budget=parse_auto_count(tree_budget, "--tree-budget", 0),
                                prefill_chunk=prefill_chunk), machine)
-    layer_bytes = plan.placement.layer_nbytes
-    lines = [
-        f"folder:          {ckpt.path}",
-        f"architecture:    {cfg.arch} ({', '.join(ckpt.raw_config.get('architectures') or [])})",
-        f"parameters:      {ckpt.parameter_count() / 1e9:.3f} B",
-        f"stored dtype:    {str(ckpt.dtype).replace('torch.', '')}",
-        f"layers:          {cfg.n_layers} (hidden {cfg.hidden_size}, heads {cfg.n_heads}/{cfg.n_kv_heads} kv, "
-        f"mlp {cfg.intermediate_size}, vocab {cfg.vocab_size}, context {cfg.max_position_embeddings})",
-        f"bytes per layer: {layer_bytes / 1e6:.1f} MB in {dtype}; all layers {cfg.n_layers * layer_bytes / 1e9:.2f} GB",
-    ]
-    if target_quant != "none":
-        block = TargetLayerSizes.of(cfg, dt, target_quant).block
-        lines.append(f"{target_quant} layer:       {block / 1e6:.1f} MB stored and moved ({block / layer_bytes:.2f}x); "
-                     f"all layers {cfg.n_layers * block / 1e9:.2f} GB")
-    if draft is not None:
-        lines.append(f"draft:           {draft.path} ({draft.parameter_count() / 1e9:.3f} B parameters, "
-                     f"{draft.config.n_layers} layers)")
-    for c in (ckpt, draft):
-        if c is not None and c.incomplete:
-            lines.append(f"weights incomplete (enough to plan, not to run): {c.path.name}: {'; '.join(c.incomplete)}")
-    lines.append(plan.describe())
-    if plan.streamed_bytes:
-        seconds = predicted_pass_seconds(plan, link_gbps, disk_gbps)
-        via = f"{min(link_gbps, disk_gbps) if plan.mode == 'disk' else link_gbps:g} GB/s"
-        lines.append(f"PREDICTED pass:  {seconds:.3f} s to stream {plan.streamed_bytes / 1e9:.2f} GB at {via} "
-                     f"(transfer-bound; copies{' and dequantization' if target_quant != 'none' else ''} overlap compute)")
-        held = len(plan.placement.resident) if plan.placement.resident_held else 0
-        per_token = predict_seconds_per_token(plan.streamed_bytes, GpuSetup(link_gb_per_s=plan.streamed_bytes / seconds / 1e9),
-                                              tokens_per_pass, draft_seconds_per_round=0.0, held_layers=held)
-        lines.append(f"PREDICTED speed: {per_token['seconds_per_token']:.3f} s/token at {tokens_per_pass:g} tokens per pass "
-                     f"(--tokens-per-pass; the draft's time not counted)")
-    else:
-        lines.append("PREDICTED pass:  nothing streams (compute-bound)")
-    if plan.placement.resident_held:
-        lines.append(f"held layers:     {len(plan.placement.resident)} resident layers held {target_quant} are dequantized "
-                     f"every pass, on the compute queue (PREDICTED speed counts ~1 ms a layer, a GPU's)")
-    click.echo("\n".join(lines))
+    click.echo(model_info(target, draft, plan, dt, Rates(tokens_per_pass, link_gbps, disk_gbps)))
     if json_path:
         write_json(json_path, plan.to_dict())
 

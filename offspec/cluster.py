@@ -1,9 +1,11 @@
 """Batch jobs sharded over a Ray cluster: N actors own one engine each; the driver hands out prompts and alone
-writes the result file, so resume and exactly-once stay where they are for a one-process job (batch.py).
+writes the result file (jobs.write_results), so resume and exactly-once stay where they are for a one-process
+job. engines_on_ray(run, setup, ray, notify) is jobs.engine_here's counterpart: a jobs.BatchRun on N workers.
 
     driver (`offspec batch --workers N`)                   actors (BatchWorker: one per GPU, or per CPU slot)
       skip ids already in OUT, tokenize every prompt
       probe one worker's machine, make its memory plan ──►  (a task placed the way a worker is placed)
+        (plan.make_plan: auto concurrency resolved there)
       start N actors: num_gpus=1 | num_cpus, memory = the plan's host bytes
       keep each worker's feed topped up ───────────────►  load the engine once (again after a restart)
         (its rows' worth of prompts waiting)               Engine.run_batch over its feed (batched trees): a
@@ -28,15 +30,17 @@ import threading
 import time
 from collections import deque
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
 from typing import Callable, Iterator, Optional, Sequence, Union
 
 import torch
 
-from .batch import PromptDone, PromptRefused, run_prompts
 from .config import OffloadConfig, RunLimits, RuntimeConfig
 from .errors import BudgetError, InputError, OffspecError
 from .feed import RequestFeed
+from .jobs import BatchRun, PromptDone, PromptRefused, Running, run_prompts
+from .metrics import JobReport
 
 MAX_RESTARTS = 3              # Ray restarts a dead worker's process this many times, then it is gone for good
 FEED_ROUNDS = 2               # a worker's feed is kept at this many times its concurrency prompts given and not
@@ -62,6 +66,20 @@ def import_ray():
 
 
 @dataclass(frozen=True)
+class RaySetup:
+    """Where and how a batch job runs on Ray, as `offspec batch --workers` was given it."""
+    workers: int                  # actors, one engine each
+    worker_cpus: int              # CPU cores each claims from Ray (and its torch threads)
+    address: Optional[str]        # the cluster to join ("auto", HOST:PORT, ray://HOST:PORT); None = a local Ray
+                                  # started for the job and stopped after it
+    device: Optional[str]         # the workers' device as given (--device); None = cuda where the cluster has
+                                  # GPUs, else cpu
+    draft_quant: str              # as given: "auto" is resolved for the workers' device (load.runtime_config)
+    target: Optional[str]         # target folder or hub id as given; None = the embedded demo pair
+    draft: Optional[str]          # draft folder or hub id as given (whether a draft runs: BatchRun.models.draft)
+
+
+@dataclass(frozen=True)
 class WorkerSpec:
     """What every worker loads; the same on every node."""
     target: Optional[str]         # target folder (absolute) or hub id, opened on the worker's node; None with demo
@@ -70,9 +88,9 @@ class WorkerSpec:
     offload: OffloadConfig
     runtime: RuntimeConfig        # device (cuda = the GPU Ray gave the actor), dtype, draft quantization
     limits: RunLimits             # context, tree budget, prefill chunk, prompts in flight: sized on the driver
+                                  # (auto concurrency: the worker's own plan, capped at the driver's number)
     prefill_per_pass: Optional[int]  # prompt tokens a joining prompt is fed per pass; None = auto (run_batch)
     cpus: int                     # CPU cores claimed from Ray for the actor, and its torch threads
-    adapt_rows: bool = False      # auto concurrency: limits.concurrency is the most rows, the costs pick fewer
 
 
 @dataclass(frozen=True)
@@ -140,8 +158,7 @@ class BatchWorker:
         feed = self._feed(run)
         feed.tokens_a_row = tokens_a_row
         try:
-            yield from run_prompts(self.loaded.engine, feed, self.spec.limits.concurrency,
-                                   self.spec.prefill_per_pass, self.spec.adapt_rows)
+            yield from run_prompts(self.loaded.engine, feed, self.spec.prefill_per_pass)
         finally:
             with self.feeds_lock:
                 self.feeds.pop(run, None)
@@ -299,7 +316,8 @@ class Cluster:
     # ------------------------------------------------------------ the job
     def run(self, requests: Sequence, concurrency: int) -> Iterator[Union[PromptDone, PromptRefused]]:
         """Every request once, as workers finish them (any order). Workers load as soon as they are placed; a
-        loaded worker's feed is kept topped up from the queue's front (`settle`)."""
+        loaded worker's feed is kept topped up from the queue's front (`settle`). concurrency: a worker's rows in
+        flight, its memory plan's."""
         ray = self.ray
         queue = deque(range(len(requests)))
         open_requests = set(range(len(requests)))      # neither written nor refused yet
@@ -433,3 +451,49 @@ def _first_line(error: BaseException) -> str:
 def plan_host_bytes(plan) -> int:
     """Host memory a worker's memory plan counts: its host items, and on a CPU device the device items too."""
     return plan.total("host") + (plan.total("device") if plan.machine.kind == "cpu" else 0)
+
+
+@contextmanager
+def engines_on_ray(run: BatchRun, setup: RaySetup, ray, notify: Callable[[str], None]) -> Iterator[Running]:
+    """`run` on setup.workers Ray workers with an engine each: yields the job under way (jobs.Running); the caller
+    stays the only writer. notify(line): what happened to a worker (died, restarted, gone).
+
+    The workers' device: setup.device, else cuda where the cluster has GPUs, else cpu. Their memory plan is made
+    here, for the machine a probe task placed like a worker measures: a job no worker can hold stops before any
+    starts, and the plan's rows in flight (auto concurrency resolved) size each worker's feed."""
+    from .load import parse_device, runtime_config
+
+    with Cluster(ray, setup.address, notify) as cluster:
+        device = setup.device or ("cuda" if cluster.gpus() > 0 else "cpu")
+        if device.startswith("cuda") and cluster.gpus() == 0:
+            raise ClusterError(f"--device {device}: the Ray cluster has no GPU")
+        runtime = runtime_config(parse_device(device, check_available=False), run.runtime.dtype, setup.draft_quant,
+                                 run.runtime.target_quant, run.runtime.resident_quant)
+        cluster.check_slots(setup.workers, runtime.device.type, setup.worker_cpus)
+        machine = cluster.probe(runtime.device.type, setup.worker_cpus)
+        plan = run.models.plan(run.offload, runtime, run.limits, machine)    # what a worker cannot hold stops here
+        host_bytes = plan_host_bytes(plan)
+        cluster.check_memory(host_bytes)
+        demo = setup.target is None
+        draft = None if run.models.draft is None else ("demo" if demo else absolute(setup.draft))
+        # Each worker plans again when it loads, on its own node: never more rows than Ray was told the memory of.
+        spec = WorkerSpec(target=absolute(setup.target), draft=draft, demo=demo, offload=run.offload, runtime=runtime,
+                          limits=replace(run.limits, concurrency_cap=plan.concurrency),
+                          prefill_per_pass=run.prefill_per_pass, cpus=setup.worker_cpus)
+        cluster.start(spec, setup.workers, host_bytes)
+        where = (f"ray: {setup.workers} workers on {runtime.device.type} ({setup.worker_cpus} CPU"
+                 f"{'s' if setup.worker_cpus > 1 else ''}{', 1 GPU' if runtime.device.type == 'cuda' else ''} and "
+                 f"{host_bytes / 1e9:.1f} GB host memory each, by the memory plan), {plan.concurrency} prompts in "
+                 f"flight each; {plan.layers_line()}")
+        yield Running(cluster.run(run.requests, plan.concurrency),
+                      JobReport(concurrency=plan.concurrency, workers=[w.report for w in cluster.workers]),
+                      status=lambda: f"{sum(not w.gone for w in cluster.workers)}/{setup.workers} workers",
+                      where=where)
+
+
+def absolute(name: Optional[str]) -> Optional[str]:
+    """A model folder that exists here as an absolute path (a worker's working folder is not ours); a hub id as
+    given (each node resolves it in its own cache)."""
+    if name is None or not Path(name).expanduser().exists():
+        return name
+    return str(Path(name).expanduser().resolve())

@@ -83,7 +83,8 @@ class RunLimits:
     tree_budget: Optional[int] = None  # largest tree a pass may verify; None = auto: the most that fits, up to AUTO_MAX_TREE_BUDGET
     prefill_chunk: int = DEFAULT_PREFILL_CHUNK  # rows each layer processes at a time: bounds a long prompt's activations
     sampling: bool = True              # T > 0 may run: trees keep the draft distributions their nodes were drawn from
-    concurrency: int = 1               # requests in flight at once (offspec batch): KV cache rows, trees per pass
+    concurrency: Optional[int] = 1     # requests in flight at once (offspec batch): KV cache rows, trees per pass; None = auto: the most that fits, up to plan.AUTO_CONCURRENCY and concurrency_cap
+    concurrency_cap: Optional[int] = None  # auto concurrency plans no more rows than this (the job's prompts; a Ray worker: the driver's plan); None = no cap but AUTO_CONCURRENCY
 
 
 @dataclass(frozen=True)

@@ -14,39 +14,24 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import asdict, dataclass, field
-from typing import Callable, Iterator, Optional, Sequence, Union
+from typing import Iterator, Optional, Sequence, Union
 
 import torch
 
 from . import ngram
 from .calibrate import AcceptanceCounts, Calibrator, judged_greedy, judged_path, observe
-from .config import AUTO_MAX_TREE_BUDGET, DEFAULT_PREFILL_CHUNK, SamplingConfig, TreeConfig
-from .costmodel import BudgetPlanner, DraftWork
+from .config import AUTO_MAX_TREE_BUDGET, DEFAULT_PREFILL_CHUNK, SamplingConfig
+from .controller import Controller, DraftWork, RoundRecord, RowView, RunStart
 from .grow import grow_steps
 from .errors import InputError
 from .feed import RequestFeed
 from .kv_cache import KVCache
 from .metrics import Step, Timer
 from .model import Model, RowSpan
+from .request import GenerationRequest, RowLimits, check_request
 from .sampling import make_generator, process_logits
 from .tree import TokenTree
 from .vocab import SharedVocab, token_id_count
-
-MIN_JOIN_CHUNK = 64     # the fewest prompt tokens a pass feeds from a long prompt joining (auto; see _join_chunk)
-
-
-@dataclass(frozen=True)
-class GenerationRequest:
-    prompt_ids: tuple[int, ...]                 # the tokenized prompt (chat template already applied)
-    max_new_tokens: int = 128                   # stop after this many generated tokens
-    stop_strings: tuple[str, ...] = ()          # stop when the text contains one (not emitted)
-    tree: TreeConfig = TreeConfig()             # growth policy, budget, threshold
-    sampling: SamplingConfig = SamplingConfig()  # temperature, top-p, top-k, seed
-    ignore_eos: bool = False                    # benchmarks: always generate max_new_tokens
-
-    def __post_init__(self):
-        if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
-            raise InputError(f"max_new_tokens must be a whole number >= 1, not {self.max_new_tokens!r}")
 
 
 class StopChecker:
@@ -104,7 +89,7 @@ class _Row:
     stops: StopChecker
     seed_gen: torch.Generator           # seeds a fresh generator every round, from request.sampling.seed
     speculative: bool
-    auto: bool                          # the tree budget is chosen each round by the run's BudgetPlanner
+    auto: bool                          # the tree budget is chosen each round by the run's Controller
     budget: int                         # the most tree nodes a round may have (0: plain decoding)
     generated: list[int] = field(default_factory=list)   # emitted tokens (seq minus the prompt, cut at a stop)
     calibrator: Optional[Calibrator] = None   # TreeConfig.calibrate: this row's observed acceptance rates
@@ -115,12 +100,13 @@ class _Row:
     round_feed: Optional[int] = None    # this round feeds only this many prompt tokens (a long prompt joining)
     round_floor: float = 0.0            # this round's expand floor
 
-    def start_round(self, engine: "Engine", planner: "BudgetPlanner") -> None:
-        self.generator = make_generator(int(torch.randint(0, 2**62, (1,), generator=self.seed_gen)), engine.device)
-        room = engine.max_context - len(self.seq) - 1        # near the end of the context the tree shrinks to fit
-        wanted = planner.budget(self.index) if self.auto else self.budget
+    def start_round(self, wanted: int, max_context: int, device: torch.device) -> None:
+        """This round's generator and tree budget: `wanted` nodes (the controller's, or the row's own), fewer near
+        the end of the context."""
+        self.generator = make_generator(int(torch.randint(0, 2**62, (1,), generator=self.seed_gen)), device)
+        room = max_context - len(self.seq) - 1
         self.round_budget = max(0, min(wanted, room)) if self.speculative else 0
-        # A round with a larger budget than the floor's (the auto planner probing) must reach below it: no floor.
+        # A round with a larger budget than the floor's (the controller probing) must reach below it: no floor.
         self.round_floor = self.floor if self.round_budget <= self.floor_budget else 0.0
 
     def tokens_left(self) -> int:
@@ -128,34 +114,60 @@ class _Row:
         end = min(self.stops.max_new_tokens, self.stops.context_tokens or self.stops.max_new_tokens)
         return max(end - len(self.generated), 0)
 
-    def commit(self, engine: "Engine", tree: TokenTree, verdict, t_cache: KVCache, d_cache: Optional[KVCache],
-               pass_tokens: int, draft_s: float, target_s: float, stream: "StreamDelta", rows_in_pass: int,
-               observed: AcceptanceCounts) -> Step:
+    def commit(self, batch: "_Batch", tree: TokenTree, verdict, observed: AcceptanceCounts,
+               step_of: "PassCost", fed: int) -> Step:
         """Emit the accepted block (cut at a stop), keep only the root and accepted path in both caches; the
-        bonus token is the next root. `observed`: what the tree said about acceptance (calibrate.observe)."""
+        bonus token is the next root. `observed`: what the tree said about acceptance (calibrate.observe);
+        fed: the tokens this row fed the pass."""
         if self.calibrator is not None:
             self.calibrator.add(observed)
         block = list(verdict.tokens) + [verdict.bonus]
         emitted, reason = self.stops.cut(self.generated, block)
-        dev, root_slot = engine.device, len(self.seq) - 1
-        t_cache.compact(torch.tensor([root_slot + j for j in [0, *verdict.nodes]], device=dev), root_slot,
-                        self.cache_row)
-        if d_cache is not None and tree.size > 0:
+        dev, root_slot = batch.device, len(self.seq) - 1
+        batch.t_cache.compact(torch.tensor([root_slot + j for j in [0, *verdict.nodes]], device=dev), root_slot,
+                              self.cache_row)
+        if batch.d_cache is not None and tree.size > 0:
             # The draft saw seq whole (root included) before the tree, then the working-tree nodes it ran on;
             # an accepted node it ran on sits at slot start + origin - 1. Those form a prefix of the path.
             start, origin = len(self.seq), tree.origin.tolist()
             seen = list(itertools.takewhile(lambda n: origin[n] >= 0, verdict.nodes))
-            d_cache.compact(torch.tensor([start + origin[n] - 1 for n in seen], dtype=torch.long, device=dev), start,
-                            self.cache_row)
+            batch.d_cache.compact(torch.tensor([start + origin[n] - 1 for n in seen], dtype=torch.long, device=dev),
+                                  start, self.cache_row)
         full = tree.size > 0 and tree.size >= self.round_budget
         self.floor = float(tree.values[1:].min()) if self.request.tree.prune and full else 0.0
         self.floor_budget = self.round_budget
         self.seq = self.seq + block
         self.generated = self.generated + emitted
-        return Step(tokens=emitted, accepted=len(verdict.nodes), tree_size=tree.size, tree_depth=tree.depth,
-                    pass_tokens=pass_tokens, draft_seconds=draft_s, target_seconds=target_s, **asdict(stream),
-                    rows_in_pass=rows_in_pass, finish_reason=reason,
-                    acceptance_counts=observed if tree.size > 0 else None)
+        return step_of.step(fed, tokens=emitted, accepted=len(verdict.nodes), tree_size=tree.size,
+                            tree_depth=tree.depth, finish_reason=reason,
+                            acceptance_counts=observed if tree.size > 0 else None)
+
+
+@dataclass(frozen=True)
+class PassCost:
+    """What one round cost, shared by every row's Step (its times and bytes are the whole pass's)."""
+    draft_seconds: float                # catch-up + growth
+    target_seconds: float               # the target pass
+    stream: "StreamDelta"               # what the streamer did during the pass
+    rows_in_pass: int
+
+    def step(self, fed: int, **row) -> Step:
+        """A row's Step of this round: `fed` tokens in the pass, and the row's own fields."""
+        return Step(pass_tokens=fed, draft_seconds=self.draft_seconds, target_seconds=self.target_seconds,
+                    **asdict(self.stream), rows_in_pass=self.rows_in_pass, **row)
+
+
+@dataclass
+class _Batch:
+    """run_batch's state: the rows in flight, their caches (one cache row each) and the controller."""
+    t_cache: KVCache
+    d_cache: Optional[KVCache]          # None: no row is speculative
+    capacity: int                       # slots a cache row holds
+    most: int                           # cache rows (the most rows in flight)
+    controller: Controller
+    device: torch.device
+    rows: list = field(default_factory=list)     # _Rows in flight
+    free: list = field(default_factory=list)     # free cache rows, the next one last
 
 
 class Engine:
@@ -222,11 +234,12 @@ class Engine:
                 raise event.error
             yield event.step
 
-    def run_batch(self, requests: Union[Sequence[GenerationRequest], RequestFeed], concurrency: int = 1,
-                  after_round: Optional[Callable[[list["_Row"], KVCache, Optional[KVCache]], None]] = None,
-                  prefill_per_pass: Optional[int] = None, adapt_rows: bool = False) -> Iterator["RowStep"]:
+    def run_batch(self, requests: Union[Sequence[GenerationRequest], RequestFeed], concurrency: Optional[int] = None,
+                  prefill_per_pass: Optional[int] = None, adapt_rows: Optional[bool] = None) -> Iterator["RowStep"]:
         """Run many requests, up to `concurrency` at a time, every target pass serving all of them: yield a
-        RowStep per request per pass (its Step, or the error that refused it) as passes complete.
+        RowStep per request per pass (its Step, or the error that refused it) as passes complete. concurrency
+        None: the memory plan's (plan.MemoryPlan.concurrency; 1 without a plan), adapted to the measured costs
+        where the plan resolved it as auto.
 
         requests: a list (RowStep.request is the position in it), or a RequestFeed (feed.py) that may be put
         more requests while the batch runs (RowStep.request is the key it was put with): a free row takes the
@@ -236,27 +249,42 @@ class Engine:
         A request's output does not depend on which others share its passes: each row has its own caches'
         row, generator (seeded from its own sampling.seed), tree and stop state, and attention never looks
         across rows. A finished row's cache row is taken by the next waiting request before the next pass.
-        after_round(rows, target cache, draft cache): called once every row has committed a round (tests check
-        the caches against a fresh prefill of each row's sequence there).
 
         A prompt that joins while other rows are decoding is fed in chunks of at most `prefill_per_pass` tokens
-        a pass (None: auto, `_join_chunk`), so a long prompt does not stall their passes; its Steps until then
-        carry no tokens. A row alone, or every row joining, feeds its whole prompt in one pass (chunked within
-        the pass by prefill_chunk): splitting it would only cost passes.
+        a pass (None: auto, Controller.join_chunk), so a long prompt does not stall their passes; its Steps
+        until then carry no tokens. A row alone, or every row joining, feeds its whole prompt in one pass
+        (chunked within the pass by prefill_chunk): splitting it would only cost passes.
 
-        adapt_rows (auto concurrency): `concurrency` is then the most rows in flight (the memory plan's), and
-        a finished row is refilled only while the planner's measured costs say another row raises tokens/s
-        (BudgetPlanner.rows_worth); the job starts with all of them, the cheapest way to measure."""
-        if concurrency < 1:
-            raise InputError(f"concurrency must be at least 1, not {concurrency}")
+        adapt_rows (auto concurrency; None: as the plan says): `concurrency` is then the most rows in flight, and
+        a finished row is refilled only while the controller's measured costs say another row raises tokens/s
+        (Controller.rows_worth); the job starts with all of them, the cheapest way to measure."""
+        feed = requests if isinstance(requests, RequestFeed) else RequestFeed.of(requests)
+        if adapt_rows is None:
+            adapt_rows = concurrency is None and self.plan is not None and self.plan.concurrency_auto
+        batch = self._open_batch(feed, self._concurrency(concurrency, prefill_per_pass), prefill_per_pass, adapt_rows)
+        while batch.rows or feed.wait():          # with no row in flight: wait for a request, or end with the feed
+            yield from self._admit_waiting(batch, feed)
+            if batch.rows:
+                yield from self._round(batch)
+
+    def _concurrency(self, concurrency: Optional[int], prefill_per_pass: Optional[int]) -> int:
+        """The rows in flight asked for, checked against the plan (None: the plan's, else 1)."""
         if prefill_per_pass is not None and prefill_per_pass < 1:
             raise InputError(f"prefill_per_pass must be at least 1, not {prefill_per_pass}")
+        if concurrency is None:
+            return self.max_concurrency or 1
+        if concurrency < 1:
+            raise InputError(f"concurrency must be at least 1, not {concurrency}")
         if self.max_concurrency is not None and concurrency > self.max_concurrency:
             raise InputError(f"concurrency {concurrency} is more than the engine was planned for "
                              f"({self.max_concurrency}); load it with RunLimits(concurrency={concurrency})")
-        feed = requests if isinstance(requests, RequestFeed) else RequestFeed.of(requests)
-        # One cache row per request in flight, each holding prompt + generated tokens + one round's tree and its
-        # root, never more than the context: a round's tree shrinks to the room left before the context end.
+        return concurrency
+
+    def _open_batch(self, feed: RequestFeed, concurrency: int, prefill_per_pass: Optional[int],
+                    adapt_rows: bool) -> _Batch:
+        """The caches and controller of a batch. One cache row per request in flight, each holding prompt +
+        generated tokens + one round's tree and its root, never more than the context: a round's tree shrinks
+        to the room left before the context end."""
         if feed.known is not None:
             B = max(1, min(concurrency, len(feed.known)))
             row_tokens = max((self._row_tokens(r) for r in feed.known), default=2)
@@ -268,101 +296,92 @@ class Engine:
         t_cache = KVCache.for_model(self.target.cfg, capacity, self.target.dtype, self.device, batch=B)
         d_cache = (KVCache.for_model(self.draft.cfg, capacity, self.draft.dtype, self.device, batch=B)
                    if speculative else None)
-        free = list(range(B))[::-1]
-        rows: list[_Row] = []
-        # One planner for every auto-budget row: it shares each pass's node budget among them by node value.
-        # First trees: 128 nodes a row on a GPU, where a pass costs its transfer whatever it computes, and on a CPU
-        # whose target streams (--offload cpu or disk: a pass is a read of every layer there too), every row's tree
-        # from the first round. On a CPU with the target resident, a pass and a draft call are compute, and every
-        # row's first tree costs its draft reading its prompt: the job starts decoding plainly, after its first
-        # timed pass one row grows a tree (32 nodes alone, 32 / B among B rows but at least 8: enough to price a
-        # draft's nodes), and the planner grows the others' once it has timed that tree and trees pay
-        # (probe_first); rows joining later while trees pay share 32 nodes a pass. One row in flight starts with
-        # its 32-node tree. Why each start: docs/benchmarks.md, "Reading the batch numbers".
-        gpu = self.device.type == "cuda"
-        streamed = self._stream_stats() is not None
-        planner = BudgetPlanner(start=128 if gpu else max(1, 32 // B), max_budget=self.max_tree_budget, max_depth=0,
-                                probe_first=None if gpu or streamed or B == 1 else max(8, 32 // B))
-        while rows or feed.wait():          # with no row in flight: wait for a request, or end with the feed
-            # refill: the next prompts take free rows (auto concurrency: as many as the costs favour)
-            limit = ((planner.rows_worth(B) if adapt_rows else None) or B) if free and feed.waiting() else 0
-            while free and len(rows) < limit and (taken := feed.take()) is not None:
-                index, request = taken
-                try:
-                    rows.append(self._admit(index, request, free[-1], t_cache, d_cache, capacity))
-                    free.pop()
-                    planner.max_depth = max(planner.max_depth, request.tree.max_depth)
-                except InputError as err:
-                    yield RowStep(index, None, err)
-            if not rows:
-                continue
-            for row in rows:
-                row.start_round(self, planner)
-            self._ration_prefill(rows, t_cache, planner if prefill_per_pass is None else prefill_per_pass)
-            with Timer(self.device) as draft_timer:
-                with Timer(self.device) as catch_up_timer:
-                    root_logits, fed = self._catch_up(rows, d_cache)
-                work = DraftWork()
-                trees = self._grow_all(rows, root_logits, d_cache, work)
-            stream_before = self._stream_stats()
-            with Timer(self.device) as target_timer:
-                q_logits, pass_tokens = self._verify_pass(rows, trees, t_cache)          # [(N_r, V)]
-            stream = self._stream_delta(stream_before)
-            finished, yielded = [], 0
-            for row, tree, q, n_tokens in zip(rows, trees, q_logits, pass_tokens):
-                if row.round_feed is not None:                      # joining: a chunk of its prompt, no tokens yet
-                    yield RowStep(row.index, Step(tokens=[], accepted=0, tree_size=0, tree_depth=0,
-                                                  pass_tokens=n_tokens, draft_seconds=draft_timer.seconds,
-                                                  target_seconds=target_timer.seconds, **asdict(stream),
-                                                  rows_in_pass=len(rows)))
-                    continue
-                verdict, judged = self._accept(tree, q, row.request.sampling, row.generator)
-                step = row.commit(self, tree, verdict, t_cache, d_cache, n_tokens, draft_timer.seconds,
-                                  target_timer.seconds, stream, len(rows), observe(tree, judged))
-                yielded += (step.accepted + 1) if row.auto else 0
-                yield RowStep(row.index, step)
-                if step.finish_reason is not None:
-                    finished.append(row)
-            # After the commits, so that what each row's draft has not read is known (a switch from plain
-            # decoding back to trees pays it). A round that prefilled a new prompt (target and draft) says little
-            # about the cost of trees.
-            steady = all(fed == tree.n_nodes for fed, tree in zip(pass_tokens, trees))
-            going = [row for row in rows if row.auto and row not in finished]
-            planner.observe({row.index: tree for row, tree in zip(rows, trees) if row.auto},
-                            draft_timer.seconds - catch_up_timer.seconds, target_timer.seconds, sum(pass_tokens),
-                            timed=steady, draft_calls=work.calls, draft_nodes=work.nodes,
-                            catch_up=(fed, catch_up_timer.seconds),
-                            behind={row.index: len(row.seq) - d_cache.lengths[row.cache_row] for row in going},
-                            left={row.index: row.tokens_left() for row in going}, yielded=yielded)
-            if after_round is not None:
-                after_round(rows, t_cache, d_cache)
-            for row in finished:
-                rows.remove(row)
-                free.append(row.cache_row)
-                planner.forget(row.index)
+        controller = Controller.for_run(RunStart(gpu=self.device.type == "cuda", streamed=self._stream_stats() is not None,
+                                                 rows=B, max_budget=self.max_tree_budget,
+                                                 prefill_per_pass=prefill_per_pass, adapt_rows=adapt_rows))
+        return _Batch(t_cache, d_cache, capacity, B, controller, self.device, free=list(range(B))[::-1])
 
-    def _ration_prefill(self, rows: list["_Row"], t_cache: KVCache, per_pass) -> None:
+    def _admit_waiting(self, batch: _Batch, feed: RequestFeed) -> Iterator["RowStep"]:
+        """The next waiting requests take free rows (auto concurrency: as many as the controller wants in
+        flight); a request the engine refuses is yielded with its error."""
+        limit = (batch.controller.rows_wanted or batch.most) if batch.free and feed.waiting() else 0
+        while batch.free and len(batch.rows) < limit and (taken := feed.take()) is not None:
+            index, request = taken
+            try:
+                batch.rows.append(self._admit(index, request, batch))
+                batch.free.pop()
+            except InputError as err:
+                yield RowStep(index, None, err)
+
+    def _round(self, batch: _Batch) -> Iterator["RowStep"]:
+        """One round of every row in flight: the controller's plan, trees grown and verified in ONE target pass
+        (_pass), each row's verdict committed and yielded, the controller told what the round did, finished
+        rows retired."""
+        rows, controller = batch.rows, batch.controller
+        plan = controller.plan([RowView(r.index, r.request.tree.max_depth) for r in rows if r.auto])
+        for row in rows:
+            row.start_round(plan.budgets.get(row.index, row.budget), self.max_context, self.device)
+        self._ration_prefill(rows, batch.t_cache, plan.join_chunk)
+        trees, q_logits, fed, cost, growth = self._pass(batch)
+        finished, yielded = [], 0
+        for row, tree, q, n_fed in zip(rows, trees, q_logits, fed):
+            if row.round_feed is not None:                      # joining: a chunk of its prompt, no tokens yet
+                yield RowStep(row.index, cost.step(n_fed, tokens=[], accepted=0, tree_size=0, tree_depth=0))
+                continue
+            verdict, judged = self._accept(tree, q, row.request.sampling, row.generator)
+            step = row.commit(batch, tree, verdict, observe(tree, judged), cost, n_fed)
+            yielded += (step.accepted + 1) if row.auto else 0
+            yield RowStep(row.index, step)
+            if step.finish_reason is not None:
+                finished.append(row)
+        # After the commits, so that what each row's draft has not read is known (a switch from plain decoding
+        # back to trees pays it). A round that prefilled a new prompt (target and draft) says little about the
+        # cost of trees.
+        going = [row for row in rows if row.auto and row not in finished]
+        controller.observe(RoundRecord(
+            trees={row.index: tree for row, tree in zip(rows, trees) if row.auto}, pass_tokens=sum(fed),
+            draft_seconds=cost.draft_seconds - growth.catch_up[1], target_seconds=cost.target_seconds,
+            timed=all(n == tree.n_nodes for n, tree in zip(fed, trees)), draft_calls=growth.calls,
+            draft_nodes=growth.nodes, catch_up=growth.catch_up,
+            behind={row.index: len(row.seq) - batch.d_cache.lengths[row.cache_row] for row in going},
+            left={row.index: row.tokens_left() for row in going}, yielded=yielded,
+            finished=tuple(row.index for row in finished)))
+        self._retire(batch, finished)
+
+    def _pass(self, batch: _Batch) -> tuple[list[TokenTree], list, list[int], PassCost, DraftWork]:
+        """The round's work on the devices: the draft's catch-up and every row's growth, then ONE target pass ->
+        (trees, per row its (N_r, V) tree logits or None, tokens each row fed, the round's cost, the growth's
+        calls, nodes and catch-up)."""
+        with Timer(self.device) as draft_timer:
+            with Timer(self.device) as catch_up_timer:
+                root_logits, caught_up = self._catch_up(batch.rows, batch.d_cache)
+            growth = DraftWork()
+            trees = self._grow_all(batch.rows, root_logits, batch.d_cache, growth)
+        growth.catch_up = (caught_up, catch_up_timer.seconds)
+        stream_before = self._stream_stats()
+        with Timer(self.device) as target_timer:
+            q_logits, fed = self._verify_pass(batch.rows, trees, batch.t_cache)          # [(N_r, V)]
+        cost = PassCost(draft_timer.seconds, target_timer.seconds, self._stream_delta(stream_before), len(batch.rows))
+        return trees, q_logits, fed, cost, growth
+
+    @staticmethod
+    def _retire(batch: _Batch, finished: list["_Row"]) -> None:
+        """Finished rows leave; their cache rows are free for the next waiting requests."""
+        for row in finished:
+            batch.rows.remove(row)
+            batch.free.append(row.cache_row)
+
+    @staticmethod
+    def _ration_prefill(rows: list["_Row"], t_cache: KVCache, chunk: Optional[int]) -> None:
         """Set each row's round_feed: a joining row (prompt tokens not yet in its target cache) whose prompt is
-        longer than this pass's share feeds only that share, and grows no tree this round. Only while some row
-        is decoding: they are the ones a long prefill would stall. per_pass: tokens, or the planner (auto)."""
+        longer than `chunk` feeds only that many tokens this pass, and grows no tree this round. Only while some
+        row is decoding: they are the ones a long prefill would stall."""
         pending = [len(row.seq) - 1 - t_cache.lengths[row.cache_row] for row in rows]
         decoding = any(p == 0 for p in pending)
-        chunk = per_pass if isinstance(per_pass, int) else self._join_chunk(per_pass)
         for row, p in zip(rows, pending):
             row.round_feed = None
             if decoding and chunk is not None and p > chunk:
                 row.round_feed, row.round_budget = chunk, 0
-
-    @staticmethod
-    def _join_chunk(planner: BudgetPlanner) -> Optional[int]:
-        """Auto: the prompt tokens a pass takes from a joining prompt. With t_target(n) = a + b n measured, a
-        chunk of a / b tokens costs the decoding rows at most one more pass's fixed cost a (on a GPU streaming
-        its layers a is the transfer, and whole prompts join at once; on a CPU a pass is compute and prompts
-        join in smaller chunks). None (no limit) until passes of two sizes were timed."""
-        if len({n for n, _ in planner.passes}) < 2:
-            return None
-        a, b = planner.target_fit()
-        return None if b <= 0 else max(MIN_JOIN_CHUNK, int(a / b))
 
     def _tree_room(self, request: GenerationRequest) -> int:
         """The most tree nodes a round of `request` may hold (what its cache row needs beyond its tokens)."""
@@ -375,23 +394,15 @@ class Engine:
         (what run_batch sizes the caches by and _admit checks an open feed's rows against)."""
         return len(request.prompt_ids) + request.max_new_tokens + self._tree_room(request) + 2
 
-    def _admit(self, index: int, request: GenerationRequest, cache_row: int, t_cache: KVCache,
-               d_cache: Optional[KVCache], capacity: int) -> "_Row":
-        prompt = list(request.prompt_ids)
-        if not prompt:
-            raise InputError("the prompt is empty")
+    def _admit(self, index: int, request: GenerationRequest, batch: _Batch) -> "_Row":
+        """`request` checked (request.check_request) and given the batch's next free cache row, emptied."""
         speculative = self.speculative(request)
-        if speculative and request.tree.budget is not None and request.tree.budget > self.max_tree_budget:
-            raise InputError(f"a tree budget of {request.tree.budget} is more than the engine was planned for "
-                             f"({self.max_tree_budget}); load it with a larger tree budget")
-        if len(prompt) + 1 >= self.max_context:
-            raise InputError(f"the prompt has {len(prompt)} tokens but the context holds only {self.max_context}")
-        needed = min(self._row_tokens(request), self.max_context)
-        if needed > capacity:   # an open feed's tokens_a_row was too small for this request
-            raise InputError(f"the request needs {needed} tokens a row but this batch's rows hold {capacity}")
-        t_cache.set_length(0, cache_row)
-        if d_cache is not None:
-            d_cache.set_length(0, cache_row)
+        check_request(request, RowLimits(self.max_context, self.max_tree_budget, batch.capacity),
+                      speculative=speculative, row_tokens=self._row_tokens(request))
+        prompt, cache_row = list(request.prompt_ids), batch.free[-1]
+        batch.t_cache.set_length(0, cache_row)
+        if batch.d_cache is not None:
+            batch.d_cache.set_length(0, cache_row)
         stops = StopChecker(self.tokenizer, () if request.ignore_eos else self.eos_ids, request.stop_strings,
                             request.max_new_tokens, context_tokens=self.max_context - 1 - len(prompt))
         return _Row(index=index, request=request, cache_row=cache_row, seq=prompt, stops=stops,
@@ -622,17 +633,18 @@ def report_of(engine: Engine, request: GenerationRequest, steps: list[Step], *, 
               offload: Optional[str] = None, text: Optional[str] = None):
     """The RunReport of one request from its Steps (run() for one request, `offspec batch` for each of many).
     text: the output text when the caller has it already (streamed); else it is decoded from the steps."""
-    from .metrics import build_report
+    from .metrics import RunSetup, build_report
     from .prompt import IncrementalText
 
-    tokens = [t for s in steps for t in s.tokens]
     speculative = engine.speculative(request)
-    return build_report(
-        steps, prompt_tokens=len(request.prompt_ids),
-        text=text if text is not None else IncrementalText(engine.tokenizer, request.stop_strings).text(tokens),
-        load_seconds=load_seconds, tree_policy=request.tree.policy if speculative else "none",
-        tree_budget=request.tree.budget if speculative else 0,
-        offload=offload or (engine.plan.mode if engine.plan is not None else "none"), device=engine.device,
-        dtype=engine.target.dtype, weights_source=engine.weights_source(), target_quant=engine.target_quant,
-        draft_quant=engine.draft_quant if speculative else "none",
-        memory_plan=engine.plan.to_dict() if engine.plan is not None else None)
+    setup = RunSetup(tree_policy=request.tree.policy if speculative else "none",
+                     tree_budget=request.tree.budget if speculative else 0,
+                     offload=offload or (engine.plan.mode if engine.plan is not None else "none"),
+                     weights_source=engine.weights_source(), device=str(engine.device),
+                     dtype=str(engine.target.dtype).replace("torch.", ""), target_quant=engine.target_quant,
+                     draft_quant=engine.draft_quant if speculative else "none",
+                     memory_plan=engine.plan.to_dict() if engine.plan is not None else None)
+    if text is None:
+        text = IncrementalText(engine.tokenizer, request.stop_strings).text([t for s in steps for t in s.tokens])
+    return build_report(steps, prompt_tokens=len(request.prompt_ids), text=text, load_seconds=load_seconds,
+                        setup=setup)

@@ -1,12 +1,10 @@
 """Tree growth: the resident draft proposes a token tree for one round, under a node budget.
 
-    grow(tree_cfg, sampling, root_token, root_dist, draft_step, budget, generator) -> TokenTree
     grow_steps(tree_cfg, sampling, root_token, root_dist, budget, generator)  -> a generator of draft requests
 
-grow_steps is the same growth written as a generator: it yields each draft call it needs, (working tree,
+The growth is written as a generator: it yields each draft call it needs, a draft request (working tree,
 frontier), is sent back the (F, V) distributions, and returns the TokenTree. So many trees can grow in
-lockstep and share one batched draft call per depth (generate.Engine does this for every row in flight);
-grow() drives one of them with a draft_step callback.
+lockstep and share one batched draft call per depth (generate.Engine does this for every row in flight).
 
 Terms (DySpec, Xiong et al. 2024; p is the draft's processed distribution, q the target's):
   node value  v(x): the estimated probability that verification reaches node x AND accepts it. DySpec's
@@ -55,9 +53,9 @@ Which value decides whether a candidate joins:
          places stay empty. (Following a drawn twin during the cut, as at T = 0, would let a chain node push
          out a later drawn sibling exactly when that sibling did not draw the chain's token.)
 
-draft_step(tree, frontier) -> (F, V): `tree` is the WORKING tree: the root plus every node handed to
-draft_step so far that is still in the running (so at most B + 1 nodes, and the draft's KV cache needs room
-for at most B tree tokens). `frontier` (F,) holds the working-tree indices of the nodes to run the draft on
+A draft request (tree, frontier), answered with (F, V): `tree` is the WORKING tree: the root plus every node
+sent to the draft so far that is still in the running (so at most B + 1 nodes, and the draft's KV cache needs
+room for at most B tree tokens). `frontier` (F,) holds the working-tree indices of the nodes to run the draft on
 now; their ancestors are all in the working tree and were in earlier calls (or are the root, which the
 caller has already run to get root_dist). The returned rows are the draft's processed distributions at
 those nodes, i.e. the distributions of their children. Nodes that cannot get a child are never sent.
@@ -82,7 +80,7 @@ from __future__ import annotations
 import heapq
 import math
 from dataclasses import dataclass
-from typing import Callable, Generator, Optional, Sequence
+from typing import Generator, Optional, Sequence
 
 import torch
 
@@ -92,26 +90,10 @@ from .ngram import NgramChain
 from .sampling import draw_without_replacement
 from .tree import TokenTree
 
-DraftStep = Callable[[TokenTree, torch.Tensor], torch.Tensor]   # (working tree, frontier (F,)) -> (F, V)
-DraftRequest = tuple[TokenTree, torch.Tensor]                   # what a growth generator yields: draft_step's args
+DraftRequest = tuple[TokenTree, torch.Tensor]                   # what a growth yields: (working tree, frontier (F,))
 Growth = Generator[DraftRequest, torch.Tensor, TokenTree]       # yields requests, is sent (F, V), returns the tree
 
 POLICIES = ("dyspec", "heap", "chain", "static", "none")
-
-
-def grow(tree_cfg: TreeConfig, sampling: SamplingConfig, root_token: int, root_dist: torch.Tensor,
-         draft_step: DraftStep, budget: int, generator: torch.Generator, expand_floor: float = 0.0, *,
-         calibration: Optional[Calibration] = None, ngram: Sequence[NgramChain] = ()) -> TokenTree:
-    """Grow one round's token tree with at most `budget` nodes besides the root, calling draft_step for every
-    draft call (grow_steps' requests, answered one at a time)."""
-    steps = grow_steps(tree_cfg, sampling, root_token, root_dist, budget, generator, expand_floor,
-                       calibration=calibration, ngram=ngram)
-    try:
-        request = next(steps)
-        while True:
-            request = steps.send(draft_step(*request))
-    except StopIteration as done:
-        return done.value
 
 
 def grow_steps(tree_cfg: TreeConfig, sampling: SamplingConfig, root_token: int, root_dist: torch.Tensor,
@@ -156,7 +138,7 @@ class _Options:
 
 class _Growth:
     """Candidates of one round, identified by id (0 = root; ids grow as nodes are added, so a parent's id is
-    below its children's and siblings' ids follow their draw order), plus the working tree for draft_step."""
+    below its children's and siblings' ids follow their draw order), plus the working tree its draft requests carry."""
 
     def __init__(self, root_token: int, root_dist: torch.Tensor, sampling: SamplingConfig,
                  generator: torch.Generator, capacity: int, calibration: Optional[Calibration] = None,
@@ -174,11 +156,11 @@ class _Growth:
         self.prob = [math.nan]                           # p(x) at the parent (nan: an n-gram node)
         self.estimate = [1.0]                            # a(x)
         self.match = [0]                                 # n-gram match length, 0 = a draft node
-        self.work = [0]                                  # working-tree index, -1 until sent to draft_step
+        self.work = [0]                                  # working-tree index, -1 until sent to the draft
         self.free: list[int] = []                        # working-tree indices of dropped nodes, to reuse
         self.options: dict[int, _Options] = {}           # for expanded candidates
         self.dist: dict[int, torch.Tensor] = {}          # T > 0: (V,) draft distribution of expanded candidates
-        self.work_tree = TokenTree(root_token, capacity=capacity)   # what draft_step sees; never over B + 1
+        self.work_tree = TokenTree(root_token, capacity=capacity)   # what the draft requests carry; never over B + 1
 
     def expand(self, nodes: list[int], k: int) -> Generator[DraftRequest, torch.Tensor, None]:
         """Compute the first k candidate children of each node: the root's from root_dist, the others' with
@@ -200,7 +182,7 @@ class _Growth:
             dists = yield self.work_tree, frontier                                       # (F, V)
             self.work_tree.n_draft_calls += 1
             if dists.shape[0] != len(nodes):
-                raise ValueError(f"draft_step returned {dists.shape[0]} rows for {len(nodes)} frontier nodes")
+                raise ValueError(f"the draft answered {dists.shape[0]} rows for {len(nodes)} frontier nodes")
         k = min(k, dists.shape[-1])
         # Candidates of probability 0 are dropped below (never proposed: at T > 0 the row ran out of tokens).
         if self.greedy:

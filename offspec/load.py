@@ -29,9 +29,10 @@ from .generate import Engine
 from .hub import resolve_model
 from .layout import LayerWeights
 from .model import Model, ResidentLayers
-from .plan import LayerPlan, Machine, MemoryPlan, ModelSpec, Placement, make_plan
+from .plan import LayerPlan, Machine, MemoryPlan, ModelSpec, Placement, check_resident_quant, make_plan
 from .prompt import stop_token_ids
-from .quant import QuantizedResident, check_draft_quant, check_target_quant, dequantized, target_layout
+from .quant import (QuantizedResident, auto_draft_quant, check_draft_quant, check_target_quant, dequantized,
+                    target_layout)
 from .ring import LayerStreamer, StreamStats
 from .stores import (BlockLayout, DiskStore, HostArenaStore, LayerTensorsFn, StoreInfo, WeightStore, _pack_layer,
                      disk_store_exists, prepare_disk_store)
@@ -59,6 +60,20 @@ def parse_device(name: str, check_available: bool = True) -> torch.device:
     if device.type not in ("cpu", "cuda"):
         raise InputError(f"device type {device.type!r} is not supported; use cpu or cuda[:N]")
     return device
+
+
+def runtime_config(device: torch.device, dtype: torch.dtype, draft_quant: str = "auto", target_quant: str = "none",
+                   resident_quant: str = "auto") -> RuntimeConfig:
+    """The RuntimeConfig of a run on `device`, checked before any model is read: draft_quant "auto" resolved for
+    the device and dtype (quant.auto_draft_quant), each quantization one that they can run. The CLI makes this
+    machine's; cluster.engines_on_ray the Ray workers' (their device is chosen there)."""
+    if draft_quant == "auto":
+        draft_quant = auto_draft_quant(device.type, dtype)
+    check_target_quant(target_quant, device, dtype)
+    check_draft_quant(draft_quant, device, dtype)
+    check_resident_quant(resident_quant, quantized=target_quant != "none")
+    return RuntimeConfig(device=device, dtype=dtype, draft_quant=draft_quant, target_quant=target_quant,
+                         resident_quant=resident_quant)
 
 
 def store_dir_for(ckpt: Checkpoint, dtype: torch.dtype, home: Path, quant: str = "none") -> Path:
@@ -130,7 +145,8 @@ class Models:
 
     def plan(self, offload: OffloadConfig, runtime: RuntimeConfig, limits: RunLimits = RunLimits(),
              machine: Optional[Machine] = None) -> MemoryPlan:
-        """The memory plan for this machine now (or `machine`), before anything is allocated."""
+        """The memory plan for this machine now (or `machine`), before anything is allocated: every "auto"
+        resolved (plan.make_plan)."""
         from .demo import offspec_home
         store_dir = str(store_dir_for(self.target, runtime.dtype, offspec_home(), runtime.target_quant))
         return make_plan(ModelSpec.of(self.target), ModelSpec.of(self.draft) if self.draft else None, offload,
@@ -139,7 +155,8 @@ class Models:
     def load(self, offload: OffloadConfig, runtime: RuntimeConfig, limits: RunLimits = RunLimits(),
              progress: bool = True, machine: Optional[Machine] = None) -> Loaded:
         """Plan, then load in the plan's order: draft, target globals, target layers (resident, ring, arena
-        or store). The engine keeps to the plan's context, tree budget and prefill chunk."""
+        or store). The engine keeps to the plan's context, tree budget, prefill chunk and requests in flight
+        (limits.concurrency None: the most the plan fits, recorded in plan.concurrency_auto)."""
         start = time.perf_counter()
         plan = self.plan(offload, runtime, limits, machine)
         draft = None

@@ -210,10 +210,23 @@ def peak_device_gb(device: torch.device) -> Optional[float]:
     return None
 
 
-def build_report(steps: list[Step], *, prompt_tokens: int, text: str, load_seconds: float, tree_policy: str,
-                 tree_budget: Optional[int], offload: str, device: torch.device, dtype: torch.dtype,
-                 weights_source: str = "resident", memory_plan: Optional[dict] = None,
-                 target_quant: str = "none", draft_quant: str = "none") -> RunReport:
+@dataclass(frozen=True)
+class RunSetup:
+    """What a report says of how the run was set up (RunReport's fields of the same names)."""
+    tree_policy: str                    # the policy that ran ("none": plain decoding)
+    tree_budget: Optional[int]          # None: auto
+    offload: str
+    weights_source: str
+    device: str
+    dtype: str
+    target_quant: str = "none"
+    draft_quant: str = "none"
+    memory_plan: Optional[dict] = None
+
+
+def build_report(steps: list[Step], *, prompt_tokens: int, text: str, load_seconds: float,
+                 setup: RunSetup) -> RunReport:
+    """The RunReport of one request from the Steps of its passes."""
     tokens = [t for s in steps for t in s.tokens]
     n = len(tokens)
     round_seconds = [s.draft_seconds + s.target_seconds for s in steps]
@@ -236,12 +249,9 @@ def build_report(steps: list[Step], *, prompt_tokens: int, text: str, load_secon
         gb_per_second=streamed / 1e9 / transfer if transfer > 0 else 0.0,
         prefetch_gb=sum(s.prefetched_bytes for s in steps) / 1e9,
         dequant_seconds=sum(s.dequant_seconds for s in steps),
-        peak_host_gb=peak_host_gb(), peak_device_gb=peak_device_gb(device),
-        tree_policy=tree_policy, tree_budget=tree_budget, offload=offload, weights_source=weights_source,
-        device=str(device),
-        dtype=str(dtype).replace("torch.", ""), target_quant=target_quant, draft_quant=draft_quant,
-        acceptance=[s.accepted for s in steps],
-        tree_sizes=[s.tree_size for s in steps], memory_plan=memory_plan, calibration=acceptance_report(steps),
+        peak_host_gb=peak_host_gb(), peak_device_gb=peak_device_gb(torch.device(setup.device)),
+        acceptance=[s.accepted for s in steps], tree_sizes=[s.tree_size for s in steps],
+        calibration=acceptance_report(steps), **asdict(setup),
     )
 
 

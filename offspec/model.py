@@ -64,11 +64,6 @@ class RowSpan:
         return RowSpan(lo, hi, self.cache_row, self.slots[first:last], lambda i, j: self.mask_rows(first + i, first + j))
 
 
-def one_sequence(slots: torch.Tensor, mask: Union[torch.Tensor, MaskRows], cache_row: int = 0) -> list[RowSpan]:
-    """The spans of a forward over one sequence: all of its slots.numel() new tokens."""
-    return [RowSpan(0, slots.numel(), cache_row, slots, mask)]
-
-
 class LayerSource(Protocol):
     """Gives the layers of one forward pass in order. A streamed source may reuse a slot once the
     consumer asks for the next layer, so the caller must not keep a yielded LayerWeights."""
@@ -248,10 +243,3 @@ class Model:
             narrow = None if narrow is None else narrow[logit_rows.cpu()]
         x = rms_norm(x, self.globals.final_norm, self.cfg.rms_norm_eps)
         return linear(x, self.globals.lm_head, narrow=narrow).float()               # (R, V)
-
-
-    def forward_one(self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
-                    mask: Union[torch.Tensor, MaskRows], cache: KVCache, logit_rows: Optional[torch.Tensor] = None,
-                    chunk: Optional[int] = None, cache_row: int = 0) -> torch.Tensor:
-        """forward() for one sequence: tokens, positions, slots (T,), mask (T, S) -> logits (R, V)."""
-        return self.forward(tokens, positions, one_sequence(slots, mask, cache_row), cache, logit_rows, chunk)

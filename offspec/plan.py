@@ -1,6 +1,7 @@
 """The memory plan: before anything is allocated, where every byte of a run will live, and whether it fits.
 
     make_plan(target, draft, offload, runtime, limits, machine) -> MemoryPlan   (or BudgetError: one line)
+                                                every "auto" resolved: offload mode, tree budget, concurrency
     choose_placement(...) -> Placement   which target layers stay resident, how many ring slots stream the rest
 
 The plan is shape arithmetic: it imports no loading, store or streaming code (load.py carries a plan out).
@@ -46,6 +47,7 @@ PINNED_FRACTION = 0.8           # default pinned budget: this share of the host 
 CUDA_RESERVE_MIN = 512 << 20    # allocator fragmentation, cuBLAS / attention workspaces, CUDA graphs: at least
 CUDA_RESERVE_FRACTION = 0.04    # ... or this share of the device, whichever is larger
 RUNTIME_HOST_BYTES = 1 << 30    # the process itself: Python, torch, tokenizer, page tables
+AUTO_CONCURRENCY = 16           # auto concurrency (--concurrency auto): at most this many requests in flight
 
 
 @dataclass(frozen=True)
@@ -398,7 +400,7 @@ class MemoryPlan:
     context: int                  # tokens per sequence in both KV caches (capped at the models' context)
     tree_budget: int              # largest tree a pass may verify
     prefill_chunk: int            # rows per layer call
-    concurrency: int              # requests in flight at once: KV-cache rows, trees per pass
+    concurrency: int              # requests in flight at once: KV-cache rows, trees per pass (auto resolved)
     layers: LayerPlan             # the target's layers: placement, store folder, pinned budget (loading obeys it)
     layer_budget: int             # device bytes that were available for the ring and resident layers
     host_pinned: bool             # the arena / staging will be pinned (CUDA only)
@@ -406,6 +408,8 @@ class MemoryPlan:
     notes: tuple[str, ...] = ()   # decisions worth a line in the report (pageable fallback, auto mode, ...)
     streamed_bytes: int = 0       # weight bytes moved per target pass
     block_nbytes: int = 0         # one target layer as stored and moved (quantized or dense)
+    concurrency_auto: bool = False  # concurrency was auto: `concurrency` is the most rows in flight, and the
+                                    # measured costs may keep fewer (Engine.run_batch's adapt_rows)
 
     @property
     def placement(self) -> Placement:
@@ -449,9 +453,11 @@ class MemoryPlan:
         m = self.machine
         shared = m.kind == "cpu"
         target = f", target {self.target_quant}" if self.target_quant != "none" else ""
+        rows = ""
+        if self.concurrency > 1 or self.concurrency_auto:
+            rows = f", {self.concurrency} requests in flight" + (" (auto)" if self.concurrency_auto else "")
         lines = [f"memory plan: {m.name or m.kind}, offload {self.mode}{target}, context {self.context} tokens, tree budget "
-                 f"≤ {self.tree_budget}, prefill chunk {self.prefill_chunk}"
-                 + (f", {self.concurrency} requests in flight" if self.concurrency > 1 else "")]
+                 f"≤ {self.tree_budget}, prefill chunk {self.prefill_chunk}{rows}"]
         for where in ("device", "host"):
             items = [i for i in self.items if i.where == where]
             if not items:
@@ -494,7 +500,28 @@ def make_plan(target: ModelSpec, draft: Optional[ModelSpec], offload: OffloadCon
     store_dir: where a packed store goes when one is used and offload.store_dir names none (load.store_dir_for).
 
     An auto tree budget (limits.tree_budget None) is the most that fits, up to AUTO_MAX_TREE_BUDGET: a
-    device too short for the largest tree's logits gets a smaller auto maximum (said in the notes)."""
+    device too short for the largest tree's logits gets a smaller auto maximum (said in the notes).
+
+    Auto concurrency (limits.concurrency None) is the most requests in flight, up to AUTO_CONCURRENCY and
+    limits.concurrency_cap, whose plan fits (each adds KV-cache rows, a tree's logits and activations): halved
+    from there until it fits, down to 1 (whose refusal is the answer). The plan records the number and that it
+    was auto (concurrency_auto)."""
+    if limits.concurrency is not None:
+        return _plan_rows(target, draft, offload, runtime, limits, machine, store_dir)
+    rows = min(AUTO_CONCURRENCY, max(1, limits.concurrency_cap or AUTO_CONCURRENCY))
+    while True:
+        try:
+            plan = _plan_rows(target, draft, offload, runtime, replace(limits, concurrency=rows), machine, store_dir)
+            return replace(plan, concurrency_auto=True)
+        except BudgetError:
+            if rows == 1:
+                raise
+            rows //= 2
+
+
+def _plan_rows(target: ModelSpec, draft: Optional[ModelSpec], offload: OffloadConfig, runtime: RuntimeConfig,
+               limits: RunLimits, machine: Machine, store_dir: Optional[str]) -> MemoryPlan:
+    """make_plan for a given number of requests in flight (limits.concurrency)."""
     if limits.prefill_chunk < 1:
         raise InputError("--prefill-chunk must be at least 1")
     if limits.concurrency < 1:

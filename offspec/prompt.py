@@ -4,6 +4,7 @@ from __future__ import annotations
 from typing import Optional, Sequence, Union
 
 from .errors import InputError
+from .request import check_text
 
 Messages = list[dict]
 
@@ -11,8 +12,7 @@ Messages = list[dict]
 def encode_prompt(tokenizer, prompt: Union[str, Messages], raw: bool = False) -> list[int]:
     """Text or chat messages -> ids. Chat models get their template (with the assistant turn opened)
     unless `raw`; raw text and models without a template are tokenized as is."""
-    if isinstance(prompt, str) and not prompt.strip():
-        raise InputError("the prompt is empty")
+    check_text(prompt)
     if not raw and getattr(tokenizer, "chat_template", None):
         messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
         ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)

@@ -122,13 +122,6 @@ class LayerStreamer:
         self._loader.start()
         self._post_loads()   # the first pass starts copying now
 
-    # ---- mapping of load numbers (overridden in tests to reproduce the wrap-around bug)
-    def _layer_for(self, n: int) -> int:
-        return self.streamed[n % len(self.streamed)]
-
-    def _slot_for(self, n: int) -> int:
-        return n % self.n_slots
-
     # ---- consumer side
     def pass_layers(self) -> Iterator[tuple[int, LayerWeights]]:
         if self._closed:
@@ -146,7 +139,7 @@ class LayerStreamer:
                     yield layer, layer_weights(self.resident[layer])   # a held quantized layer: dequantized now
                     continue
                 n = self._released
-                assert self._layer_for(n) == layer, (n, layer)
+                assert self.streamed[n % len(self.streamed)] == layer, (n, layer)
                 k = self._take(n, comp_q)
                 held = n
                 yield layer, self._views[k]
@@ -162,7 +155,7 @@ class LayerStreamer:
 
     def _take(self, n: int, comp_q) -> int:
         """Make compute wait until load n is in its slot; -> the slot."""
-        k = self._slot_for(n)
+        k = n % self.n_slots
         stall_start, stall_end = self._timing_event(), self._timing_event()
         stall_start.record(comp_q)
         self._wait_issued(n)            # host: the ready record below must be load n's (it binds at call time)
@@ -174,7 +167,7 @@ class LayerStreamer:
 
     def _release(self, n: int, comp_q) -> None:
         """Hand slot k back: after the consumer's last kernel on it, and before any refill is posted."""
-        k = self._slot_for(n)
+        k = n % self.n_slots
         self._free[k].record(comp_q)    # WAR
         if not self.overlap:
             self._free[k].synchronize()     # debug: the next copy starts only once compute is done
@@ -195,7 +188,7 @@ class LayerStreamer:
         first = self._released
         with self._cv:
             issued = min(self._issued, first + len(self.streamed))
-        done = sum(1 for n in range(first, issued) if self._ready[self._slot_for(n)].query())
+        done = sum(1 for n in range(first, issued) if self._ready[n % self.n_slots].query())
         with self._lock:
             self._stats.prefetched_layers += done
             self._stats.prefetched_bytes += done * self.layout.nbytes
@@ -237,8 +230,9 @@ class LayerStreamer:
                 self._cv.notify_all()
 
     def _load(self, n: int) -> None:
-        layer, k = self._layer_for(n), self._slot_for(n)
-        staged = self.store.acquire(layer, next_layer=self._layer_for(n + 1))   # disk: waits for its read
+        layer, k = self.streamed[n % len(self.streamed)], n % self.n_slots   # the wrap-around (docs/streaming.md §1)
+        next_layer = self.streamed[(n + 1) % len(self.streamed)]
+        staged = self.store.acquire(layer, next_layer=next_layer)   # disk: waits for its read
         copy_q = self.backend.copy_queue
         copy_start, copy_end = self._timing_event(), self._timing_event()
         self._free[k].wait(copy_q)             # WAR: slot k's previous layer has been read

@@ -13,9 +13,9 @@ Per node (N = number of nodes, root included; the tree's size in budget terms is
   values   (N,) float64   DySpec value: estimated probability that the node is reached and accepted (root 1)
   mask     (N, N) bool    ancestor mask: row i is True at i's ancestors and at i itself. Built as the tree
                           grows: a node's row is its parent's row plus its own column.
-  origin   (N,) long      where the node sat in the working tree that `grow` passed to draft_step (so the
+  origin   (N,) long      where the node sat in the working tree growth sent to the draft (so the
                           draft's KV cache entry of node n is at working index origin[n]); -1 for a node that
-                          was never passed to draft_step. Identity for a tree built by hand.
+                          was never sent to the draft. Identity for a tree built by hand.
   dists    {node: (V,)}   for each node whose children were drawn at T > 0: the draft distribution p they
                           were drawn from (stochastic verification needs it). Empty for greedy trees.
 Per node, for acceptance calibration (calibrate.py) and n-gram branches (ngram.py), read one at a time:
@@ -23,7 +23,7 @@ Per node, for acceptance calibration (calibrate.py) and n-gram branches (ngram.p
   estimate(n)     the conditional acceptance estimate it was grown with (value(n) = value(parent) * estimate(n))
   ngram_match(n)  0 for a draft node; for an n-gram node (a deterministic candidate, never run through the
                   draft), the match length of the chain that proposed it
-  n_draft_calls           draft_step calls growth made for this tree (root excluded), for the step stats.
+  n_draft_calls           draft calls growth made for this tree (root excluded), for the step stats.
 All tensors but the dists live on the CPU: they are small, built node by node, and read by Python loops;
 move `mask`, `tokens` and `positions` to the device once per forward. They are cached: treat them as
 read-only.
@@ -54,7 +54,7 @@ class TokenTree:
         self._cache: dict[str, torch.Tensor] = {}      # tensors of the current n_nodes
         self._origin: Optional[list[int]] = None       # None = identity (this tree is its own working tree)
         self.dists: dict[int, torch.Tensor] = {}
-        self.n_draft_calls = 0                         # draft_step calls made while growing (root excluded)
+        self.n_draft_calls = 0                         # draft calls made while growing (root excluded)
         self._append(int(root_token), -1, 0, 1.0)
 
     @classmethod

@@ -62,7 +62,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _common  # noqa: E402
 import _stats  # noqa: E402
-from offspec.batch import auto_concurrency  # noqa: E402
 from offspec.config import OffloadConfig, RunLimits, RuntimeConfig, TreeConfig  # noqa: E402
 from offspec.demo import ensure_demo_models  # noqa: E402
 from offspec.generate import GenerationRequest  # noqa: E402
@@ -228,16 +227,15 @@ def offspec_cell(models: Models, regime: str, requests: list[GenerationRequest],
     longest = max(len(r.prompt_ids) for r in requests) + args.new_tokens
     tree = requests[0].tree
 
-    def limits_for(b: int) -> RunLimits:
-        return RunLimits(context=longest + (tree.budget or 1024) + 2, tree_budget=tree.budget, sampling=False,
-                         concurrency=b)
     adapt = B == "auto"
-    most = auto_concurrency(models, offload, runtime, limits_for, len(requests)) if adapt else B
-    loaded = models.load(offload, runtime, limits_for(most), progress=False)
+    limits = RunLimits(context=longest + (tree.budget or 1024) + 2, tree_budget=tree.budget, sampling=False,
+                       concurrency=None if adapt else B, concurrency_cap=len(requests))
+    loaded = models.load(offload, runtime, limits, progress=False)
+    most = loaded.plan.concurrency
     job, steps = JobReport(concurrency=most, device=str(loaded.engine.device)), {}
     started = time.perf_counter()
     try:
-        for event in loaded.engine.run_batch(requests, concurrency=most, adapt_rows=adapt):
+        for event in loaded.engine.run_batch(requests, concurrency=most, adapt_rows=loaded.plan.concurrency_auto):
             if event.error is not None:
                 raise event.error
             job.add(event.step)

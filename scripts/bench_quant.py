@@ -44,6 +44,7 @@ from offspec.config import OffloadConfig, RuntimeConfig, TreeConfig  # noqa: E40
 from offspec.generate import GenerationRequest, run  # noqa: E402
 from offspec.kv_cache import KVCache  # noqa: E402
 from offspec.load import load_engine, parse_dtype  # noqa: E402
+from offspec.model import RowSpan  # noqa: E402
 
 SECTION = "bench_quant"
 CPU = torch.device("cpu")
@@ -123,8 +124,9 @@ def measure_quality(args, target_dir, rows: list[dict]) -> None:
                 mask = torch.arange(T)[:, None] >= torch.arange(T)[None]                   # (T, T) causal
                 start = time.perf_counter()
                 with torch.no_grad():
-                    logits = eng.target.forward_one(torch.tensor(ids), torch.arange(T), torch.arange(T), mask,
-                                                    cache, chunk=eng.prefill_chunk)          # (T, V) float32
+                    one_row = [RowSpan(0, T, 0, torch.arange(T), mask)]                   # the whole text, cache row 0
+                    logits = eng.target.forward(torch.tensor(ids), torch.arange(T), one_row, cache,
+                                                chunk=eng.prefill_chunk)                   # (T, V) float32
                 nll = F.cross_entropy(logits[:-1], torch.tensor(ids[1:]), reduction="sum").item()
                 row = dict(part="quality", quant=quant, text=name, dtype=args.dtype, tokens=T - 1, nll=nll,
                            top1=logits[:-1].argmax(-1).tolist(), seconds=time.perf_counter() - start)
@@ -258,7 +260,7 @@ def speed_table(rows: list[dict], paired: bool) -> str:
 
 
 def report(args, rows: list[dict], started: float, load_at_start: str) -> str:
-    out = [f"## Quantized target (`--target-quant`): quality and speed on the demo pair\n",
+    out = ["## Quantized target (`--target-quant`): quality and speed on the demo pair\n",
            _common.run_header(CPU, started, load_at_start), ""]
     quality = [r for r in rows if r["part"] == "quality" and r["dtype"] == args.dtype]
     if quality:

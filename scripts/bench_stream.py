@@ -69,7 +69,7 @@ from offspec.kv_cache import KVCache
 from offspec.load import parse_device, parse_dtype, store_dir_for
 from offspec.metrics import Timer
 from offspec.layout import LayerLayout
-from offspec.model import Model
+from offspec.model import Model, RowSpan
 from offspec.load import TargetLayers, open_target_layers
 from offspec.plan import LayerPlan
 from offspec.stores import LAYERS_BIN, READS_IN_FLIGHT, DiskStore, HostArenaStore, drop_page_cache, sequential_read
@@ -151,7 +151,7 @@ def forward_at(model: Model, cache: KVCache, start: int, ids: torch.Tensor) -> t
     positions = torch.arange(start, start + T, device=model.device)                # (T,) also the slots
     cols = torch.arange(start + T, device=model.device)
     mask = cols[None, :] <= positions[:, None]                                     # (T, start+T)
-    return model.forward_one(ids, positions, positions, mask, cache)            # (T, V)
+    return model.forward(ids, positions, [RowSpan(0, T, 0, positions, mask)], cache)   # (T, V)
 
 
 def timed_passes(model: Model, cache: KVCache, inputs: Inputs, T: int, n: int, before_each=None) -> list[float]:

@@ -27,7 +27,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _common  # noqa: E402
-from offspec import costmodel  # noqa: E402
+from offspec import controller  # noqa: E402
 from offspec.config import OffloadConfig, RunLimits, RuntimeConfig, TreeConfig  # noqa: E402
 from offspec.demo import ensure_demo_models  # noqa: E402
 from offspec.generate import GenerationRequest  # noqa: E402
@@ -38,16 +38,16 @@ from offspec.prompt_sets import load_prompt_set  # noqa: E402
 
 
 def traced(log: list):
-    """BudgetPlanner.observe, recording each round into `log`."""
-    observe = costmodel.BudgetPlanner.observe
+    """Controller.observe, recording each round into `log`."""
+    observe = controller.Controller.observe
 
-    def record(self, trees, draft_seconds, target_seconds, pass_tokens, timed=True, **kwargs):
-        grown = [t.size for t in trees.values() if t.size > 0]
-        fed, catch_up_s = kwargs.get("catch_up") or (0, 0.0)
-        entry = dict(rows=len(trees), grown=len(grown), nodes=sum(grown), draft_s=round(draft_seconds, 4),
-                     catch_up=fed, catch_up_s=round(catch_up_s, 4), target_s=round(target_seconds, 4),
-                     pass_tokens=pass_tokens, timed=timed, yielded=kwargs.get("yielded") or 0)
-        observe(self, trees, draft_seconds, target_seconds, pass_tokens, timed=timed, **kwargs)
+    def record(self, r: controller.RoundRecord):
+        grown = [t.size for t in r.trees.values() if t.size > 0]
+        fed, catch_up_s = r.catch_up or (0, 0.0)
+        entry = dict(rows=len(r.trees), grown=len(grown), nodes=sum(grown), draft_s=round(r.draft_seconds, 4),
+                     catch_up=fed, catch_up_s=round(catch_up_s, 4), target_s=round(r.target_seconds, 4),
+                     pass_tokens=r.pass_tokens, timed=r.timed, yielded=r.yielded or 0)
+        observe(self, r)
         log.append({**entry, "plain": self.plain_wins, "miss": round(self.miss(), 3),
                     "budgets": sum(self.alloc.values())})
     return record
@@ -92,7 +92,7 @@ def main(argv=None) -> int:
     if args.slots < 2:
         p.error("--slots must be at least 2 (one slot is read while another is computed)")
     log: list = []
-    costmodel.BudgetPlanner.observe = traced(log)
+    controller.Controller.observe = traced(log)
     target, draft = ensure_demo_models()
     models = Models.open(target, draft)
     ids = [encode_prompt(models.tokenizer, text) for _, text in load_prompt_set(args.prompt_set, args.prompts)]

@@ -12,10 +12,10 @@ import offspec.accept as accept
 from offspec.accept import Verdict, verify_greedy, verify_stochastic
 from offspec.calibrate import Calibrator, judged_greedy, judged_path, observe
 from offspec.config import SamplingConfig, TreeConfig
-from offspec.grow import grow
 from offspec.ngram import lookup
 from offspec.sampling import make_generator, process_logits
 from offspec.tree import TokenTree
+from drivers import grow
 
 GREEDY = SamplingConfig(temperature=0.0)
 

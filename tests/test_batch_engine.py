@@ -4,14 +4,16 @@ Rows share the passes (one packed target forward, one draft forward per growth s
 cache row, generator, tree and stop state; attention never crosses rows. So in fp32 a request's tokens in a
 batch equal its tokens alone, greedy and sampled (with a fixed tree budget its random draws do not depend on
 its neighbours), whatever policy, whenever it joins and whichever rows finish first."""
+from contextlib import contextmanager
 from dataclasses import replace
 
 import pytest
 import torch
 
 from offspec.config import OffloadConfig, RunLimits, RuntimeConfig, SamplingConfig, TreeConfig
-from offspec.generate import GenerationRequest
+from offspec.generate import Engine, GenerationRequest
 from offspec.load import load_engine
+from drivers import forward_one
 from tiny import hf_config, make_model, perturbed_copy, save_agreeing_pair, save_checkpoint
 
 RUNTIME = RuntimeConfig(device=torch.device("cpu"), dtype=torch.float32)
@@ -256,23 +258,31 @@ def fresh_prefill(model, tokens):
     T = len(tokens)
     cache = KVCache.for_model(model.cfg, T, torch.float32, torch.device("cpu"))
     positions = torch.arange(T)
-    model.forward_one(torch.tensor(tokens), positions, positions, positions[None, :] <= positions[:, None], cache)
+    forward_one(model, torch.tensor(tokens), positions, positions, positions[None, :] <= positions[:, None], cache)
     return cache.k[:, 0], cache.v[:, 0]
 
 
-def caches_match_fresh_prefill(engine):
-    """after_round hook: each row's target and draft cache rows hold exactly what a fresh prefill of its committed
-    tokens gives (fp32, up to matmul rounding), so no rejected token, sibling or other row left a trace."""
-    def check(rows, t_cache, d_cache):
-        for row in rows:
-            for model, cache in ((engine.target, t_cache), (engine.draft, d_cache)):
+@contextmanager
+def caches_checked(engine):
+    """While inside: after every round, before its finished rows retire (Engine._retire), each row's target and
+    draft cache rows hold exactly what a fresh prefill of its committed tokens gives (fp32, up to matmul
+    rounding), so no rejected token, sibling or other row left a trace. Yields the list of rows checked."""
+    retire, checked = Engine._retire, []
+
+    def check(batch, finished):
+        for row in batch.rows:
+            for model, cache in ((engine.target, batch.t_cache), (engine.draft, batch.d_cache)):
                 L = cache.lengths[row.cache_row]
                 if L == 0:                      # a prompt still joining has not reached the draft yet
                     continue
                 k, v = fresh_prefill(model, row.seq[:L])
                 torch.testing.assert_close(cache.k[:, row.cache_row, :, :L], k, rtol=1e-4, atol=1e-4)
                 torch.testing.assert_close(cache.v[:, row.cache_row, :, :L], v, rtol=1e-4, atol=1e-4)
-    return check
+            checked.append(row.index)
+        retire(batch, finished)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(Engine, "_retire", staticmethod(check))
+        yield checked
 
 
 def requests_for_checks():
@@ -282,8 +292,10 @@ def requests_for_checks():
 
 def run_checked(engine, requests, concurrency=3):
     tokens = {i: [] for i in range(len(requests))}
-    for event in engine.run_batch(requests, concurrency=concurrency, after_round=caches_match_fresh_prefill(engine)):
-        tokens[event.request] += event.step.tokens
+    with caches_checked(engine) as checked:
+        for event in engine.run_batch(requests, concurrency=concurrency):
+            tokens[event.request] += event.step.tokens
+    assert set(checked) == set(range(len(requests)))       # every row's caches were checked
     return tokens
 
 
@@ -505,14 +517,15 @@ def test_a_long_prompt_joins_in_chunks_beside_decoding_rows(engine, per_pass):
                                   ignore_eos=True)
                 for p, n in zip([*prompts(2), long_prompt, *prompts(3)[2:]], [4, 30, 10, 6])]
     tokens, fed, beside = {i: [] for i in range(len(requests))}, [], 0
-    for event in engine.run_batch(requests, concurrency=2, after_round=caches_match_fresh_prefill(engine),
-                                  prefill_per_pass=per_pass):
-        assert event.error is None, event.error
-        if event.request == 2 and not tokens[2]:
-            fed.append(event.step.pass_tokens)
-        if event.request != 2 and fed and not tokens[2]:
-            beside += len(event.step.tokens)            # others' tokens while the long prompt joins
-        tokens[event.request] += event.step.tokens
+    with caches_checked(engine) as checked:
+        for event in engine.run_batch(requests, concurrency=2, prefill_per_pass=per_pass):
+            assert event.error is None, event.error
+            if event.request == 2 and not tokens[2]:
+                fed.append(event.step.pass_tokens)
+            if event.request != 2 and fed and not tokens[2]:
+                beside += len(event.step.tokens)            # others' tokens while the long prompt joins
+            tokens[event.request] += event.step.tokens
+    assert set(checked) == set(range(len(requests)))
     for i, request in enumerate(requests):
         assert tokens[i] == alone(engine, request)[0], i
     if per_pass is not None:
@@ -526,11 +539,11 @@ def test_a_long_prompt_joins_in_chunks_beside_decoding_rows(engine, per_pass):
 def test_auto_concurrency_refills_only_the_rows_the_costs_favour(engine, monkeypatch):
     """adapt_rows: `concurrency` is the most rows; a finished row is refilled only while the planner's
     rows_worth says so. The outputs stay each request's own."""
-    from offspec.costmodel import BudgetPlanner
+    from offspec.controller import Controller
     requests = [GenerationRequest(prompt_ids=p, max_new_tokens=n, ignore_eos=True)          # auto tree budget
                 for p, n in zip(prompts(6), [5, 17, 9, 12, 3, 8])]
     for worth, most_seen in ((2, 2), (None, 4)):
-        monkeypatch.setattr(BudgetPlanner, "rows_worth", lambda self, most: worth)
+        monkeypatch.setattr(Controller, "rows_worth", lambda self, most: worth)
         tokens = {i: [] for i in range(len(requests))}
         seen = []
         for event in engine.run_batch(requests, concurrency=4, adapt_rows=True):
@@ -548,19 +561,19 @@ def test_while_plain_decoding_wins_a_probe_grows_one_tree_the_least_behind(engin
     prompts), the rows then decode plainly, and each probe that re-times trees grows the tree of one row only,
     the one whose draft has the least to read. The engine hands the planner each row's backlog and tokens left
     after the commits, and the catch-up's tokens; the outputs stay each request's own."""
-    from offspec.costmodel import BudgetPlanner
-    monkeypatch.setattr(BudgetPlanner, "target_fit", lambda self: (0.0, 1.0))
-    monkeypatch.setattr(BudgetPlanner, "draft_fit", lambda self, unsure="per call": (1.0, 1.0))
-    monkeypatch.setattr(BudgetPlanner, "catch_up_fit", lambda self: 1.0)
-    monkeypatch.setattr(BudgetPlanner, "miss", lambda self: 1.0)     # the model is taken at its word
+    from offspec.controller import Controller
+    monkeypatch.setattr(Controller, "target_fit", lambda self: (0.0, 1.0))
+    monkeypatch.setattr(Controller, "draft_fit", lambda self, unsure="per call": (1.0, 1.0))
+    monkeypatch.setattr(Controller, "catch_up_fit", lambda self: 1.0)
+    monkeypatch.setattr(Controller, "miss", lambda self: 1.0)     # the model is taken at its word
     rounds = []                                   # per round: (rows that grew, backlog and tokens left after it)
-    observe = BudgetPlanner.observe
+    observe = Controller.observe
 
-    def spy(self, trees, *args, **kwargs):
-        rounds.append(({r for r, t in trees.items() if t.size > 0}, kwargs["behind"], kwargs["left"],
-                       kwargs["catch_up"]))
-        observe(self, trees, *args, **kwargs)
-    monkeypatch.setattr(BudgetPlanner, "observe", spy)
+    def spy(self, record):
+        rounds.append(({r for r, t in record.trees.items() if t.size > 0}, record.behind, record.left,
+                       record.catch_up))
+        observe(self, record)
+    monkeypatch.setattr(Controller, "observe", spy)
     requests = [GenerationRequest(prompt_ids=p, max_new_tokens=n, ignore_eos=True)          # auto tree budget
                 for p, n in zip(prompts(3), [40, 34, 28])]
     tokens, _, _ = batched(engine, requests, concurrency=3)
@@ -585,18 +598,18 @@ def test_a_cpu_job_probes_first_only_where_the_target_is_resident(pair, mode):
     """Resident on a CPU (a pass and a draft's prompt read are both compute) the job's first round grows no tree
     and the next one row's (probe_first); where the target streams, a pass costs its read of every layer as on a
     GPU, and every row grows its tree from the first round. Either way each row's tokens are its own."""
-    from offspec.costmodel import BudgetPlanner
+    from offspec.controller import Controller
     offload = OffloadConfig(mode=mode, n_slots=2)
     eng = load_engine(pair[0], pair[1], offload, RUNTIME, progress=False, limits=LIMITS).engine
     grew = []
-    observe = BudgetPlanner.observe
+    observe = Controller.observe
 
-    def spy(self, trees, *args, **kwargs):
-        grew.append({r for r, t in trees.items() if t.size > 0})
-        observe(self, trees, *args, **kwargs)
+    def spy(self, record):
+        grew.append({r for r, t in record.trees.items() if t.size > 0})
+        observe(self, record)
     try:
         with pytest.MonkeyPatch.context() as patch:
-            patch.setattr(BudgetPlanner, "observe", spy)
+            patch.setattr(Controller, "observe", spy)
             requests = [GenerationRequest(prompt_ids=p, max_new_tokens=n, ignore_eos=True)    # auto tree budget
                         for p, n in zip(prompts(3), [12, 9, 14])]
             tokens, _, _ = batched(eng, requests, concurrency=3)

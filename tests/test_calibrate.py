@@ -7,10 +7,10 @@ import torch
 from offspec.calibrate import (AcceptanceCounts, Calibration, Calibrator, NGRAM_PRIOR, _isotonic, judged_greedy,
                                judged_path, observe)
 from offspec.config import SamplingConfig, TreeConfig
-from offspec.grow import grow
 from offspec.ngram import NgramChain, lookup
 from offspec.sampling import make_generator
 from offspec.tree import TokenTree
+from drivers import grow
 
 
 def test_lookup_takes_the_longest_match_most_recent_first():

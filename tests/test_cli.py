@@ -19,6 +19,7 @@ from offspec.cli import main
 from offspec.config import OffloadConfig, RuntimeConfig, TreeConfig
 from offspec.generate import GenerationRequest, run
 from offspec.load import load_engine
+from offspec.plan import AUTO_CONCURRENCY
 from offspec.prompt import encode_prompt
 from tiny import SPECIALS, CHARS, hf_config, make_model, perturbed_copy, save_checkpoint
 
@@ -559,6 +560,12 @@ def test_batch_concurrency_gives_the_same_lines_and_a_job_report(m, tmp_path):
         assert "tokens/s" in result.stderr and "prompts and" in result.stderr
         assert "a pass: draft " in result.stderr and "waiting for weights" not in result.stderr
     assert lines[1] == lines[3]
+    # auto: the memory plan's most rows, no more than the job's 5 prompts (the costs may keep fewer in flight).
+    out, job = tmp_path / "auto.jsonl", tmp_path / "auto.json"
+    ok(cli("batch", prompts, "-o", out, *m.models, *FAST, "--tree-budget", 8, "--concurrency", "auto", "--json", job))
+    assert {r["id"]: r["tokens"] for r in read_results(out)} == lines[1]
+    assert json.loads(job.read_text())["concurrency"] == min(AUTO_CONCURRENCY, 5)
+    assert f"up to {AUTO_CONCURRENCY}, that the memory plan fits" in " ".join(ok(cli("batch", "--help")).output.split())
     # Streamed: the report says where a pass went, the stream's rate included.
     out, job = tmp_path / "streamed.jsonl", tmp_path / "streamed.json"
     result = ok(cli("batch", prompts, "-o", out, *m.models, *FAST[:-1], "cpu", "--tree-budget", 8,

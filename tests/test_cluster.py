@@ -18,11 +18,12 @@ import pytest
 import ray
 import torch
 
-from offspec.batch import AUTO_CONCURRENCY, PromptDone
 from offspec.cluster import LOCAL_OBJECT_STORE, Cluster, WorkerSpec
 from offspec.config import OffloadConfig, RunLimits, RuntimeConfig, TreeConfig
 from offspec.generate import GenerationRequest
 from offspec.checkpoint import load_tokenizer
+from offspec.jobs import PromptDone
+from offspec.plan import AUTO_CONCURRENCY
 from offspec.prompt import encode_prompt
 from test_cli import FAST, cli, ok, printable_only, read_results, write_jsonl
 from tiny import hf_config, make_model, perturbed_copy, save_checkpoint

@@ -7,6 +7,7 @@ from offspec.checkpoint import Checkpoint
 from offspec.config import OffloadConfig, RuntimeConfig, SamplingConfig, TreeConfig
 from offspec.generate import GenerationRequest, run
 from offspec.load import load_engine
+from drivers import forward_one
 from tiny import hf_config, make_model, perturbed_copy, save_agreeing_pair, save_checkpoint
 
 RUNTIME = RuntimeConfig(device=torch.device("cpu"), dtype=torch.float32)
@@ -192,7 +193,7 @@ def test_streamed_with_resident_layers_bitwise(pair):
         outs = []
         for eng in (resident, streamed):
             cache = KVCache.for_model(cfg, T, torch.float32, torch.device("cpu"))
-            outs.append(eng.target.forward_one(toks, torch.arange(T), torch.arange(T), mask, cache))
+            outs.append(forward_one(eng.target, toks, torch.arange(T), torch.arange(T), mask, cache))
         assert torch.equal(outs[0], outs[1])
         assert len(streamed.target.layers.placement.resident) == 2
     finally:
@@ -334,8 +335,8 @@ def test_chunked_forward_equals_one_piece(pair, chunk):
     outs, caches = [], []
     for c in (None, chunk):
         cache = KVCache.for_model(cfg, T, torch.float32, torch.device("cpu"))
-        outs.append(eng.target.forward_one(torch.tensor(PROMPT), torch.arange(T), torch.arange(T),
-                                           PassMask(0, T, None, torch.device("cpu")), cache, chunk=c))
+        outs.append(forward_one(eng.target, torch.tensor(PROMPT), torch.arange(T), torch.arange(T),
+                                PassMask(0, T, None, torch.device("cpu")), cache, chunk=c))
         caches.append(cache)
     # fp32 rounding only: matmuls over fewer rows may sum in another order
     torch.testing.assert_close(outs[0], outs[1], rtol=1e-4, atol=1e-4)
@@ -355,8 +356,8 @@ def test_nan_caches_catch_a_masked_off_read_of_an_unwritten_slot(pair):
     outs = []
     for width in (T + 1, T):
         cache = KVCache.for_model(eng.target.cfg, T + 1, torch.float32, cpu)
-        outs.append(eng.target.forward_one(torch.tensor(PROMPT), torch.arange(T), torch.arange(T),
-                                           causal_rows(0, T, width, cpu), cache))
+        outs.append(forward_one(eng.target, torch.tensor(PROMPT), torch.arange(T), torch.arange(T),
+                                causal_rows(0, T, width, cpu), cache))
     assert torch.isnan(outs[0]).all()
     assert torch.isfinite(outs[1]).all()
 

@@ -31,6 +31,7 @@ from offspec.plan import LayerPlan, layer_nbytes
 from offspec.ring import LayerStreamer
 from offspec.stores import HostArenaStore
 from offspec.transfer import PAGE_BYTES, CudaBackend, CudaEvent, check_copy
+from drivers import forward_one
 
 import test_offload
 
@@ -147,9 +148,8 @@ class SanitizedLoader(LayerStreamer):
 
 
 # The broken streamers of the CPU protocol tests (tests/test_offload.py), with the sanitized loader: each
-# overrides one step of the consumer side, SanitizedLoader the loader thread, so they combine.
-class PerPassSlots(test_offload.PerPassSlots, SanitizedLoader):
-    pass
+# overrides steps of the ring, SanitizedLoader the loader thread's entry, so they combine.
+PerPassSlots = test_offload.per_pass_slots(SanitizedLoader)
 
 
 class RefillBeforeFree(test_offload.RefillBeforeFree, SanitizedLoader):
@@ -296,7 +296,7 @@ def test_cuda_streamed_logits_equal_resident_bitwise(tmp_path, mode, n_slots, n_
         caches = [KVCache.for_model(MODEL, 16, torch.float32, device) for _ in models]
         for _ in range(2):                          # the second round re-runs the passes: wrap-around again
             for tokens, positions, slots, mask in steps(device):
-                logits = [m.forward_one(tokens, positions, slots, mask, c) for m, c in zip(models, caches)]
+                logits = [forward_one(m, tokens, positions, slots, mask, c) for m, c in zip(models, caches)]
                 assert torch.equal(logits[0], logits[1])
         assert streamed.stats().passes == 6
 
@@ -344,10 +344,10 @@ def test_cuda_streamed_forward_does_no_hidden_synchronization():
         model = Model(MODEL, globals_, target)
         cache = KVCache.for_model(MODEL, 16, torch.float32, device)
         passes = steps(device)
-        model.forward_one(*passes[0], cache)        # warm-up outside: first-call library set-up may synchronize
+        forward_one(model, *passes[0], cache)        # warm-up outside: first-call library set-up may synchronize
         with sync_debug_error():
             for tokens, positions, slots, mask in passes:
-                logits = model.forward_one(tokens, positions, slots, mask, cache)
+                logits = forward_one(model, tokens, positions, slots, mask, cache)
         assert torch.isfinite(logits).all().item()
 
 

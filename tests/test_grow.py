@@ -5,9 +5,9 @@ import pytest
 import torch
 
 from offspec.config import SamplingConfig, TreeConfig
-from offspec.grow import grow
 from offspec.sampling import make_generator, process_logits
 from offspec.tree import TokenTree
+from drivers import grow
 
 V = 12
 GREEDY = SamplingConfig(temperature=0.0)

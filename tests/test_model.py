@@ -6,6 +6,7 @@ from offspec.checkpoint import Checkpoint
 from offspec.draft import load_resident
 from offspec.kv_cache import KVCache
 from offspec.model import RowSpan
+from drivers import forward_one
 from tiny import hf_config, make_model, save_checkpoint
 
 CPU = torch.device("cpu")
@@ -44,10 +45,10 @@ def test_logits_match_transformers(tmp_path, name):
         ref_full = hf(tokens).logits
     cache = KVCache.for_model(ckpt.config, 32, torch.float32, CPU)
     pos = torch.arange(9)
-    got = ours.forward_one(tokens[0, :9], pos, pos, causal(9, 0), cache)
+    got = forward_one(ours, tokens[0, :9], pos, pos, causal(9, 0), cache)
     torch.testing.assert_close(got, ref_prompt[0], rtol=1e-4, atol=1e-4)
     for t in range(9, 12):  # token by token through the cache
-        got = ours.forward_one(tokens[0, t:t + 1], torch.tensor([t]), torch.tensor([t]), causal(1, t), cache)
+        got = forward_one(ours, tokens[0, t:t + 1], torch.tensor([t]), torch.tensor([t]), causal(1, t), cache)
         torch.testing.assert_close(got[0], ref_full[0, t], rtol=1e-4, atol=1e-4)
 
 
@@ -76,16 +77,16 @@ def test_kv_compact_equals_recompute(tmp_path):
     prefix = torch.randint(0, 128, (1, 5), generator=torch.Generator().manual_seed(2))
     a, b, c, d = 10, 11, 12, 13
     cache = KVCache.for_model(ckpt.config, 16, torch.float32, CPU)
-    ours.forward_one(prefix[0], torch.arange(5), torch.arange(5), causal(5, 0), cache)
+    forward_one(ours, prefix[0], torch.arange(5), torch.arange(5), causal(5, 0), cache)
     # tree: a(depth1) -> b(depth2); a -> c(depth2); d(depth1); slots 5..8
     tree_tokens = torch.tensor([a, b, c, d])
     depth = torch.tensor([1, 2, 2, 1]) - 1
     tree_mask = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [0, 0, 0, 1]], dtype=torch.bool)
     mask = torch.cat([torch.ones(4, 5, dtype=torch.bool), tree_mask], 1)
-    ours.forward_one(tree_tokens, 5 + depth, torch.arange(5, 9), mask, cache)
+    forward_one(ours, tree_tokens, 5 + depth, torch.arange(5, 9), mask, cache)
     cache.compact(torch.tensor([5, 7]), 5)   # keep a, c
     assert cache.length == 7
     ref = KVCache.for_model(ckpt.config, 16, torch.float32, CPU)
-    ours.forward_one(torch.cat([prefix[0], torch.tensor([a, c])]), torch.arange(7), torch.arange(7), causal(7, 0), ref)
+    forward_one(ours, torch.cat([prefix[0], torch.tensor([a, c])]), torch.arange(7), torch.arange(7), causal(7, 0), ref)
     torch.testing.assert_close(cache.k[:, :, :, :7], ref.k[:, :, :, :7], rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(cache.v[:, :, :, :7], ref.v[:, :, :, :7], rtol=1e-5, atol=1e-5)

@@ -22,6 +22,7 @@ from offspec.ring import LayerStreamer
 from offspec.stores import (LAYERS_BIN, MANIFEST, DiskStore, HostArenaStore, disk_store_exists, prepare_disk_store,
                             store_fingerprint)
 from offspec.transfer import PAGE_BYTES, CpuBackend, CpuEvent
+from drivers import forward_one
 
 CPU = torch.device("cpu")
 TINY = ModelConfig(arch="llama", vocab_size=64, hidden_size=32, intermediate_size=64, n_layers=7,
@@ -90,14 +91,31 @@ class NoRawBackend(TearingBackend):
         return event
 
 
-class PerPassSlots(LayerStreamer):
-    def _slot_for(self, n):
-        return self._layer_for(n) % self.n_slots   # the bug: slot from the layer index, not the load counter
+def per_pass_slots(base: type = LayerStreamer) -> type:
+    """A subclass of `base` (a LayerStreamer) with the bug of docs/streaming.md review #3: each load's slot taken
+    from its layer index (slot = layer % n_slots, a per-pass counter) instead of the load counter n % n_slots.
+    It overrides the methods of ring.py that map a load number to its slot with their own source, recompiled
+    with that one change, so the harness is shown to catch the bug in the code it tests."""
+    import __future__
+    import inspect
+    import textwrap
+    from offspec import ring
+    correct, buggy = "n % self.n_slots", "self.streamed[n % len(self.streamed)] % self.n_slots"
+    methods, changed = {}, 0
+    for name, method in vars(ring.LayerStreamer).items():
+        source = inspect.getsource(method) if inspect.isfunction(method) else ""
+        if correct in source:
+            namespace = dict(vars(ring))
+            exec(compile(textwrap.dedent(source).replace(correct, buggy), ring.__file__, "exec",
+                         __future__.annotations.compiler_flag), namespace)
+            methods[name], changed = namespace[name], changed + source.count(correct)
+    assert changed == 4, "ring.py computes load n's slot as n % self.n_slots in four places (_take, _release, ...)"
+    return type(f"PerPassSlots{base.__name__}", (base,), methods)
 
 
 class RefillBeforeFree(LayerStreamer):
     def _release(self, n, comp_q):
-        k = self._slot_for(n)
+        k = n % self.n_slots
         self._released = n + 1
         self._post_loads()                 # the bug: the refill is posted before free[k] is recorded ...
         time.sleep(0.002)                  # (widening the window in which the loader binds to the old record)
@@ -208,7 +226,21 @@ def test_protocol_test_catches_free_recorded_before_the_reader():
 
 def test_protocol_test_catches_per_pass_slot_mapping():
     """slot = layer % n_slots breaks at the pass boundary when 7 % n_slots != 0 (docs/streaming.md, review #3)."""
-    assert arena_protocol("compute-bound", 2, streamer_cls=PerPassSlots) != []
+    assert arena_protocol("compute-bound", 2, streamer_cls=per_pass_slots()) != []
+
+
+@pytest.mark.parametrize("n_slots", [2, 3])
+def test_slots_follow_the_load_counter_across_passes(n_slots):
+    """The n-th streamed layer yielded, counted across passes, sits in slot n % n_slots: the views of any n_slots
+    consecutive layers lie in n_slots different slots, also across a pass boundary (7 layers: 7 % n_slots != 0)."""
+    layout = LayerLayout.of(TINY, torch.uint8)
+    backend = CpuBackend()
+    store = HostArenaStore.build(filled_layers(TINY), layout, range(N_LAYERS), backend, progress=False)
+    name = layout.entries[0][0]
+    with LayerStreamer(store, backend, N_LAYERS, {}, n_slots) as streamer:
+        slots = [getattr(weights, name).data_ptr() for _ in range(3) for _, weights in streamer.pass_layers()]
+    assert len(set(slots)) == n_slots
+    assert all(len(set(slots[i:i + n_slots])) == n_slots for i in range(len(slots) - n_slots + 1))
 
 
 # ---------------------------------------------------------------- streamed == resident, bitwise
@@ -285,7 +317,7 @@ def test_streamed_model_logits_equal_resident_bitwise(tmp_path):
         for start, end in [(0, 5), (5, 8)]:                 # prefill, then a continuation over the cache
             positions = torch.arange(start, end)            # (T,)
             mask = torch.arange(end)[None, :] <= positions[:, None]      # (T, end) causal
-            logits = [m.forward_one(tokens[start:end], positions, positions, mask, c) for m, c in zip(models, caches)]
+            logits = [forward_one(m, tokens[start:end], positions, positions, mask, c) for m, c in zip(models, caches)]
             assert torch.equal(logits[0], logits[1])
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import re
 import shlex
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -15,8 +16,8 @@ from offspec.checkpoint import Checkpoint
 from offspec.cli import main
 from offspec.config import OffloadConfig, RunLimits, RuntimeConfig
 from offspec.errors import BudgetError
-from offspec.plan import (GB, PINNED_FRACTION, Machine, ModelSpec, activation_nbytes, host_memory_limit,
-                          kv_bytes_per_token, layer_nbytes, make_plan)
+from offspec.plan import (AUTO_CONCURRENCY, GB, PINNED_FRACTION, Machine, ModelSpec, activation_nbytes,
+                          host_memory_limit, kv_bytes_per_token, layer_nbytes, make_plan)
 from shapes import MODELS, headers_only_checkpoint
 
 BF16 = RuntimeConfig(dtype=torch.bfloat16)
@@ -326,3 +327,33 @@ def test_a_held_draft_is_counted_at_its_quantized_size(specs, folders):
     assert int8["draft dequantization temporary"] == cfg.intermediate_size * cfg.hidden_size * 2
     assert nf4["draft weights"] + nf4["draft dequantization temporary"] < dense["draft weights"]
     assert "layers held nf4" in nf4_plan.describe()
+
+
+def test_auto_concurrency_is_the_most_rows_that_fit_halving_from_the_cap(specs):
+    """RunLimits(concurrency=None): the plan takes the most requests in flight, up to AUTO_CONCURRENCY and
+    concurrency_cap (the job's prompts), whose plan fits, halving until one does, and records that it was auto;
+    when not even one row fits, the refusal is the one-row plan's."""
+    args = ("Llama-2-7b-chat-hf", "TinyLlama-1.1B-Chat-v1.0")
+    auto = RunLimits(context=2048, concurrency=None)
+    roomy = plan_for(specs, *args, 24, 64, limits=auto)
+    assert roomy.concurrency == AUTO_CONCURRENCY and roomy.concurrency_auto
+    assert roomy.to_dict()["concurrency"] == AUTO_CONCURRENCY and roomy.to_dict()["concurrency_auto"] is True
+    assert f"{AUTO_CONCURRENCY} requests in flight (auto)" in roomy.describe()
+    assert plan_for(specs, *args, 24, 64, limits=replace(auto, concurrency_cap=3)).concurrency == 3
+    fixed = plan_for(specs, *args, 24, 64, limits=RunLimits(context=2048, concurrency=4))
+    assert fixed.concurrency == 4 and not fixed.concurrency_auto and "(auto)" not in fixed.describe()
+
+    def fits(rows: int) -> bool:
+        try:
+            plan_for(specs, *args, 8, 64, limits=RunLimits(context=2048, concurrency=rows))
+            return True
+        except BudgetError:
+            return False
+    most = next(rows for rows in (16, 8, 4, 2, 1) if fits(rows))
+    assert 1 < most < AUTO_CONCURRENCY                      # this machine is short of 16 rows, not of every row
+    tight = plan_for(specs, *args, 8, 64, limits=auto)
+    assert tight.concurrency == most and tight.concurrency_auto
+    with pytest.raises(BudgetError) as one_row:
+        plan_for(specs, *args, 3, 64, limits=RunLimits(context=2048, concurrency=1))
+    with pytest.raises(BudgetError, match=re.escape(str(one_row.value))):
+        plan_for(specs, *args, 3, 64, limits=auto)

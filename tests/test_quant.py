@@ -8,6 +8,7 @@ from offspec.config import OffloadConfig, RuntimeConfig, TreeConfig
 from offspec.generate import GenerationRequest, run
 from offspec.load import load_engine
 from offspec.quant import FUSED_MAX_ROWS, Int8Weight, linear, narrow_rows
+from drivers import forward_one
 from tiny import hf_config, make_model, perturbed_copy, save_checkpoint
 
 
@@ -117,7 +118,7 @@ def draft_logits(ckpt_dir, quant):
     T = 20
     cache = KVCache.for_model(model.cfg, T, torch.float32, torch.device("cpu"))
     mask = torch.arange(T)[:, None] >= torch.arange(T)[None]
-    return model, model.forward_one(torch.arange(5, 5 + T), torch.arange(T), torch.arange(T), mask, cache)
+    return model, forward_one(model, torch.arange(5, 5 + T), torch.arange(T), torch.arange(T), mask, cache)
 
 
 @pytest.fixture(scope="module")

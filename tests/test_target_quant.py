@@ -19,6 +19,7 @@ from offspec.load import load_engine, store_dir_for
 from offspec.stores import MANIFEST, DiskStore, prepare_disk_store
 from offspec.quant import NF4_BLOCK, QuantizedLayout, dequantized
 from offspec.transfer import CpuBackend
+from drivers import forward_one
 from tiny import hf_config, make_model, make_tokenizer, perturbed_copy, save_agreeing_pair, save_checkpoint
 
 CPU = torch.device("cpu")
@@ -55,7 +56,7 @@ def prompt_logits(eng) -> torch.Tensor:
     T = len(PROMPT)
     cache = KVCache.for_model(eng.target.cfg, T, eng.target.dtype, CPU)
     mask = torch.arange(T)[:, None] >= torch.arange(T)[None]                  # (T, T) causal
-    return eng.target.forward_one(torch.tensor(PROMPT), torch.arange(T), torch.arange(T), mask, cache)
+    return forward_one(eng.target, torch.tensor(PROMPT), torch.arange(T), torch.arange(T), mask, cache)
 
 
 # ---------------------------------------------------------------- the block
@@ -248,7 +249,7 @@ def test_sampling_is_exact_for_the_quantized_target(tmp_path):
             T = len(seq)
             cache = KVCache.for_model(eng.target.cfg, T, torch.float32, CPU)
             mask = torch.arange(T)[:, None] >= torch.arange(T)[None]
-            logits = eng.target.forward_one(torch.tensor(seq), torch.arange(T), torch.arange(T), mask, cache)
+            logits = forward_one(eng.target, torch.tensor(seq), torch.arange(T), torch.arange(T), mask, cache)
             return process_logits(logits[-1:], sampling)[0].double()
 
         first = law(prompt)

@@ -1,8 +1,13 @@
-"""The auto budget planner: one node budget per pass, shared by node value among the rows in flight."""
+"""The runtime controller: one node budget per pass, shared by node value among the rows in flight."""
 import torch
 
-from offspec.costmodel import BudgetPlanner
+from offspec.controller import Controller, RoundRecord, RowView
 from offspec.tree import TokenTree
+
+
+def budget(controller, row):
+    """Row's tree budget this round, as the loop asks for it (plan over the rows in flight, here just this one)."""
+    return controller.plan([RowView(row)]).budgets[row]
 
 
 def chain(values):
@@ -22,13 +27,13 @@ def wide(values):
 
 
 def planner_after(trees, passes=((10, 1.0), (40, 1.3), (80, 1.7))):
-    p = BudgetPlanner(start=16, max_budget=64, max_depth=4)
+    p = Controller(start=16, max_budget=64, max_depth=4)
     for row in trees:
-        p.budget(row)
+        budget(p, row)
     for n, t in passes:                          # three pass sizes: the slope of t_target is known
         p.passes.append((n, t))
     p.explored_low = True
-    p.observe(trees, draft_seconds=0.05, target_seconds=1.0, pass_tokens=40)
+    p.observe(RoundRecord(trees, draft_seconds=0.05, target_seconds=1.0, pass_tokens=40))
     return p
 
 
@@ -36,7 +41,7 @@ def test_rows_whose_drafts_do_well_get_more_of_the_pass():
     good = wide([0.9 ** k for k in range(1, 17)])          # values 0.9, 0.81, ...: many likely nodes
     poor = wide([0.05 / k for k in range(1, 17)])          # unlikely nodes only
     p = planner_after({"good": good, "poor": poor})
-    assert p.budget("good") > 4 * p.budget("poor") and p.budget("poor") >= 1
+    assert budget(p, "good") > 4 * budget(p, "poor") and budget(p, "poor") >= 1
 
 
 def test_one_row_is_the_single_sequence_planner():
@@ -44,7 +49,7 @@ def test_one_row_is_the_single_sequence_planner():
     draft's being a catch-up call (c0 and the root's e) and one growth call a depth (c0 and c1 a node)."""
     values = [0.6 ** k for k in range(1, 17)]      # falling fast: the optimum lies inside the tree
     p = planner_after({"only": wide(values)})
-    b = p.budget("only")
+    b = budget(p, "only")
     a, slope = p.target_fit()
 
     def cost(n):
@@ -57,22 +62,22 @@ def test_a_row_at_the_edge_of_its_tree_gets_a_larger_tree_and_finished_rows_are_
     sure = chain([0.99 ** k for k in range(1, 5)])        # every node worth taking, depth 4 = max_depth: no deeper
     shallow = wide([0.99] * 4)                            # depth 1 < max_depth: may grow
     p = planner_after({"sure": sure, "shallow": shallow})
-    assert p.budget("shallow") == 8 and p.budget("sure") == 4
+    assert budget(p, "shallow") == 8 and budget(p, "sure") == 4
     p.forget("sure")
-    assert "sure" not in p.trees and p.budget("new row") == 16
+    assert "sure" not in p.trees and budget(p, "new row") == 16
 
 
 def plain_decoding_planner():
     """Two rows of weak trees, expensive draft calls and a target pass that costs every extra token (0.1 s a
     token: speculation's nodes are not free): plain decoding wins."""
     weak = {r: wide([0.02] * 8) for r in ("a", "b")}
-    p = BudgetPlanner(start=8, max_budget=64, max_depth=4)
+    p = Controller(start=8, max_budget=64, max_depth=4)
     for row in weak:
-        p.budget(row)
+        budget(p, row)
     for n, t in ((2, 0.2), (10, 1.0), (18, 1.8)):
         p.passes.append((n, t))
     p.explored_low = True
-    p.observe(weak, draft_seconds=0.5, target_seconds=1.0, pass_tokens=18)
+    p.observe(RoundRecord(weak, draft_seconds=0.5, target_seconds=1.0, pass_tokens=18))
     return p
 
 
@@ -80,26 +85,26 @@ def test_plain_decoding_when_no_tree_pays_and_trees_come_back_when_they_do():
     """Expensive draft calls and a target pass that costs every extra token: every budget goes to 0 (plain
     decoding, no draft call); when later passes show extra tokens are cheap, the rows' last trees are used again."""
     p = plain_decoding_planner()
-    assert p.budget("a") == p.budget("b") == 0
+    assert budget(p, "a") == budget(p, "b") == 0
     for _ in range(32):                                     # plain passes now; then extra tokens turn out free
-        p.observe({}, draft_seconds=0.0, target_seconds=1.0, pass_tokens=2)
+        p.observe(RoundRecord({}, draft_seconds=0.0, target_seconds=1.0, pass_tokens=2))
     for n in (40, 80, 120):
-        p.observe({}, draft_seconds=0.0, target_seconds=1.0, pass_tokens=n)
+        p.observe(RoundRecord({}, draft_seconds=0.0, target_seconds=1.0, pass_tokens=n))
     p.drafts.clear()
     p.drafts.append((1, 1, 1, 1, 0.0))                      # ... and draft calls turn out free
-    p.observe({}, draft_seconds=0.0, target_seconds=1.0, pass_tokens=2)
-    assert p.budget("a") > 0 and p.budget("b") > 0
+    p.observe(RoundRecord({}, draft_seconds=0.0, target_seconds=1.0, pass_tokens=2))
+    assert budget(p, "a") > 0 and budget(p, "b") > 0
 
 
 def test_plain_decoding_still_times_a_tree_now_and_then():
     """One bad tree measurement (a busy machine, an unlucky round) must not turn trees off for good: while plain
     decoding wins, trees are grown again after 4 plain rounds, then after 8, 16 and at most 32."""
     p = plain_decoding_planner()
-    assert p.budget("a") == 0
+    assert budget(p, "a") == 0
     budgets = []
     for _ in range(128):
-        budgets.append(p.budget("a"))
-        p.observe({}, draft_seconds=0.0, target_seconds=0.2, pass_tokens=2)
+        budgets.append(budget(p, "a"))
+        p.observe(RoundRecord({}, draft_seconds=0.0, target_seconds=0.2, pass_tokens=2))
     probes = [k for k, b in enumerate(budgets) if b > 0]
     assert [b - a for a, b in zip(probes, probes[1:])] == [8, 16, 32, 32, 32] and probes[0] == 3
 
@@ -109,26 +114,26 @@ def test_a_row_joining_while_plain_decoding_wins_decodes_plainly_until_trees_are
     furthest behind), and grows its first tree when trees win again (or first of all, when only such rows are
     left: one of them, the least behind, times a tree for all)."""
     p = plain_decoding_planner()
-    assert p.budget("a") == 0 and p.budget("new") == 0
+    assert budget(p, "a") == 0 and budget(p, "new") == 0
     backlog = {"a": 2, "b": 2, "new": 40}
-    while p.budget("a") == 0:                               # plain rounds until the probe
-        p.observe({}, draft_seconds=0.0, target_seconds=0.2, pass_tokens=3, behind=backlog)
-    assert p.budget("new") == 0
+    while budget(p, "a") == 0:                               # plain rounds until the probe
+        p.observe(RoundRecord({}, draft_seconds=0.0, target_seconds=0.2, pass_tokens=3, behind=backlog))
+    assert budget(p, "new") == 0
     p.passes.clear()
     p.passes.extend([(2, 1.0), (40, 1.0), (80, 1.0)])      # extra tokens and draft calls turn out free:
     p.drafts.clear()                                        # trees win again
     p.drafts.extend([(1, 1, 1, 1, 0.0), (2, 4, 2, 3, 0.0), (3, 9, 3, 6, 0.0)])
-    p.observe({}, draft_seconds=0.0, target_seconds=1.0, pass_tokens=2)
+    p.observe(RoundRecord({}, draft_seconds=0.0, target_seconds=1.0, pass_tokens=2))
     # "new" grows its first tree, of a row's share of the best nodes: the two known rows' 16 nodes all pay
-    assert p.budget("a") > 0 and p.budget("new") == 8
-    p = BudgetPlanner(start=8, max_budget=64)
+    assert budget(p, "a") > 0 and budget(p, "new") == 8
+    p = Controller(start=8, max_budget=64)
     p.plain_wins = True                                     # plain decoding won, then its rows finished
-    p.budget("late")
-    p.budget("later")
+    budget(p, "late")
+    budget(p, "later")
     p.passes.append((2, 0.2))
     p.drafts.append((1, 1, 1, 1, 0.1))
-    p.observe({}, draft_seconds=0.0, target_seconds=0.2, pass_tokens=1, behind={"late": 30, "later": 12})
-    assert p.budget("late") == 0 and p.budget("later") == 8
+    p.observe(RoundRecord({}, draft_seconds=0.0, target_seconds=0.2, pass_tokens=1, behind={"late": 30, "later": 12}))
+    assert budget(p, "late") == 0 and budget(p, "later") == 8
 
 
 def test_a_probe_grows_one_tree_the_row_whose_draft_is_least_behind():
@@ -137,8 +142,8 @@ def test_a_probe_grows_one_tree_the_row_whose_draft_is_least_behind():
     p = plain_decoding_planner()
     budgets = (0, 0)
     while budgets == (0, 0):
-        p.observe({}, draft_seconds=0.0, target_seconds=0.2, pass_tokens=2, behind={"a": 9, "b": 3})
-        budgets = (p.budget("a"), p.budget("b"))
+        p.observe(RoundRecord({}, draft_seconds=0.0, target_seconds=0.2, pass_tokens=2, behind={"a": 9, "b": 3}))
+        budgets = (budget(p, "a"), budget(p, "b"))
     assert budgets[0] == 0 and budgets[1] > 0
 
 
@@ -153,21 +158,21 @@ def test_no_probe_while_the_drafts_backlog_alone_costs_more_than_plain_decoding(
         p.catch_ups.append((100, 1.0))
         budgets = []
         for _ in range(40):
-            p.observe({}, draft_seconds=0.0, target_seconds=0.2, pass_tokens=2, behind={"a": 101, "b": 101},
-                      left={"a": left, "b": left})
-            budgets.append(p.budget("a") + p.budget("b"))
+            p.observe(RoundRecord({}, draft_seconds=0.0, target_seconds=0.2, pass_tokens=2, behind={"a": 101, "b": 101},
+                      left={"a": left, "b": left}))
+            budgets.append(budget(p, "a") + budget(p, "b"))
         return sum(b > 0 for b in budgets)
     assert probed(left=200) >= 2
     assert probed(left=5) == 0
 
 
-def two_rows(node_seconds: float = 0.01, plain_wins: bool = False) -> BudgetPlanner:
+def two_rows(node_seconds: float = 0.01, plain_wins: bool = False) -> Controller:
     """A planner of rows "a" and "b" that has measured: a pass costs 1 s whatever its size, a draft call nothing
     (c0 = 0) and each node it runs on `node_seconds` (c1; nothing dropped: as many nodes kept as run on), a
     catch-up token as much (e); pass sizes already explored."""
-    p = BudgetPlanner(start=8, max_budget=64, max_depth=4)
+    p = Controller(start=8, max_budget=64, max_depth=4)
     for row in ("a", "b"):
-        p.budget(row)
+        budget(p, row)
     p.explored_low, p.plain_wins = True, plain_wins
     p.passes.extend([(2, 1.0), (10, 1.0), (18, 1.0)])
     per_100 = 100 * node_seconds
@@ -182,17 +187,17 @@ def switching_planner(behind: int, left: int):
     p = two_rows(plain_wins=True)
     trees = {r: chain([0.6, 0.2]) for r in ("a", "b")}
     # best tree: N = 2 (one 0.6 node a row): (0.01 N + 0.01 R + 1) / (2 + 1.2) = 0.325 s a token; plain: 0.5 s
-    p.observe(trees, draft_seconds=0.0, target_seconds=1.0, pass_tokens=2, timed=False,
-              behind={"a": behind, "b": behind}, left={"a": left, "b": left})
+    p.observe(RoundRecord(trees, draft_seconds=0.0, target_seconds=1.0, pass_tokens=2, timed=False,
+              behind={"a": behind, "b": behind}, left={"a": left, "b": left}))
     return p
 
 
 def test_going_back_to_trees_pays_the_drafts_backlog_over_the_tokens_left():
     """Trees save 0.175 s a token; a backlog of 401 tokens a row costs 0.01 s each: 8 s, worth it over 100
     tokens a row (0.04 s a token) and not over 10 (0.4 s a token)."""
-    assert switching_planner(behind=401, left=100).budget("a") > 0
-    assert switching_planner(behind=401, left=10).budget("a") == 0
-    assert switching_planner(behind=1, left=1).budget("a") > 0       # no backlog: only the per-round cost
+    assert budget(switching_planner(behind=401, left=100), "a") > 0
+    assert budget(switching_planner(behind=401, left=10), "a") == 0
+    assert budget(switching_planner(behind=1, left=1), "a") > 0       # no backlog: only the per-round cost
 
 
 def test_going_back_to_trees_wants_them_clearly_cheaper():
@@ -202,9 +207,9 @@ def test_going_back_to_trees_wants_them_clearly_cheaper():
     def choice(value, plain_wins):
         p = two_rows(node_seconds=0.0, plain_wins=plain_wins)   # free draft work
         # plain: 1 s for 2 tokens; trees: 1 s for 2 + 2 value tokens
-        p.observe({r: chain([value]) for r in ("a", "b")}, draft_seconds=0.0, target_seconds=1.0, pass_tokens=4,
-                  timed=False)
-        return p.budget("a") > 0
+        p.observe(RoundRecord({r: chain([value]) for r in ("a", "b")}, draft_seconds=0.0, target_seconds=1.0, pass_tokens=4,
+                  timed=False))
+        return budget(p, "a") > 0
     assert choice(0.05, plain_wins=False) and not choice(0.05, plain_wins=True)
     assert choice(0.3, plain_wins=False) and choice(0.3, plain_wins=True)
 
@@ -214,7 +219,7 @@ def test_kept_nodes_are_priced_by_the_draft_work_they_took_and_catch_ups_by_thei
     the fit is per call and per node run, and a budget of N kept nodes is priced by the measured ratios (here
     3 nodes run and 1.5 calls per node and level kept). A catch-up call, which feeds tokens without tree work,
     is priced by its own seconds a token and leaves the growth fit alone."""
-    p = BudgetPlanner()
+    p = Controller()
     p.passes.append((2, 0.2))
     for depth, width in ((4, 1), (2, 3), (4, 2)):
         tree = TokenTree(0, capacity=depth * width + 1)
@@ -223,15 +228,15 @@ def test_kept_nodes_are_priced_by_the_draft_work_they_took_and_catch_ups_by_thei
             for k in range(depth):
                 parent = tree.add(parent, k + 1, 0.5)
         calls, nodes = depth * 3 // 2, 3 * depth * width
-        p.budget("r")
-        p.observe({"r": tree}, draft_seconds=0.01 * calls + 0.002 * nodes, target_seconds=0.2, pass_tokens=5,
-                  draft_calls=calls, draft_nodes=nodes)
+        budget(p, "r")
+        p.observe(RoundRecord({"r": tree}, draft_seconds=0.01 * calls + 0.002 * nodes, target_seconds=0.2, pass_tokens=5,
+                  draft_calls=calls, draft_nodes=nodes))
     c0, c1 = p.draft_fit()
     assert abs(c0 - 0.01) < 1e-9 and abs(c1 - 0.002) < 1e-9
     assert p.working_ratios() == (1.5, 3.0)
     assert abs(p.catch_up_fit() - c1) < 1e-12          # no catch-up seen yet: a draft forward row's cost
-    p.observe({}, draft_seconds=0.0, target_seconds=0.2, pass_tokens=2, catch_up=(200, 0.1))
-    p.observe({}, draft_seconds=0.0, target_seconds=0.2, pass_tokens=2, catch_up=(50, 0.05))
+    p.observe(RoundRecord({}, draft_seconds=0.0, target_seconds=0.2, pass_tokens=2, catch_up=(200, 0.1)))
+    p.observe(RoundRecord({}, draft_seconds=0.0, target_seconds=0.2, pass_tokens=2, catch_up=(50, 0.05)))
     assert torch.allclose(torch.tensor(p.draft_fit()), torch.tensor((c0, c1)))
     assert abs(p.catch_up_fit() - 0.15 / 250) < 1e-12
 
@@ -245,12 +250,12 @@ def test_tree_rounds_that_yield_less_than_predicted_count_against_trees():
         p = two_rows()                                            # c1 = e = 0.01 s
         trees = {r: chain([0.6, 0.2]) for r in ("a", "b")}
         # the model: 1 + 0.01 (4 nodes) + 0.01 (2 roots) = 1.06 s for 2 + 1.6 tokens; measured: 1.06 s, `yielded`
-        p.observe(trees, draft_seconds=0.04, target_seconds=1.0, pass_tokens=6, draft_calls=2, draft_nodes=4,
-                  catch_up=(2, 0.02), yielded=yielded)
+        p.observe(RoundRecord(trees, draft_seconds=0.04, target_seconds=1.0, pass_tokens=6, draft_calls=2, draft_nodes=4,
+                  catch_up=(2, 0.02), yielded=yielded))
         return p
     hopeful, right = after_a_round(yielded=2), after_a_round(yielded=4)
     assert abs(hopeful.miss() - 1.8) < 1e-9 and abs(right.miss() - 0.9) < 1e-9
-    assert hopeful.budget("a") == 0 and right.budget("a") > 0
+    assert budget(hopeful, "a") == 0 and budget(right, "a") > 0
 
 
 def test_a_catch_up_that_read_a_backlog_counts_one_token_a_row_against_the_trees():
@@ -262,8 +267,8 @@ def test_a_catch_up_that_read_a_backlog_counts_one_token_a_row_against_the_trees
         p = two_rows()                                            # c1 = e = 0.01 s
         # the model: 1 + 0.01 (nodes) + 0.01 (2 roots) s for 2 + the values' tokens
         nodes = sum(t.size for t in trees.values())
-        p.observe(trees, draft_seconds=0.01 * nodes, target_seconds=1.0, pass_tokens=2 + nodes, draft_calls=2,
-                  draft_nodes=nodes, catch_up=catch_up, yielded=yielded)
+        p.observe(RoundRecord(trees, draft_seconds=0.01 * nodes, target_seconds=1.0, pass_tokens=2 + nodes, draft_calls=2,
+                  draft_nodes=nodes, catch_up=catch_up, yielded=yielded))
         return p
     both = {r: chain([0.6, 0.2]) for r in ("a", "b")}
     # 1.06 s for 3.6 tokens predicted; 1.06 s measured once 38 of the 40 tokens are taken out at e = 0.01
@@ -276,7 +281,7 @@ def test_the_miss_ratio_weighs_lucky_and_unlucky_rounds_alike():
     """Two rounds the model priced right on average (2.5 tokens expected, 1 and 4 yielded, seconds as predicted):
     the ratio of sums says 1. A median or mean of per-round ratios (2.5 and 0.625) would say 1.56 and keep trees
     off where they pay."""
-    p = BudgetPlanner()
+    p = Controller()
     p.misses.extend([(1.0, 1, 1.0, 2.5), (1.0, 4, 1.0, 2.5)])
     assert abs(p.miss() - 1.0) < 1e-12
 
@@ -302,8 +307,8 @@ def test_a_compute_bound_draft_gets_narrower_trees():
             p.drafts.append((calls, nodes, calls, nodes, 0.01 * calls + per_node * nodes))
         c0, c1 = p.draft_fit()
         assert abs(c0 - 0.01) < 1e-9 and abs(c1 - per_node) < 1e-9
-        p.observe({"r": tree()}, draft_seconds=0.0, target_seconds=1.0, pass_tokens=40, timed=False)
-        budgets[name] = p.budget("r")
+        p.observe(RoundRecord({"r": tree()}, draft_seconds=0.0, target_seconds=1.0, pass_tokens=40, timed=False))
+        budgets[name] = budget(p, "r")
     assert budgets["compute-bound"] <= 8 < budgets["latency-bound"]
 
 
@@ -311,15 +316,15 @@ def planner_costing(a, b, c0=0.01, c1=0.0, tree=lambda: chain([0.8 ** k for k in
     """A planner whose fits are exactly t_target(n) = a + b n and t_draft = c0 per call + c1 per node (catch-up
     tokens: c1 too, none having been timed)."""
     trees = {r: tree() for r in range(rows)}
-    p = BudgetPlanner(start=16, max_budget=1024, max_depth=32)
+    p = Controller(start=16, max_budget=1024, max_depth=32)
     for r in trees:
-        p.budget(r)
+        budget(p, r)
     for n in (8, 40, 80):
         p.passes.append((n, a + b * n))
     for calls, nodes in ((4, 4), (4, 40), (8, 16), (6, 30)):
         p.drafts.append((calls, nodes, calls, nodes, c0 * calls + c1 * nodes))
     p.explored_low = True
-    p.observe(trees, draft_seconds=0.0, target_seconds=0.0, pass_tokens=40, timed=False)
+    p.observe(RoundRecord(trees, draft_seconds=0.0, target_seconds=0.0, pass_tokens=40, timed=False))
     return p
 
 
@@ -336,12 +341,12 @@ def test_auto_concurrency_stops_where_rows_no_longer_add_tokens_per_second():
     assert compute.rows_worth(16) == rows_by_hand(compute, most=16)
 
 
-def rows_by_hand(p: BudgetPlanner, most: int) -> int:
+def rows_by_hand(p: Controller, most: int) -> int:
     """rows_worth written out for rows of equal chains: the fewest rows within ROW_GAIN of the best rate, a rate
     being the best over k pooled nodes (k = 0: plain decoding) of tokens over seconds, the trees' seconds the
     model's times the measured miss, their draft priced per node where more rows than measured are extrapolated
     and the fit cannot tell a call from a node."""
-    from offspec.costmodel import ROW_GAIN
+    from offspec.controller import ROW_GAIN
     R = len(p.trees)
     a, b = p.target_fit()
     e = p.catch_up_fit()
@@ -366,14 +371,14 @@ def test_auto_concurrency_prices_trees_as_the_budget_choice_does():
     apart) is taken per node for more rows, per call for fewer. Per call, 16 rows' trees would cost the draft
     what 2 rows' did, which made every row look worth its place."""
     trees = {r: chain([0.8 ** k for k in range(1, 9)]) for r in range(2)}
-    p = BudgetPlanner(start=16, max_budget=1024, max_depth=32)
+    p = Controller(start=16, max_budget=1024, max_depth=32)
     for r in trees:
-        p.budget(r)
+        budget(p, r)
     for n in (8, 40, 80):                        # a pass: 1 s and 2 ms a token
         p.passes.append((n, 1.0 + 0.002 * n))
     p.drafts.append((8, 16, 8, 16, 0.32))         # one growth round: 20 ms a node, or 40 ms a call
     p.explored_low = True
-    p.observe(trees, draft_seconds=0.0, target_seconds=0.0, pass_tokens=40, timed=False)
+    p.observe(RoundRecord(trees, draft_seconds=0.0, target_seconds=0.0, pass_tokens=40, timed=False))
     assert p.draft_fit() == (0.04, 0.0) and p.draft_fit("per node") == (0.0, 0.02)
     assert p.rows_worth(16) == rows_by_hand(p, 16) == 15
     per_call = p.round_seconds
@@ -388,8 +393,8 @@ def test_auto_concurrency_prices_trees_as_the_budget_choice_does():
 
 
 def test_auto_concurrency_waits_for_measurements():
-    p = BudgetPlanner(start=16, max_budget=64)
-    p.budget("r")
+    p = Controller(start=16, max_budget=64)
+    budget(p, "r")
     assert p.rows_worth(8) is None
 
 
@@ -397,13 +402,13 @@ def test_one_pass_verifies_at_most_max_budget_nodes_over_all_rows():
     """The auto budget is one budget per pass shared by the rows (the memory plan counts logits for max_budget
     nodes in all, plus a node and a root a row): new rows take what is left, and rows that would all grow
     are scaled back to it."""
-    p = BudgetPlanner(start=32, max_budget=64, max_depth=32)
-    assert [p.budget(r) for r in range(4)] == [32, 32, 1, 1]
+    p = Controller(start=32, max_budget=64, max_depth=32)
+    assert [budget(p, r) for r in range(4)] == [32, 32, 1, 1]
     sure = {r: chain([0.99 ** k for k in range(1, 11)]) for r in range(4)}   # every row takes all its 10 ...
     p = planner_after(sure)
     p.max_depth = 64                                            # ... and, with room to grow, asks for 20
-    p.observe(sure, draft_seconds=0.05, target_seconds=1.0, pass_tokens=40, timed=False)
-    assert [p.budget(r) for r in sure] == [16] * 4              # 64 nodes in all
+    p.observe(RoundRecord(sure, draft_seconds=0.05, target_seconds=1.0, pass_tokens=40, timed=False))
+    assert [budget(p, r) for r in sure] == [16] * 4              # 64 nodes in all
 
 
 def test_held_resident_layers_add_their_dequantization_to_the_predicted_pass():
@@ -416,26 +421,26 @@ def test_held_resident_layers_add_their_dequantization_to_the_predicted_pass():
 
 
 def probe_first_job(draft_seconds_a_node: float, rows: int = 16, untimed=(0,), p=None, names=None, rounds=8
-                    ) -> tuple[BudgetPlanner, list[dict]]:
+                    ) -> tuple[Controller, list[dict]]:
     """A job of `rows` rows started with probe_first: a prefill round, then rounds in which each row grows the
     tree its budget allows (a chain of likely nodes: values 0.8, 0.64, ...), on a machine where a pass costs
     1 s plus 1 ms a token and a draft call 10 ms plus `draft_seconds_a_node` a node it runs on. -> the planner
     and every round's budgets. untimed: the rounds that prefilled (not timed); p, names: go on with this
     planner and these rows."""
-    p = p or BudgetPlanner(start=2, max_budget=256, max_depth=32, probe_first=32)
+    p = p or Controller(start=2, max_budget=256, max_depth=32, probe_first=32)
     names = names or [f"r{i}" for i in range(rows)]
     history = []
     for round_ in range(rounds):
-        budgets = {r: p.budget(r) for r in names}
+        budgets = {r: budget(p, r) for r in names}
         history.append(budgets)
         trees = {r: chain([0.8 ** k for k in range(1, min(b, 32) + 1)]) if b else TokenTree.root_only(0)
                  for r, b in budgets.items()}
         nodes = sum(t.size for t in trees.values())
         depth = max(t.depth for t in trees.values())
-        p.observe(trees, draft_seconds=depth * 0.01 + nodes * draft_seconds_a_node,
+        p.observe(RoundRecord(trees, draft_seconds=depth * 0.01 + nodes * draft_seconds_a_node,
                   target_seconds=1.0 + 0.001 * (nodes + rows), pass_tokens=nodes + rows, timed=round_ not in untimed,
                   catch_up=(nodes and 40, 0.01), behind={r: 1 if budgets[r] else 40 for r in names},
-                  left={r: 100 for r in names}, yielded=0)
+                  left={r: 100 for r in names}, yielded=0))
     return p, history
 
 
@@ -505,5 +510,6 @@ def test_a_rounding_residual_never_picks_the_draft_model(monkeypatch):
     for sign in (1, -1):
         monkeypatch.setattr(torch.linalg, "lstsq", residual(sign))
         fits.append(p.draft_fit("per node"))
-    assert fits[0] == fits[1] and abs(fits[0][0] - 0.01) < 1e-12 and fits[0][1] == 0.0
+    # the same model either way: per call, c0 = 0.01 up to the solver's rounding (which may differ between calls)
+    assert all(abs(c0 - 0.01) < 1e-12 and c1 == 0.0 for c0, c1 in fits)
     assert p.rows_worth(16) == 16

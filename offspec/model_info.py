@@ -1,0 +1,82 @@
+"""`offspec models info`: a model's shapes and the memory plan of a run, with the predicted pass time.
+
+    machine_for(device_bytes, host_bytes)          the machine to plan for: sizes given, else this one
+    model_info(target, draft, plan, dtype, rates)  the report's lines: model, layer sizes, plan, PREDICTED times
+
+Reads config.json and the safetensors headers only (checkpoint.Checkpoint(..., headers_only=True)): a plan can be
+made for weights and machines that are not here. The PREDICTED lines take their rates as given (`offspec doctor`
+measures the link and the drive; docs/benchmarks.md has measured tokens per pass).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from .plan import Machine, MemoryPlan, predicted_pass_seconds
+
+
+@dataclass(frozen=True)
+class Rates:
+    """What the PREDICTED lines assume: given, not measured."""
+    tokens_per_pass: float = 8.0    # tokens one target pass yields (the bonus token included, so >= 1)
+    link_gbps: float = 24.0         # host-to-device GB/s of the streamed layers' copies (PCIe 4.0 x16, pinned)
+    disk_gbps: float = 3.0          # read GB/s of the disk store's drive, for disk offload (a PCIe 4.0 NVMe: 3-7)
+
+
+def machine_for(device_bytes: Optional[int], host_bytes: Optional[int]) -> Machine:
+    """The machine a plan is made for: a GPU of device_bytes (present or not) when given; else this machine's GPU
+    (its free memory now), or this CPU. host_bytes: the usable host RAM; None = this machine's."""
+    if device_bytes is not None or not torch.cuda.is_available():
+        return Machine.given(device_bytes, host_bytes)
+    measured = Machine.measure(torch.device("cuda"))
+    if host_bytes is None:
+        return measured
+    return Machine("cuda", measured.device_bytes, host_bytes, "given", measured.name)
+
+
+def model_info(target, draft, plan: MemoryPlan, dtype: torch.dtype, rates: Rates) -> str:
+    """The report `offspec models info` prints. target, draft: checkpoint.Checkpoints (headers are enough; draft
+    may be None); plan: their memory plan (plan.make_plan) in `dtype`."""
+    from .costmodel import GpuSetup, predict_seconds_per_token
+
+    cfg = target.config
+    layer_bytes, block = plan.placement.layer_nbytes, plan.block_nbytes
+    quant = plan.target_quant
+    dtype_name = str(dtype).replace("torch.", "")
+    lines = [
+        f"folder:          {target.path}",
+        f"architecture:    {cfg.arch} ({', '.join(target.raw_config.get('architectures') or [])})",
+        f"parameters:      {target.parameter_count() / 1e9:.3f} B",
+        f"stored dtype:    {str(target.dtype).replace('torch.', '')}",
+        f"layers:          {cfg.n_layers} (hidden {cfg.hidden_size}, heads {cfg.n_heads}/{cfg.n_kv_heads} kv, "
+        f"mlp {cfg.intermediate_size}, vocab {cfg.vocab_size}, context {cfg.max_position_embeddings})",
+        f"bytes per layer: {layer_bytes / 1e6:.1f} MB in {dtype_name}; all layers {cfg.n_layers * layer_bytes / 1e9:.2f} GB",
+    ]
+    if quant != "none":
+        lines.append(f"{quant} layer:       {block / 1e6:.1f} MB stored and moved ({block / layer_bytes:.2f}x); "
+                     f"all layers {cfg.n_layers * block / 1e9:.2f} GB")
+    if draft is not None:
+        lines.append(f"draft:           {draft.path} ({draft.parameter_count() / 1e9:.3f} B parameters, "
+                     f"{draft.config.n_layers} layers)")
+    for c in (target, draft):
+        if c is not None and c.incomplete:
+            lines.append(f"weights incomplete (enough to plan, not to run): {c.path.name}: {'; '.join(c.incomplete)}")
+    lines.append(plan.describe())
+    if plan.streamed_bytes:
+        seconds = predicted_pass_seconds(plan, rates.link_gbps, rates.disk_gbps)
+        via = f"{min(rates.link_gbps, rates.disk_gbps) if plan.mode == 'disk' else rates.link_gbps:g} GB/s"
+        lines.append(f"PREDICTED pass:  {seconds:.3f} s to stream {plan.streamed_bytes / 1e9:.2f} GB at {via} "
+                     f"(transfer-bound; copies{' and dequantization' if quant != 'none' else ''} overlap compute)")
+        held = len(plan.placement.resident) if plan.placement.resident_held else 0
+        per_token = predict_seconds_per_token(plan.streamed_bytes, GpuSetup(link_gb_per_s=plan.streamed_bytes / seconds / 1e9),
+                                              rates.tokens_per_pass, draft_seconds_per_round=0.0, held_layers=held)
+        lines.append(f"PREDICTED speed: {per_token['seconds_per_token']:.3f} s/token at {rates.tokens_per_pass:g} tokens "
+                     f"per pass (--tokens-per-pass; the draft's time not counted)")
+    else:
+        lines.append("PREDICTED pass:  nothing streams (compute-bound)")
+    if plan.placement.resident_held:
+        lines.append(f"held layers:     {len(plan.placement.resident)} resident layers held {quant} are dequantized "
+                     f"every pass, on the compute queue (PREDICTED speed counts ~1 ms a layer, a GPU's)")
+    return "\n".join(lines)

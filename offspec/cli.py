@@ -25,6 +25,7 @@ from .quant import FUSED_MAX_ROWS
 from .request import check_max_new_tokens, check_text
 
 POLICIES = ["dyspec", "heap", "chain", "static", "none"]
+OFFLOAD_CHOICES = ["auto", "none", "cpu", "disk", "cpu+disk"]     # auto + plan.MODES
 TARGET_QUANT_CHOICES = ["none", "int8", "nf4"]   # quant.TARGET_QUANTS (not imported here: keeps --help fast)
 RESIDENT_QUANT_CHOICES = ["auto", "on", "off"]   # plan.RESIDENT_QUANTS
 DRAFT_QUANT_CHOICES = ["auto", "none", "int8", "int8-held", "nf4"]   # auto + quant.QUANT_MODES
@@ -116,10 +117,13 @@ def model_options(f):
                      help="Compute device for both models."),
         click.option("--dtype", default="bfloat16", show_default=True,
                      help="Weight and compute dtype: bfloat16, float16 or float32 (float32 for bit-exact greedy)."),
-        click.option("--offload", type=click.Choice(["auto", "none", "cpu", "disk"]), default="auto", show_default=True,
+        click.option("--offload", type=click.Choice(OFFLOAD_CHOICES), default="auto", show_default=True,
                      help="Where the target's decoder layers live: none = all on the device; cpu = host RAM, streamed; "
-                          "disk = packed store on disk, streamed. auto, on a GPU: none if the whole target fits beside "
-                          "everything else, else cpu if its layers fit in host RAM, else disk (the memory plan decides; "
+                          "disk = packed store on disk, streamed; cpu+disk = as many streamed layers as fit in host "
+                          "RAM (pinned, within --host-budget), the rest read from the disk store in the same pass, "
+                          "their reads overlapping the RAM layers' copies. auto, on a GPU: none if the whole target "
+                          "fits beside everything else, else cpu if its layers fit in host RAM (pinned, or pageable "
+                          "where that is predicted faster than cpu+disk), else cpu+disk (the memory plan decides; "
                           "`offspec models info` shows it); on a CPU-only run: none (there the 'device' is host RAM "
                           "already and streaming would only add copies)."),
         click.option("--gpu-budget", default=None, help="Device bytes for the target's decoder layers, ring included "
@@ -638,7 +642,7 @@ def models_demo():
 @click.option("--host-memory", default=None,
               help="Plan for this much usable host RAM (e.g. 64GB). Default: this machine's min(MemAvailable, cgroup limit).")
 @click.option("--dtype", default="bfloat16", show_default=True, help="Weight and compute dtype of the run.")
-@click.option("--offload", type=click.Choice(["auto", "none", "cpu", "disk"]), default="auto", show_default=True,
+@click.option("--offload", type=click.Choice(OFFLOAD_CHOICES), default="auto", show_default=True,
               help="Offload mode to plan (auto: as generate would choose).")
 @click.option("--gpu-budget", default=None,
               help="As for generate: device bytes for the target's layers. Default: what the plan leaves.")

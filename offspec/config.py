@@ -40,7 +40,7 @@ class ModelConfig:
 
 @dataclass(frozen=True)
 class OffloadConfig:
-    mode: str = "none"                          # "none": all resident | "cpu": layers in (pinned) host RAM | "disk": packed store on disk
+    mode: str = "none"                          # "none": all resident | "cpu": layers in (pinned) host RAM | "disk": packed store on disk | "cpu+disk": what fits in host RAM, the rest on disk
     gpu_budget: Optional[int] = None            # bytes the target may use on the compute device for weights; None = as many layers resident as fit (all on CPU)
     n_slots: int = 2                            # ring size: device slots that streamed layers rotate through (>= 2)
     store_dir: Optional[str] = None             # where the disk-mode packed store lives; None = next to the checkpoint cache

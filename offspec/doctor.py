@@ -277,7 +277,7 @@ def advice(target_dir: str, draft_dir: Optional[str], device: torch.device, repo
     disk_gbps = report.get("drive", {}).get("read_gbps")
     out = {"plan": plan.to_dict(), "plan_text": plan.describe()}
     flags = [f"--offload {plan.mode}"]
-    if plan.mode == "disk" and report.get("drive", {}).get("disk_io"):
+    if plan.placement.disk_layers and report.get("drive", {}).get("disk_io"):
         flags.append(f"--disk-io {report['drive']['disk_io']}")
     if plan.placement.streamed:
         pass_s = predicted_pass_seconds(plan, link_gbps or 24.0, disk_gbps)

@@ -34,8 +34,8 @@ from .prompt import stop_token_ids
 from .quant import (QuantizedResident, auto_draft_quant, check_draft_quant, check_target_quant, dequantized,
                     target_layout)
 from .ring import LayerStreamer, StreamStats
-from .stores import (BlockLayout, DiskStore, HostArenaStore, LayerTensorsFn, StoreInfo, WeightStore, _pack_layer,
-                     disk_store_exists, prepare_disk_store)
+from .stores import (BlockLayout, DiskStore, HostArenaStore, LayerTensorsFn, StoreInfo, TieredStore, WeightStore,
+                     _pack_layer, disk_store_exists, prepare_disk_store)
 from .transfer import make_backend
 from .vocab import check_rows_cover_tokenizer, check_same_tokenizer, token_id_count
 
@@ -227,6 +227,7 @@ def open_target_layers(layer_tensors_fn: LayerTensorsFn, cfg: ModelConfig, layer
 
     layer_tensors_fn(i) gives layer i's tensors keyed by LayerWeights field names, any dtype (cast to
     `dtype` when packed). Placement mode "none": all resident. "cpu": streamed layers packed into a host arena.
+    "cpu+disk": the placement's host layers in a host arena, the others read from the store (stores.TieredStore).
     "disk": the packed store at layers.store_dir, built once with a progress bar when missing; source_id (e.g.
     Checkpoint.fingerprint()) is recorded in it, and a store built from other weights is refused. The result is a
     LayerSource; close it (or use it as a context manager) to stop the streamer's threads.
@@ -279,7 +280,12 @@ def open_target_layers(layer_tensors_fn: LayerTensorsFn, cfg: ModelConfig, layer
             on_error.close()      # the store and the backend were only needed to read the layers
             return TargetLayers(ResidentLayers([resident[i] for i in range(cfg.n_layers)]), placement, host=None)
         store: WeightStore
-        if placement.mode == "cpu" and disk is not None:     # quantized: the arena is filled from the store
+        if placement.mode == "cpu+disk":     # the host tier filled from the store; the disk tier read each pass
+            arena = HostArenaStore.filled(lambda layer, block: block.copy_(disk.read_layer(layer)), layout,
+                                          placement.host_layers, backend, layers.host_budget, progress)
+            on_error.callback(arena.close)
+            store = TieredStore(arena, disk, placement.streamed)
+        elif placement.mode == "cpu" and disk is not None:     # quantized: the arena is filled from the store
             store = HostArenaStore.filled(lambda layer, block: block.copy_(disk.read_layer(layer)), layout,
                                           placement.streamed, backend, layers.host_budget, progress)
             on_error.callback(store.close)

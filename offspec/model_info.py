@@ -66,7 +66,8 @@ def model_info(target, draft, plan: MemoryPlan, dtype: torch.dtype, rates: Rates
     lines.append(plan.describe())
     if plan.streamed_bytes:
         seconds = predicted_pass_seconds(plan, rates.link_gbps, rates.disk_gbps)
-        via = f"{min(rates.link_gbps, rates.disk_gbps) if plan.mode == 'disk' else rates.link_gbps:g} GB/s"
+        disk = len(plan.placement.disk_layers) * plan.block_nbytes
+        via = f"{rates.link_gbps:g} GB/s" + (f", {disk / 1e9:.2f} GB of it read at {rates.disk_gbps:g} GB/s" if disk else "")
         lines.append(f"PREDICTED pass:  {seconds:.3f} s to stream {plan.streamed_bytes / 1e9:.2f} GB at {via} "
                      f"(transfer-bound; copies{' and dequantization' if quant != 'none' else ''} overlap compute)")
         held = len(plan.placement.resident) if plan.placement.resident_held else 0

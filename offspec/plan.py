@@ -40,13 +40,15 @@ from .quant import HELD_DRAFT_QUANTS, QuantizedLayout, held_matrix_nbytes, targe
 
 GB = 10**9
 GIB = 2**30
-MODES = ("none", "cpu", "disk")
+MODES = ("none", "cpu", "disk", "cpu+disk")   # cpu+disk: host RAM for what fits, the disk store for the rest
 RESIDENT_QUANTS = ("auto", "on", "off")   # a quantized target's resident layers held quantized: where more fit | always | never
 MIN_AUTO_TREE_BUDGET = 16       # a short device lowers the auto maximum, halving, down to this
 PINNED_FRACTION = 0.8           # default pinned budget: this share of the host memory the run may use
 CUDA_RESERVE_MIN = 512 << 20    # allocator fragmentation, cuBLAS / attention workspaces, CUDA graphs: at least
 CUDA_RESERVE_FRACTION = 0.04    # ... or this share of the device, whichever is larger
 RUNTIME_HOST_BYTES = 1 << 30    # the process itself: Python, torch, tokenizer, page tables
+LINK_GBPS = 24.0                # auto's tie-break between tiers, a PREDICTION: pinned PCIe 4.0 x16 copies, GB/s
+DISK_GBPS = 3.0                 # ... and a PCIe 4.0 NVMe drive's lower end, GB/s
 AUTO_CONCURRENCY = 16           # auto concurrency (--concurrency auto): at most this many requests in flight
 
 
@@ -230,7 +232,7 @@ def logits_nbytes(target: ModelConfig, draft: Optional[ModelConfig], dtype: torc
 @dataclass(frozen=True)
 class Placement:
     """Which target layers stay on the compute device and how many ring slots the rest stream through."""
-    mode: str                   # "none" | "cpu" | "disk": where the streamed layers live
+    mode: str                   # "none" | "cpu" | "disk" | "cpu+disk": where the streamed layers live
     n_layers: int               # decoder layers of the target
     layer_nbytes: int           # bytes of one packed (dense) layer, as a resident layer takes them
     resident: tuple[int, ...]   # layers kept on the device for good (the first layers)
@@ -239,6 +241,18 @@ class Placement:
                                         # slot holds its block and the dense layer it dequantizes into)
     held_nbytes: Optional[int] = None   # resident layers held quantized (--resident-quant): the bytes of one,
                                         # its block; None = resident layers are dense (layer_nbytes each)
+    in_host: tuple[int, ...] = ()       # mode cpu+disk: the streamed layers held in host RAM (the rest: disk)
+
+    @property
+    def host_layers(self) -> tuple[int, ...]:
+        """Streamed layers copied from the host arena each pass."""
+        return {"cpu": self.streamed, "cpu+disk": self.in_host}.get(self.mode, ())
+
+    @property
+    def disk_layers(self) -> tuple[int, ...]:
+        """Streamed layers read from the disk store each pass."""
+        host = set(self.host_layers)
+        return tuple(i for i in self.streamed if i not in host) if self.mode in ("disk", "cpu+disk") else ()
 
     @property
     def streamed(self) -> tuple[int, ...]:
@@ -311,6 +325,22 @@ def place_layers(n_layers: int, layer_bytes: int, offload: OffloadConfig,
                      slot_nbytes=slot_bytes, held_nbytes=held_bytes if n_resident else None)
 
 
+def split_tiers(placement: Placement, n_host: int) -> Placement:
+    """Mode cpu+disk with n_host of the streamed layers held in host RAM. The others, read from the disk store,
+    are spread evenly through the pass (the k-th of D at position floor((k + 1/2) S / D) of the S streamed
+    layers), so that each disk read overlaps the copies of the host layers before it instead of the reads
+    queueing at the pass's end. All of them in RAM is mode cpu; none, mode disk."""
+    streamed = placement.streamed
+    n_host = max(0, min(n_host, len(streamed)))
+    if n_host == len(streamed):
+        return replace(placement, mode="cpu", in_host=())
+    if n_host == 0:
+        return replace(placement, mode="disk", in_host=())
+    D = len(streamed) - n_host
+    disk = {streamed[int((k + 0.5) * len(streamed) / D)] for k in range(D)}
+    return replace(placement, mode="cpu+disk", in_host=tuple(i for i in streamed if i not in disk))
+
+
 def check_resident_quant(resident_quant: str, quantized: bool) -> None:
     """One line for a --resident-quant that cannot be: unknown, or "on" for a target that is not quantized."""
     if resident_quant not in RESIDENT_QUANTS:
@@ -354,7 +384,7 @@ class LayerPlan:
     @property
     def from_store(self) -> bool:
         """The layers are read from a packed store: disk mode, or a quantized target (quantized once, into it)."""
-        return self.placement.mode == "disk" or self.quant != "none"
+        return self.placement.mode in ("disk", "cpu+disk") or self.quant != "none"
 
     @property
     def dense_resident(self) -> bool:
@@ -374,6 +404,10 @@ class LayerPlan:
                                          slot_bytes=ring_slot_nbytes(layout),
                                          held_bytes=None if quant == "none" else layout.nbytes,
                                          resident_quant=resident_quant)
+            if placement.mode == "cpu+disk":     # the host tier: the streamed layers offload.host_budget holds
+                stride = round_up(target_layout(cfg, dtype, quant).nbytes, PAGE_BYTES)
+                fits = len(placement.streamed) if offload.host_budget is None else offload.host_budget // stride
+                placement = split_tiers(placement, fits)
         return LayerPlan(placement, quant, store_dir or offload.store_dir, offload.host_budget, offload.overlap,
                          offload.drop_page_cache, offload.disk_io)
 
@@ -441,8 +475,10 @@ class MemoryPlan:
         if not p.streamed:
             return (f"all {p.n_layers} target layers resident on the device"
                     + (held or (f" (the {self.target_quant} target, dequantized)" if quantized else "")))
-        source = {"cpu": "host RAM (" + ("pinned" if self.host_pinned else "pageable") + ")",
-                  "disk": "the disk store"}[self.mode]
+        ram = "host RAM (" + ("pinned" if self.host_pinned else "pageable") + ")"
+        source = {"cpu": ram, "disk": "the disk store",
+                  "cpu+disk": f"{ram} ({len(p.host_layers)} layers) and the disk store ({len(p.disk_layers)} layers, "
+                              f"spread through the pass)"}[self.mode]
         resident = f"layers {_ranges(p.resident)} resident{held}, " if p.resident else "no layer resident, "
         per_layer = (f"{self.target_quant}: {fmt(self.block_nbytes)} moved per layer, {fmt(p.layer_nbytes)} dequantized"
                      if quantized else f"{fmt(p.layer_nbytes)} per layer")
@@ -484,6 +520,7 @@ class MemoryPlan:
         d.update(mode=self.mode, pinned_budget=self.pinned_budget, target_quant=self.target_quant)
         d["placement"] = {"mode": self.placement.mode, "resident": list(self.placement.resident),
                           "streamed": list(self.placement.streamed), "n_slots": self.placement.n_slots,
+                          "host": list(self.placement.host_layers), "disk": list(self.placement.disk_layers),
                           "layer_nbytes": self.placement.layer_nbytes,
                           "slot_nbytes": self.placement.ring_slot_nbytes,
                           "resident_held": self.placement.resident_held,
@@ -642,7 +679,8 @@ def _place(target: ModelSpec, offload: OffloadConfig, runtime: RuntimeConfig, ma
 
     mode = offload.mode
     if mode == "auto":
-        mode = _auto_mode(shared, left, all_layers, arena(n_layers), loading + host_runtime, machine, offload)
+        mode = _auto_mode(shared, left, all_layers, arena(n_layers), loading + host_runtime, machine, offload,
+                          pinned_budget - staging)
         notes.append(f"offload auto -> {mode}")
 
     if offload.gpu_budget is not None and offload.gpu_budget > left:
@@ -668,6 +706,18 @@ def _place(target: ModelSpec, offload: OffloadConfig, runtime: RuntimeConfig, ma
     placement = choose_placement(n_layers, L, replace(offload, mode=mode), budget,
                                  slot_bytes=slot if quant != "none" else None, held_bytes=held,
                                  resident_quant=runtime.resident_quant)
+    if placement.mode == "cpu+disk":
+        # The host tier holds what fits beside everything else on the host (the disk staging included), and on
+        # a GPU within the pinned budget too (a pageable arena copies at about half the rate); the rest is read
+        # from the disk store.
+        room = machine.host_bytes - loading - host_runtime - staging
+        room -= fixed_bytes + placement.device_bytes if shared else 0
+        if not shared or offload.host_budget is not None:     # (a CPU device pins nothing: a given budget caps it)
+            room = min(room, pinned_budget - staging)
+        placement = split_tiers(placement, max(room, 0) // round_up(B, PAGE_BYTES))
+        mode = placement.mode
+        notes.append(f"{len(placement.host_layers)} streamed layers in host RAM, {len(placement.disk_layers)} read "
+                     f"from the disk store" if mode == "cpu+disk" else f"offload cpu+disk -> {mode}")
 
     items = list(fixed)
     if placement.n_slots:
@@ -684,18 +734,19 @@ def _place(target: ModelSpec, offload: OffloadConfig, runtime: RuntimeConfig, ma
                               len(placement.resident) * L))
     host_pinned = False
     streamed = len(placement.streamed)
-    if placement.streamed and mode == "cpu":
-        nbytes = arena(streamed)
+    if placement.host_layers:
+        nbytes = arena(len(placement.host_layers))
         host_pinned = not shared and nbytes <= pinned_budget
         note = ("pinned" if host_pinned else
                 "pageable: the CPU is the device" if shared else
                 f"pageable: over the pinned budget {fmt(pinned_budget)}; copies are slower")
-        items.append(PlanItem("host", f"host arena ({streamed} layers)", nbytes, note))
+        items.append(PlanItem("host", f"host arena ({len(placement.host_layers)} layers)", nbytes, note))
         if not shared and not host_pinned:
             notes.append(f"the host arena ({fmt(nbytes)}) is over the pinned budget ({fmt(pinned_budget)}): "
                          f"pageable, copies are slower (--host-budget sets the budget)")
-    if placement.streamed and mode == "disk":
-        host_pinned = not shared and staging <= pinned_budget
+    if placement.disk_layers:
+        host_pinned = not shared and staging + (arena(len(placement.host_layers)) if placement.host_layers else 0) \
+            <= pinned_budget
         items.append(PlanItem("host", "disk staging buffers", staging, f"{N_STAGING} × {fmt(B)}"))
     items.append(PlanItem("host", "loading (transient)", loading, "one layer or the embedding at a time"))
     if not shared:
@@ -704,7 +755,8 @@ def _place(target: ModelSpec, offload: OffloadConfig, runtime: RuntimeConfig, ma
     host_total = sum(i.nbytes for i in items if i.where == "host") + (fixed_bytes + placement.device_bytes
                                                                        if shared else 0)
     if host_total > machine.host_bytes:
-        fix = "use --offload disk" if mode == "cpu" else "lower --context or --tree-budget"
+        fix = ("use --offload auto (what fits in RAM, the rest read from disk) or disk" if mode == "cpu" else
+               "lower --context or --tree-budget")
         raise BudgetError(f"the run needs {fmt(host_total)} of host memory but {fmt(machine.host_bytes)} is available "
                           f"({machine.host_source}): {fix}")
     layers = LayerPlan(placement, quant, offload.store_dir or store_dir, pinned_budget, offload.overlap,
@@ -719,27 +771,36 @@ def _place(target: ModelSpec, offload: OffloadConfig, runtime: RuntimeConfig, ma
 
 
 def _auto_mode(shared: bool, left: int, all_layers: int, full_arena: int, host_fixed: int, machine: Machine,
-               offload: OffloadConfig) -> str:
-    """none if every layer fits on the device; else cpu if the arena fits in host memory; else disk."""
+               offload: OffloadConfig, pinnable: int) -> str:
+    """none if every layer fits on the device; else cpu if the arena fits in host memory, unless it is over the
+    pinned budget and the predicted pass (LINK_GBPS, DISK_GBPS) of the pinnable part in RAM and the rest on disk
+    is shorter than a pageable arena's (copied at about half the rate); else cpu+disk (as many streamed layers
+    in host RAM as fit, the rest from the disk store; _place may find none fit: disk)."""
     if shared:
         return "none"
     budget = offload.gpu_budget if offload.gpu_budget is not None else left
     if all_layers <= budget:
         return "none"
     if full_arena + host_fixed <= machine.host_bytes:
-        return "cpu"
-    return "disk"
+        if full_arena <= pinnable:
+            return "cpu"
+        pageable = full_arena / (LINK_GBPS / 2)
+        tiered = max(full_arena / LINK_GBPS, (full_arena - max(pinnable, 0)) / DISK_GBPS)
+        return "cpu" if pageable <= tiered else "cpu+disk"
+    return "cpu+disk"
 
 
 def predicted_pass_seconds(plan: MemoryPlan, link_gb_per_s: float, disk_gb_per_s: Optional[float] = None) -> float:
     """PREDICTION: the transfer time of one target pass (copies overlap compute, so this is its floor when
-    streaming dominates): streamed bytes over the link, or over the slower of link and disk in disk mode."""
+    streaming dominates): every streamed byte crosses the link, and the disk layers' bytes are read from the
+    drive too, their reads overlapping the copies:  max(streamed / link, disk bytes / drive)."""
     rate = link_gb_per_s
-    if plan.mode == "disk" and disk_gb_per_s:
-        rate = min(rate, disk_gb_per_s)
-    if plan.mode == "cpu" and not plan.host_pinned and plan.machine.kind == "cuda":
+    if plan.placement.host_layers and not plan.host_pinned and plan.machine.kind == "cuda":
         rate = rate / 2      # pageable copies are staged by the driver: roughly half the pinned rate
-    return plan.streamed_bytes / (rate * GB) if plan.streamed_bytes else 0.0
+    seconds = plan.streamed_bytes / (rate * GB)
+    if disk_gb_per_s:
+        seconds = max(seconds, len(plan.placement.disk_layers) * plan.block_nbytes / (disk_gb_per_s * GB))
+    return seconds
 
 
 # ---------------------------------------------------------------- formatting

@@ -122,6 +122,9 @@ class HostArenaStore:
             on_error.pop_all()
         return store
 
+    def holds(self, layer: int) -> bool:
+        return layer in self._block_of
+
     def block(self, layer: int) -> torch.Tensor:
         """(layout.nbytes,) uint8 view of layer `layer`'s block in the arena."""
         start = self._block_of[layer] * self._stride
@@ -444,6 +447,35 @@ class DiskStore:
             self._fd = -1
 
 
+# ---------------------------------------------------------------- both tiers
+
+class TieredStore:
+    """Streamed layers from two tiers in one ring: those in the host arena are copied from it, the others read
+    from the disk store. The disk's read-ahead skips the arena's layers: acquiring a disk layer starts the read of
+    the next disk layer of the pass, so that read runs while the arena's layers in between are copied
+    (plan.split_tiers spreads the disk layers through the pass for this)."""
+
+    def __init__(self, host: HostArenaStore, disk: DiskStore, streamed: Sequence[int]):
+        self.host, self.disk, self.layout = host, disk, host.layout
+        on_disk = [layer for layer in streamed if not host.holds(layer)]
+        self._next_disk = {layer: on_disk[(k + 1) % len(on_disk)] for k, layer in enumerate(on_disk)}
+
+    def acquire(self, layer: int, next_layer: Optional[int] = None) -> Staged:
+        if self.host.holds(layer):
+            return self.host.acquire(layer)
+        return self.disk.acquire(layer, next_layer=self._next_disk[layer])
+
+    def info(self) -> StoreInfo:
+        host, disk = self.host.info(), self.disk.info()
+        pinned = host.pinned and disk.pinned
+        return StoreInfo("host arena + disk store", host.nbytes + disk.nbytes, pinned,
+                         "" if pinned else (host.reason or disk.reason), path=disk.path, io=disk.io)
+
+    def close(self) -> None:
+        self.disk.close()
+        self.host.close()
+
+
 def _read_manifest(directory: str) -> dict:
     path = os.path.join(directory, MANIFEST)
     try:
@@ -496,4 +528,4 @@ def _check_manifest(manifest: dict, directory: str, layout: BlockLayout, n_layer
     return block_nbytes, offsets, crcs
 
 
-WeightStore = Union[HostArenaStore, DiskStore]
+WeightStore = Union[HostArenaStore, DiskStore, TieredStore]

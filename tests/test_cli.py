@@ -202,6 +202,22 @@ def test_offload_modes_stream_the_target(m, tmp_path, mode):
         assert buffered["tokens"] == report["tokens"] and "buffered (--disk-io buffered)" in buffered["weights_source"]
 
 
+def test_offload_cpu_and_disk_tiers_in_one_run(m, tmp_path):
+    """--offload cpu+disk with a host budget of one layer (of the tiny target's two): one streamed layer copied
+    from host RAM, the other read from the store in the same passes; the tokens are the resident target's."""
+    from offspec.checkpoint import Checkpoint
+    from offspec.layout import BLOCK_ALIGN, N_STAGING, PAGE_BYTES, round_up
+    from offspec.quant import target_layout
+    block = target_layout(Checkpoint(m.target, headers_only=True).config, torch.float32, "none").nbytes
+    budget = round_up(block, PAGE_BYTES) + N_STAGING * round_up(block, BLOCK_ALIGN)   # one arena layer + staging
+    _, report = generate_json(m, tmp_path, "--offload", "cpu+disk", "--store-dir", tmp_path / "store",
+                              "--host-budget", budget, PROMPT)
+    assert report["tokens"] == greedy(m, PROMPT).tokens
+    assert report["offload"] == "cpu+disk" and "host arena + disk store" in report["weights_source"]
+    placement = report["memory_plan"]["placement"]
+    assert len(placement["host"]) == 1 and len(placement["disk"]) == 1 and report["gb_streamed"] > 0
+
+
 def test_offload_auto_keeps_the_target_resident_on_cpu(m, tmp_path):
     out = tmp_path / "auto.json"
     ok(cli("generate", *m.models, "--device", "cpu", "--dtype", "float32", "--max-new-tokens", N, "--json", out, PROMPT))

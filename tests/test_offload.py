@@ -276,6 +276,34 @@ def test_streamed_layers_equal_checkpoint_bitwise(tmp_path, mode, n_slots, n_res
     assert (stats.read_s > 0) == (mode == "disk")
 
 
+@pytest.mark.parametrize("n_host,n_resident,n_slots", [(3, 0, 2), (1, 2, 2), (4, 1, 3), (5, 0, 2)])
+def test_tiered_layers_equal_checkpoint_bitwise(tmp_path, n_host, n_resident, n_slots):
+    """cpu+disk: the placement's host layers copied from the arena, the others read from the store, through one
+    ring, pass after pass: each layer equals the checkpoint's bit for bit, in order, and only the disk tier is
+    read from the drive."""
+    from offspec.quant import target_layout
+    from offspec.stores import TieredStore
+    weights = random_layers(TINY)
+    stride = -(-target_layout(TINY, torch.float32, "none").nbytes // PAGE_BYTES) * PAGE_BYTES
+    offload = OffloadConfig(mode="cpu+disk", n_slots=n_slots, host_budget=n_host * stride,
+                            gpu_budget=budget_for(n_resident, n_slots) if n_resident else None)
+    plan = LayerPlan.of(TINY, offload, torch.float32, store_dir=str(tmp_path / "store"))
+    p = plan.placement
+    assert p.mode == "cpu+disk" and len(p.host_layers) == n_host and p.resident == tuple(range(n_resident))
+    assert sorted(p.host_layers + p.disk_layers) == list(p.streamed)
+    with open_target_layers(weights.__getitem__, TINY, plan, CPU, torch.float32, progress=False) as target:
+        assert isinstance(target.source.store, TieredStore) and target.host.kind == "host arena + disk store"
+        for _ in range(3):
+            order = []
+            for i, w in target.source.pass_layers():
+                order.append(i)
+                for name in layer_shapes(TINY):
+                    assert torch.equal(getattr(w, name), weights[i][name]), (i, name)
+            assert order == list(range(N_LAYERS))
+        stats = target.stats()
+    assert stats.passes == 3 and stats.layers >= 3 * len(p.streamed) and stats.read_s > 0
+
+
 @pytest.mark.parametrize("arch,extra", [("qwen2", dict(attention_bias=True)), ("qwen3", dict(qk_norm=True))])
 def test_bf16_cast_on_pack_and_qwen_extras(tmp_path, arch, extra):
     """Qwen2's q/k/v biases and Qwen3's per-head q/k norms are packed, streamed and cast like the matrices."""

@@ -87,9 +87,10 @@ def test_the_issues_cases(specs):
         make_plan(specs["Llama-2-70b-chat-hf"], specs["Llama-2-7b-chat-hf"],
                   OffloadConfig(mode="cpu", gpu_budget=20 * GB), RuntimeConfig(dtype=torch.float16),
                   RunLimits(context=4096), Machine.given(24 * GB, 192 * GB))
-    # A host too small for the arena: auto goes to disk; an explicit cpu is refused with the way out.
-    assert plan_for(specs, "Llama-3.1-70B-Instruct", "Llama-3.2-1B-Instruct", 24, 64).mode == "disk"
-    with pytest.raises(BudgetError, match="use --offload disk"):
+    # A host too small for the arena: auto keeps what fits in RAM and reads the rest from the disk store; an
+    # explicit cpu is refused with the way out.
+    assert plan_for(specs, "Llama-3.1-70B-Instruct", "Llama-3.2-1B-Instruct", 24, 64).mode == "cpu+disk"
+    with pytest.raises(BudgetError, match="use --offload auto"):
         plan_for(specs, "Llama-3.1-70B-Instruct", "Llama-3.2-1B-Instruct", 24, 64, OffloadConfig(mode="cpu"))
     # Everything fits: nothing streams.
     assert plan_for(specs, "Llama-2-7b-chat-hf", "TinyLlama-1.1B-Chat-v1.0", 24, 64).mode == "none"
@@ -222,8 +223,8 @@ def test_every_readme_example_is_a_plan_that_fits(folders, command):
 
 
 def test_a_70b_in_nf4_streams_from_64gb_of_host_ram(specs, folders):
-    """Quantized layer sizes in the plan: the 70B's nf4 arena (≈ 37 GB) is pinned in 64 GB where the bf16 one
-    (130 GB) had to go to disk, and a pass moves ≤ 0.30x the bf16 bytes (int8: ≤ 0.52x)."""
+    """Quantized layer sizes in the plan: the 70B's nf4 arena (≈ 37 GB) is pinned in 64 GB where most of the bf16
+    one (130 GB) has to be read from disk, and a pass moves ≤ 0.30x the bf16 bytes (int8: ≤ 0.52x)."""
     args = ("Llama-3.1-70B-Instruct", "Llama-3.2-1B-Instruct")
     dense = plan_for(specs, *args, 24, 64)
     nf4 = make_plan(specs[args[0]], specs[args[1]], OffloadConfig(mode="auto"),
@@ -232,7 +233,7 @@ def test_a_70b_in_nf4_streams_from_64gb_of_host_ram(specs, folders):
     int8 = make_plan(specs[args[0]], specs[args[1]], OffloadConfig(mode="disk"),
                      RuntimeConfig(dtype=torch.bfloat16, target_quant="int8"), RunLimits(context=4096),
                      Machine.given(24 * GB, 64 * GB))
-    assert dense.mode == "disk" and nf4.mode == "cpu" and nf4.host_pinned
+    assert dense.mode == "cpu+disk" and nf4.mode == "cpu" and nf4.host_pinned
     per_layer = lambda p: p.streamed_bytes / len(p.placement.streamed)     # noqa: E731
     assert per_layer(nf4) <= 0.30 * per_layer(dense) and per_layer(int8) <= 0.52 * per_layer(dense)
     ring = next(i for i in nf4.items if i.what.startswith("ring"))
@@ -357,3 +358,54 @@ def test_auto_concurrency_is_the_most_rows_that_fit_halving_from_the_cap(specs):
         plan_for(specs, *args, 3, 64, limits=RunLimits(context=2048, concurrency=1))
     with pytest.raises(BudgetError, match=re.escape(str(one_row.value))):
         plan_for(specs, *args, 3, 64, limits=auto)
+
+
+# ---------------------------------------------------------------- tiers: host RAM for what fits, disk for the rest
+
+def test_a_70b_on_a_gaming_pc_keeps_what_fits_in_ram_and_reads_the_rest_from_disk(specs):
+    """bf16 Llama-3.1-70B (133 GB of layers) on a 24 GB GPU beside 128 GB of RAM: one tier for all layers put every
+    streamed layer on the disk; now the pinned budget's worth stays in RAM and only the rest is read, spread
+    through the pass, and the predicted pass is the slower of the link and the drive's share."""
+    from offspec.plan import DISK_GBPS, LINK_GBPS, predicted_pass_seconds
+    plan = plan_for(specs, "Llama-3.1-70B-Instruct", "Llama-3.2-1B-Instruct", 24, 128)
+    p = plan.placement
+    assert plan.mode == p.mode == "cpu+disk" and plan.host_pinned
+    assert set(p.host_layers) | set(p.disk_layers) == set(p.streamed) and not set(p.host_layers) & set(p.disk_layers)
+    arena = next(i for i in plan.items if i.what.startswith("host arena"))
+    staging = next(i for i in plan.items if i.what == "disk staging buffers")
+    assert arena.nbytes + staging.nbytes <= plan.pinned_budget < arena.nbytes + staging.nbytes + plan.block_nbytes
+    assert plan.total("host") <= 128 * GB
+    gaps = [b - a for a, b in zip(p.disk_layers, p.disk_layers[1:])]
+    assert max(gaps) - min(gaps) <= 1                       # disk layers spread evenly through the pass
+    disk_only = plan_for(specs, "Llama-3.1-70B-Instruct", "Llama-3.2-1B-Instruct", 24, 128, OffloadConfig(mode="disk"))
+    tiered_s = predicted_pass_seconds(plan, LINK_GBPS, DISK_GBPS)
+    assert tiered_s < predicted_pass_seconds(disk_only, LINK_GBPS, DISK_GBPS) / 3
+    assert tiered_s == pytest.approx(len(p.disk_layers) * plan.block_nbytes / (DISK_GBPS * GB))
+    d = plan.to_dict()["placement"]
+    assert d["host"] == list(p.host_layers) and d["disk"] == list(p.disk_layers)
+    assert "disk store" in plan.layers_line() and "host RAM (pinned)" in plan.layers_line()
+
+
+def test_an_arena_just_over_the_pinned_budget_pins_what_fits_instead_of_going_pageable(specs):
+    """160 GB of RAM: the whole arena fits the host but not the pinned budget. A pageable arena copies at about
+    half the rate; keeping the pinned budget's worth in RAM and reading the few layers left from disk is
+    predicted faster, so auto takes that. With a pinned budget far too small, pageable RAM beats the drive."""
+    plan = plan_for(specs, "Llama-3.1-70B-Instruct", "Llama-3.2-1B-Instruct", 24, 160)
+    assert plan.mode == "cpu+disk" and plan.host_pinned and len(plan.placement.disk_layers) <= 6
+    small_pin = plan_for(specs, "Llama-3.1-70B-Instruct", "Llama-3.2-1B-Instruct", 24, 160,
+                         OffloadConfig(mode="auto", host_budget=8 * GB))
+    assert small_pin.mode == "cpu" and not small_pin.host_pinned
+
+
+def test_tiers_forced_and_their_limits(specs):
+    """--offload cpu+disk with everything fitting in RAM is plain cpu; with no room for one layer, plain disk;
+    cpu and disk still force one tier."""
+    roomy = plan_for(specs, "Llama-2-13b-chat-hf", "TinyLlama-1.1B-Chat-v1.0", 8, 256, OffloadConfig(mode="cpu+disk"))
+    assert roomy.mode == "cpu" and roomy.placement.host_layers == roomy.placement.streamed
+    tight = plan_for(specs, "Llama-3.1-70B-Instruct", "Llama-3.2-1B-Instruct", 24, 64,
+                     OffloadConfig(mode="cpu+disk", host_budget=1 * GB))
+    assert tight.mode == "disk" and not tight.placement.host_layers
+    assert any("cpu+disk -> disk" in n for n in tight.notes)
+    for mode in ("disk", "cpu"):
+        forced = plan_for(specs, "Llama-2-13b-chat-hf", "TinyLlama-1.1B-Chat-v1.0", 8, 256, OffloadConfig(mode=mode))
+        assert forced.mode == mode

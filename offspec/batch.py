@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass
+import time
+import uuid
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Optional, Union
 
@@ -21,11 +23,25 @@ from .request import check_max_new_tokens, check_messages, check_text
 
 @dataclass(frozen=True)
 class PromptItem:
+    """One prompt of a prompt file. The overrides (None: the command's option) come from OpenAI batch lines."""
     id: str                                   # unique within the file; the resume key
     prompt: Union[str, list]                  # text, or chat messages [{"role", "content"}]
     max_new_tokens: Optional[int]             # per-prompt override
     line: int                                 # 1-based line number in the prompt file
-    openai: bool = False                      # an OpenAI batch line: the id is its custom_id, and results say so
+    openai: bool = False                      # an OpenAI batch line: the id is its custom_id, results in its shape
+    temperature: Optional[float] = None       # per-prompt override of --temperature
+    top_p: Optional[float] = None             # per-prompt override of --top-p
+    seed: Optional[int] = None                # per-prompt override of --seed
+    stop: Optional[tuple[str, ...]] = None    # per-prompt stop strings, in place of --stop
+    model: Optional[str] = None               # an OpenAI line's body.model, echoed in its result
+
+    def sampling(self, default):
+        """`default` (the command's config.SamplingConfig) with this prompt's overrides."""
+        given = {"temperature": self.temperature, "top_p": self.top_p, "seed": self.seed}
+        return replace(default, **{k: v for k, v in given.items() if v is not None})
+
+    def stop_strings(self, default: tuple[str, ...]) -> tuple[str, ...]:
+        return self.stop if self.stop is not None else tuple(default)
 
 
 @dataclass(frozen=True)
@@ -100,10 +116,23 @@ def _parse_json_line(line: str, number: int, bad: list) -> Optional[PromptItem]:
     return PromptItem(id=str(item_id), prompt=prompt, max_new_tokens=max_new, line=number)
 
 
+# Body fields of an OpenAI chat request that change its output and that offspec cannot honour, each with the
+# values that leave the output as offspec makes it; a line giving any other value is refused by the field's name.
+UNHONOURED_BODY_FIELDS = {
+    "n": (None, 1), "logprobs": (None, False), "top_logprobs": (None, 0),
+    "tools": (None, []), "tool_choice": (None, "none"), "functions": (None, []), "function_call": (None, "none"),
+    "response_format": (None, {"type": "text"}), "logit_bias": (None, {}),
+    "presence_penalty": (None, 0), "frequency_penalty": (None, 0),
+    "audio": (None,), "modalities": (None, ["text"]), "prediction": (None,),
+}
+
+
 def _parse_openai_line(obj: dict, number: int, bad: list) -> Optional[PromptItem]:
     """A line of the OpenAI batch format, as vLLM's run-batch reads it:
     {"custom_id": "...", "method": "POST", "url": "/v1/chat/completions",
-     "body": {"model": "...", "messages": [...], "max_tokens": 256}}  (max_completion_tokens also read)."""
+     "body": {"model": "...", "messages": [...], "max_tokens": 256}}  (max_completion_tokens also read).
+    body.temperature, top_p, seed and stop (a string or a list of them) override the command's options for this
+    line; UNHONOURED_BODY_FIELDS are refused; other fields (metadata, user, ...) change nothing and are ignored."""
     custom_id, body = obj.get("custom_id"), obj.get("body")
     if not isinstance(custom_id, str) or not custom_id:
         bad.append(BadLine(number, "custom_id must be a non-empty string"))
@@ -114,13 +143,36 @@ def _parse_openai_line(obj: dict, number: int, bad: list) -> Optional[PromptItem
     messages = body.get("messages")
     max_new = body.get("max_completion_tokens", body.get("max_tokens"))
     try:
+        for name, neutral in UNHONOURED_BODY_FIELDS.items():
+            if name in body and body[name] not in neutral:
+                raise InputError(f"body.{name} = {json.dumps(body[name])[:40]} is not supported by offspec")
         check_messages(messages, "body.messages")
         if max_new is not None:
             check_max_new_tokens(max_new, "body.max_tokens")
+        temperature, top_p, seed = body.get("temperature"), body.get("top_p"), body.get("seed")
+        if temperature is not None and not (_is_number(temperature) and 0 <= temperature <= 2):
+            raise InputError(f"body.temperature must be a number in [0, 2], not {temperature!r}")
+        if top_p is not None and not (_is_number(top_p) and 0 < top_p <= 1):
+            raise InputError(f"body.top_p must be a number in (0, 1], not {top_p!r}")
+        if seed is not None and not (isinstance(seed, int) and not isinstance(seed, bool)):
+            raise InputError(f"body.seed must be a whole number, not {seed!r}")
+        stop = body.get("stop")
+        if isinstance(stop, str):
+            stop = [stop]
+        if stop is not None and not (isinstance(stop, list) and all(isinstance(s, str) and s for s in stop)):
+            raise InputError("body.stop must be a string or a list of non-empty strings")
     except InputError as e:
         bad.append(BadLine(number, str(e)))
         return None
-    return PromptItem(id=custom_id, prompt=messages, max_new_tokens=max_new, line=number, openai=True)
+    model = body.get("model")
+    return PromptItem(id=custom_id, prompt=messages, max_new_tokens=max_new, line=number, openai=True,
+                      temperature=None if temperature is None else float(temperature),
+                      top_p=None if top_p is None else float(top_p), seed=seed,
+                      stop=None if stop is None else tuple(stop), model=model if isinstance(model, str) else None)
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 class ResultFile:
@@ -140,7 +192,8 @@ class ResultFile:
             raise InputError(f"cannot write {self.path}: {e.strerror}") from None
 
     def _recover(self) -> set[str]:
-        """Ids already finished; a torn last line (killed mid-write) is truncated away."""
+        """Ids already finished (a line's custom_id where it has one: an OpenAI-shaped line's id is its own, not
+        the prompt's); a torn last line (killed mid-write) is truncated away."""
         if not self.path.exists():
             return set()
         try:
@@ -152,7 +205,8 @@ class ResultFile:
             try:
                 if not raw.endswith(b"\n"):
                     raise ValueError("torn line")
-                done.add(str(json.loads(raw)["id"]))
+                record = json.loads(raw)
+                done.add(str(record["custom_id"] if "custom_id" in record else record["id"]))
             except (ValueError, KeyError, TypeError):
                 break
             good_end += len(raw)
@@ -173,9 +227,11 @@ class ResultFile:
 
 
 def result_record(item: PromptItem, report) -> dict:
-    """A finished prompt's line in the result file (report: its metrics.RunReport); OpenAI lines keep custom_id."""
+    """A finished prompt's line in the result file (report: its metrics.RunReport): an OpenAI line's in OpenAI's
+    batch output shape (openai_record), any other in offspec's own."""
+    if item.openai:
+        return openai_record(item, report)
     return {
-        **({"custom_id": item.id} if item.openai else {}),
         "id": item.id,
         "text": report.text,
         "tokens": report.tokens,
@@ -185,3 +241,27 @@ def result_record(item: PromptItem, report) -> dict:
         "prompt_tokens": report.prompt_tokens,
         "finish_reason": report.finish_reason,
     }
+
+
+# offspec's finish reasons -> OpenAI's: the turn ended (EOS or a stop string), or a token limit was reached
+# (max_tokens, or the model's context).
+OPENAI_FINISH = {"eos": "stop", "stop": "stop", "length": "length", "context": "length"}
+
+
+def openai_record(item: PromptItem, report) -> dict:
+    """A finished OpenAI batch line's result, in OpenAI's batch output shape: {"id", "custom_id", "response":
+    {"status_code": 200, "request_id", "body": a chat.completion}, "error": null}. The ids are fresh ones (as
+    OpenAI's are); custom_id is the resume key."""
+    request_id = uuid.uuid4().hex
+    body = {
+        "id": f"chatcmpl-{request_id}",
+        "object": "chat.completion",
+        "created": int(time.time()),
+        "model": item.model,
+        "choices": [{"index": 0, "message": {"role": "assistant", "content": report.text},
+                     "finish_reason": OPENAI_FINISH.get(report.finish_reason, report.finish_reason)}],
+        "usage": {"prompt_tokens": report.prompt_tokens, "completion_tokens": report.new_tokens,
+                  "total_tokens": report.prompt_tokens + report.new_tokens},
+    }
+    return {"id": f"batch_req_{request_id}", "custom_id": item.id,
+            "response": {"status_code": 200, "request_id": request_id, "body": body}, "error": None}

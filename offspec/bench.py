@@ -33,6 +33,7 @@ def run_bench(engine: Engine, prompts, tree: TreeConfig, sampling: SamplingConfi
                 report, steps = run(engine, request)
                 row = {"temperature": temperature, "system": system, "id": prompt_id,
                        "seconds_per_token": report.seconds_per_token, "tokens_per_pass": report.tokens_per_pass,
+                       "tokens_per_second": 1 / report.seconds_per_token if report.seconds_per_token > 0 else 0.0,
                        "passes": report.passes, "new_tokens": report.new_tokens,
                        "mean_tree_size": statistics.fmean([st.tree_size for st in steps]) if steps else 0.0,
                        "tokens": report.tokens}
@@ -51,6 +52,7 @@ def summarize(rows: list[dict]) -> list[dict]:
     for (temperature, system), rs in groups.items():
         table.append({"temperature": temperature, "system": system, "prompts": len(rs),
                       "median_seconds_per_token": statistics.median(r["seconds_per_token"] for r in rs),
+                      "median_tokens_per_second": statistics.median(r["tokens_per_second"] for r in rs),
                       "median_tokens_per_pass": statistics.median(r["tokens_per_pass"] for r in rs),
                       "mean_tree_size": statistics.fmean(r["mean_tree_size"] for r in rs)})
     for row in table:

@@ -158,9 +158,13 @@ def _parse_rope_scaling(rope: dict, where: str) -> Optional[RopeScaling]:
 class Checkpoint:
     """An HF folder: config.json, model.safetensors or sharded *.safetensors + index, tokenizer files."""
 
-    def __init__(self, path: str | Path, headers_only: bool = False):
+    def __init__(self, path: str | Path, headers_only: bool = False,
+                 headers: Optional[dict[str, dict[str, dict]]] = None):
         """headers_only: accept weight files that hold their headers but not (all of) their data, for
-        planning; such a checkpoint can describe itself but not load."""
+        planning; such a checkpoint can describe itself but not load.
+        headers: the weight files' headers read elsewhere (a hub model's, hub.resolve_headers), as
+        {file name: {tensor name: {"dtype", "shape", "data_offsets"}}}; then `path` needs config.json (and
+        the tokenizer, if any) but no weight file, and the checkpoint is headers_only."""
         self.path = Path(path)
         if not self.path.is_dir():
             raise CheckpointError(f"{self.path}: no such model folder")
@@ -173,11 +177,15 @@ class Checkpoint:
             raise CheckpointError(f"{config_file}: not valid JSON ({e})") from None
         self.config = parse_config(self.raw_config, str(self.path))
 
-        self._files = self._weight_files()
         self._handles = {}
         self._where: dict[str, str] = {}       # tensor name -> file name
         self._header: dict[str, dict] = {}     # tensor name -> its safetensors header entry
         self.incomplete: list[str] = []        # headers_only: files whose data is not (all) there
+        if headers is not None:
+            self._use_headers(headers)
+            self._check_tensors()
+            return
+        self._files = self._weight_files()
         for file in sorted(set(self._files.values())):
             header, needed = read_safetensors_header(self.path / file)
             size = (self.path / file).stat().st_size
@@ -189,6 +197,21 @@ class Checkpoint:
             self._header.update(header)
             self._where.update({name: file for name in header})
         self._check_tensors()
+
+    def _use_headers(self, headers: dict[str, dict[str, dict]]) -> None:
+        """Take the weight files' headers as given (see __init__); none of the files' data is here."""
+        data_bytes = 0
+        try:
+            for file, header in sorted(headers.items()):
+                for name, entry in header.items():
+                    self._header[name] = dict(entry, shape=tuple(int(d) for d in entry["shape"]))
+                    self._where[name] = file
+                data_bytes += max((int(t["data_offsets"][1]) for t in header.values()), default=0)
+        except (KeyError, TypeError, ValueError, IndexError) as e:
+            raise CheckpointError(f"{self.path}: unreadable safetensors headers ({e})") from None
+        self._files = {name: file for name, file in self._where.items()}
+        self.incomplete.append(f"{len(headers)} weight file(s), {data_bytes / 1e9:.2f} GB, not downloaded "
+                               "(their headers read from the hub)")
 
     def _handle(self, file: str):
         """The safetensors handle (a memory map) of one file, opened on demand."""
@@ -292,11 +315,24 @@ class Checkpoint:
         return ";".join(parts)
 
 
+# The files a tokenizer is built from (any one will do): a fast tokenizer's tokenizer.json, a sentencepiece
+# tokenizer.model, a BPE vocab.json (with merges.txt). tokenizer_config.json alone describes one, it holds none.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
+
+
 def load_tokenizer(path: str | Path):
-    """The checkpoint's own tokenizer (with its chat template), via transformers."""
+    """The checkpoint's own tokenizer (with its chat template), via transformers. A folder with none of
+    TOKENIZER_FILES is refused here: transformers would build an empty tokenizer for some architectures, and
+    every prompt would then encode to nothing."""
     from transformers import AutoTokenizer
 
+    if Path(path).is_dir() and not any((Path(path) / name).is_file() for name in TOKENIZER_FILES):
+        raise CheckpointError(f"{path}: no tokenizer files (none of {', '.join(TOKENIZER_FILES)}); copy the "
+                              "tokenizer files (with tokenizer_config.json) from the model's download into it")
     try:
-        return AutoTokenizer.from_pretrained(str(path))
+        tokenizer = AutoTokenizer.from_pretrained(str(path))
     except (OSError, ValueError, TypeError) as e:
         raise CheckpointError(f"{path}: cannot load the tokenizer ({str(e).splitlines()[0]})") from None
+    if len(tokenizer) == 0:
+        raise CheckpointError(f"{path}: the tokenizer files hold no tokens")
+    return tokenizer

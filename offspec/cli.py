@@ -18,7 +18,7 @@ import click
 
 from .config import AUTO_MAX_TREE_BUDGET, DEFAULT_PREFILL_CHUNK, OffloadConfig, RunLimits, RuntimeConfig, SamplingConfig, TreeConfig
 from .controller import MIN_JOIN_CHUNK, ROW_GAIN
-from .errors import InputError, OffspecError
+from .errors import BudgetError, InputError, OffspecError
 from .model_info import Rates
 from .plan import AUTO_CONCURRENCY, PINNED_FRACTION
 from .quant import FUSED_MAX_ROWS
@@ -184,10 +184,15 @@ def model_options(f):
 
 def build_configs(o: dict, check_device: bool = True):
     """check_device False: the device is a Ray worker's, not this machine's (CUDA need not be here)."""
+    import torch
+
     from .load import parse_device, parse_dtype, runtime_config
 
     runtime = runtime_config(parse_device(o["device"], check_available=check_device), parse_dtype(o["dtype"]),
                              o["draft_quant"], o["target_quant"], o["resident_quant"])   # before any model is read
+    if check_device and runtime.device.type == "cpu" and runtime.dtype == torch.float16:   # (a worker's: its own)
+        warn("--dtype float16 on a CPU: CPUs have no fast float16 matmuls, so this runs far slower than "
+             "--dtype bfloat16 (or float32); use bfloat16")
     if o["n_slots"] < (1 if o["no_overlap"] else 2):
         raise InputError("--slots must be at least 2 (1 only with --no-overlap)")
     if o["prefill_chunk"] < 1:
@@ -252,6 +257,11 @@ def fail(message: str) -> NoReturn:
     sys.exit(1)
 
 
+def warn(message: str) -> None:
+    """One line on stderr; the run goes on."""
+    click.echo(f"offspec: warning: {' '.join(str(message).split())}", err=True)
+
+
 def known_cause(err: BaseException) -> Optional[BaseException]:
     """The OffspecError or OSError behind `err` (itself, or what a worker-thread wrapper was raised from)."""
     seen = set()
@@ -289,6 +299,30 @@ class OffspecGroup(click.Group):
             raise
 
 
+# The options most runs set, listed first in the help of generate, batch and bench (by parameter name).
+ESSENTIAL_OPTIONS = {"prompt_file", "output", "max_new_tokens", "new_tokens", "temperatures", "concurrency",
+                     "json_path", "target", "draft", "device", "dtype", "offload", "target_quant", "policy",
+                     "temperature", "seed"}
+
+
+class GroupedCommand(click.Command):
+    """A command whose --help lists its options in two sections: "Options" (ESSENTIAL_OPTIONS, the ones most
+    runs set) and "Advanced options" (the rest), each in declaration order. Every option appears once."""
+
+    def format_options(self, ctx, formatter):
+        sections = {"Options": [], "Advanced options": []}
+        help_option = self.get_help_option(ctx)
+        for param in self.get_params(ctx):
+            record = param.get_help_record(ctx)
+            if record is not None and isinstance(param, click.Option):
+                essential = param.name in ESSENTIAL_OPTIONS or param is help_option
+                sections["Options" if essential else "Advanced options"].append(record)
+        for title, records in sections.items():
+            if records:
+                with formatter.section(title):
+                    formatter.write_dl(records)
+
+
 @click.group(cls=OffspecGroup)
 @click.version_option(package_name="offspec")
 def main():
@@ -297,7 +331,7 @@ def main():
     exactly the target's own (greedy), or has exactly its distribution (sampling)."""
 
 
-@main.command()
+@main.command(cls=GroupedCommand)
 @click.argument("prompt", required=False)
 @click.option("--prompt-file", type=click.Path(dir_okay=False), default=None,
               help="Read the prompt from this file ('-' = stdin). Default: the PROMPT argument, else stdin.")
@@ -336,7 +370,7 @@ def generate(prompt, prompt_file, raw, max_new_tokens, stop, json_path, quiet, *
     if not quiet:
         click.echo(report.summary(), err=True)
     if json_path:
-        write_json(json_path, report.to_dict())
+        write_report(json_path, report.to_dict(), models)
 
 
 def read_prompt(prompt: Optional[str], prompt_file: Optional[str]) -> str:
@@ -379,8 +413,18 @@ def write_json(path: str, data: dict) -> None:
         raise InputError(f"cannot write {path}: {e}") from None
 
 
+def write_report(path: str, data: dict, models) -> None:
+    """A command's --json report: `data` (its numbers) with which offspec, which models (`models`: the
+    load.Models that ran) and which settings (this command's options) made it: metrics.provenance."""
+    from .metrics import provenance
+
+    ctx = click.get_current_context()
+    draft = str(models.draft.path) if models.draft is not None else None
+    write_json(path, {**provenance(ctx.command_path, dict(ctx.params), str(models.target.path), draft), **data})
+
+
 # ------------------------------------------------------------------ batch
-@main.command()
+@main.command(cls=GroupedCommand)
 @click.argument("prompt_file", type=click.Path(dir_okay=False))
 @click.option("-o", "--output", "output", required=True, type=click.Path(dir_okay=False),
               help="Results, one JSON line per prompt in the order prompts finish; rerunning skips ids already there.")
@@ -415,7 +459,8 @@ def write_json(path: str, data: dict) -> None:
 def batch(prompt_file, output, max_new_tokens, stop, raw, strict, concurrency, prefill_per_pass, workers,
           ray_address, worker_cpus, json_path, **o):
     """Run every prompt of PROMPT_FILE (.txt: one per line; .jsonl: {id, prompt | messages, max_new_tokens?},
-    or OpenAI batch lines {custom_id, body: {messages, max_tokens}}, whose results keep custom_id).
+    or OpenAI batch lines {custom_id, body: {messages, max_tokens, temperature, top_p, stop, seed}}, whose
+    results are in OpenAI's batch output shape).
 
     --concurrency prompts are in flight at once, sharing every target pass; each prompt's output is what it
     would be alone. Each finished prompt is one complete line in OUTPUT; Ctrl-C (exit 130) or a kill loses
@@ -447,6 +492,9 @@ def batch(prompt_file, output, max_new_tokens, stop, raw, strict, concurrency, p
         if strict:
             raise InputError(f"{prompt_file}: {b}")
         click.echo(f"offspec: skipping {prompt_file} {b}", err=True)
+    if not items:   # every line was bad: a job with nothing valid to run failed (exit 2, as when no prompt ran)
+        click.echo(f"offspec: error: {prompt_file}: no valid prompt found (all {len(bad)} lines were skipped)", err=True)
+        sys.exit(2)
     results = ResultFile(output)
     try:
         todo = [it for it in items if it.id not in results.done]
@@ -471,15 +519,16 @@ def batch(prompt_file, output, max_new_tokens, stop, raw, strict, concurrency, p
         for item in todo:
             try:
                 ids = encode_prompt(models.tokenizer, item.prompt, raw=raw)
-                requests.append((item, GenerationRequest(prompt_ids=tuple(ids), stop_strings=tuple(stop), tree=tree,
+                requests.append((item, GenerationRequest(prompt_ids=tuple(ids), stop_strings=item.stop_strings(stop),
                                                          max_new_tokens=item.max_new_tokens or max_new_tokens,
-                                                         sampling=sampling)))
+                                                         tree=tree, sampling=item.sampling(sampling))))
             except InputError as e:
                 click.echo(skip(item, e), err=True)
         if not requests:
             raise InputError(f"{prompt_file}: no prompt could be encoded")
         longest = max(len(r.prompt_ids) + r.max_new_tokens for _, r in requests)
-        limits = run_limits(o, tree, not sampling.greedy, longest, concurrency, prompts=len(requests))
+        samples = any(not r.sampling.greedy for _, r in requests)     # an OpenAI line may set its own temperature
+        limits = run_limits(o, tree, samples, longest, concurrency, prompts=len(requests))
         run = BatchRun(models, offload, runtime, limits, prefill_per_pass, [r for _, r in requests])
         if ray is None:
             source = engine_here(run)
@@ -505,7 +554,7 @@ def batch(prompt_file, output, max_new_tokens, stop, raw, strict, concurrency, p
     for worker in job.workers:
         click.echo(f"  {worker.line()}", err=True)
     if json_path:
-        write_json(json_path, job.to_dict())
+        write_report(json_path, job.to_dict(), models)
     if failed or bad:
         sys.exit(2 if job.prompts == 0 else 0)
 
@@ -516,7 +565,7 @@ def device_given() -> bool:
 
 
 # ------------------------------------------------------------------ bench
-@main.command()
+@main.command(cls=GroupedCommand)
 @click.argument("prompt_file", type=click.Path(dir_okay=False))
 @click.option("--prompt-tokens", type=int, default=128, show_default=True, help="Cut each prompt to this many tokens.")
 @click.option("--new-tokens", type=int, default=128, show_default=True, help="Tokens generated per prompt (EOS ignored).")
@@ -568,10 +617,10 @@ def bench(prompt_file, prompt_tokens, new_tokens, temperatures, limit, json_path
     table = summarize(rows)
     click.echo(format_table(table))
     if json_path:
-        write_json(json_path, {"summary": table, "rows": rows, "device": str(loaded.engine.device),
-                               "dtype": str(loaded.engine.target.dtype), "offload": loaded.plan.mode,
-                               "target_quant": loaded.engine.target_quant, "draft_quant": loaded.engine.draft_quant,
-                               "memory_plan": loaded.plan.to_dict()})
+        write_report(json_path, {"summary": table, "rows": rows, "device": str(loaded.engine.device),
+                                 "dtype": str(loaded.engine.target.dtype), "offload": loaded.plan.mode,
+                                 "target_quant": loaded.engine.target_quant, "draft_quant": loaded.engine.draft_quant,
+                                 "memory_plan": loaded.plan.to_dict()}, models)
 
 
 # ------------------------------------------------------------------ doctor
@@ -635,7 +684,7 @@ def models_demo():
 @models.command("info")
 @click.argument("model_dir", type=click.Path(file_okay=False))
 @click.option("--draft", "draft_dir", type=click.Path(file_okay=False), default=None,
-              help="Draft model folder to plan beside the target. Default: none.")
+              help="Draft model folder (or hub id, as MODEL_DIR) to plan beside the target. Default: none.")
 @click.option("--device-memory", default=None,
               help="Plan for a GPU with this much free memory (e.g. 24GB), present or not. Default: this machine's "
                    "GPU (its free memory now), or this CPU.")
@@ -677,13 +726,15 @@ def models_info(model_dir, draft_dir, device_memory, host_memory, dtype, offload
     device and host hold, the predicted pass time. Reads config.json and the safetensors headers only, so
     the weights need not be here (plan a 70B on a 24 GB GPU from its headers).
 
-    MODEL_DIR: a model folder, or a hub id (owner/name) from the local Hugging Face cache, as --target takes."""
+    MODEL_DIR: a model folder, or a hub id (owner/name): from the local Hugging Face cache when it holds the
+    model, else its config, tokenizer and safetensors headers are read from the hub, never its weights."""
     import torch
 
     from .checkpoint import Checkpoint
-    from .hub import resolve_model
+    from .hub import resolve_headers
     from .load import parse_dtype
     from .model_info import machine_for, model_info
+    from .options import compare
     from .plan import ModelSpec, make_plan
     from .quant import auto_draft_quant
 
@@ -693,20 +744,35 @@ def models_info(model_dir, draft_dir, device_memory, host_memory, dtype, offload
         raise InputError("--prefill-chunk must be at least 1")
     if tokens_per_pass < 1:
         raise InputError("--tokens-per-pass must be at least 1 (every pass yields its bonus token)")
-    target = Checkpoint(resolve_model(model_dir), headers_only=True)
-    draft = Checkpoint(resolve_model(draft_dir), headers_only=True) if draft_dir else None
+    def headers_of(name: str) -> Checkpoint:
+        folder, headers = resolve_headers(name)
+        return Checkpoint(folder, headers_only=True, headers=headers)
+
+    target = headers_of(model_dir)
+    draft = headers_of(draft_dir) if draft_dir else None
     dt = parse_dtype(dtype)
     machine = machine_for(parse_bytes(device_memory), parse_bytes(host_memory))
     runtime = RuntimeConfig(device=torch.device("cpu"), dtype=dt, target_quant=target_quant, resident_quant=resident_quant,
                             draft_quant=auto_draft_quant(machine.kind, dt) if draft_quant == "auto" else draft_quant)
-    plan = make_plan(ModelSpec.of(target), ModelSpec.of(draft) if draft else None,
-                     OffloadConfig(mode=offload, gpu_budget=parse_bytes(gpu_budget), n_slots=n_slots,
-                                   host_budget=parse_bytes(host_budget)), runtime,
-                     RunLimits(context=parse_context(context), tree_budget=parse_auto_count(tree_budget, "--tree-budget", 0),
-                               prefill_chunk=prefill_chunk), machine)
+    specs = (ModelSpec.of(target), ModelSpec.of(draft) if draft else None)
+    offload_config = OffloadConfig(mode=offload, gpu_budget=parse_bytes(gpu_budget), n_slots=n_slots,
+                                   host_budget=parse_bytes(host_budget))
+    limits = RunLimits(context=parse_context(context), tree_budget=parse_auto_count(tree_budget, "--tree-budget", 0),
+                       prefill_chunk=prefill_chunk)
+    # On a GPU, every quantization and offload mode is planned too: the fastest is named beside auto's choice.
+    options = (compare(*specs, offload_config, runtime, limits, machine, link_gbps, disk_gbps)
+               if machine.kind == "cuda" else None)
+    try:
+        plan = make_plan(*specs, offload_config, runtime, limits, machine)
+    except BudgetError:
+        if options is not None and options.options:
+            click.echo(options.table(), err=True)     # what would fit, before the one line that says why not
+        raise
     click.echo(model_info(target, draft, plan, dt, Rates(tokens_per_pass, link_gbps, disk_gbps)))
+    if options is not None:
+        click.echo(options.table())
     if json_path:
-        write_json(json_path, plan.to_dict())
+        write_json(json_path, {**plan.to_dict(), **({"options": options.to_dict()} if options is not None else {})})
 
 
 @models.command("prepare")

@@ -300,6 +300,12 @@ def advice(target_dir: str, draft_dir: Optional[str], device: torch.device, repo
         flags.append("--tree-budget auto")
         out["tree_budget_reasoning"] = "nothing streams: a pass is compute-bound, and auto sizes trees from measured times"
     out["recommended_flags"] = " ".join(flags)
+    if device.type == "cuda":     # on a CPU a pass is compute: link and drive rates rank nothing
+        from .options import compare
+        out["options"] = compare(ModelSpec.of(target), ModelSpec.of(draft) if draft else None, OffloadConfig(mode="auto"),
+                                 runtime, RunLimits(context=4096), plan.machine,
+                                 report.get("link", {}).get("pinned_gbps") or 24.0,
+                                 disk_gbps or 3.0).table()
     return out
 
 
@@ -361,6 +367,8 @@ def summary(report: dict) -> str:
         if "predicted_pass_seconds" in a:
             lines.append(f"PREDICTED pass: {a['predicted_pass_seconds']:.3f} s")
         lines.append(f"tree budget: {a['tree_budget_reasoning']}")
+        if a.get("options"):
+            lines.append(a["options"])
         lines.append(f"recommended: offspec generate --target {report.get('target')} "
                      + (f"--draft {report.get('draft')} " if report.get("draft") else "") + a["recommended_flags"])
     else:

@@ -12,6 +12,8 @@
        otherwise -> the files offspec reads (HUB_FILES: config, *.safetensors, tokenizer, chat template) are
                     downloaded into that cache by huggingface_hub, as transformers' from_pretrained would.
   4. Anything else (no such path, not an id) goes on unchanged; Checkpoint then says "no such model folder".
+`models info` plans without the weights: resolve_headers follows rules 1, 2 and 4, and in place of 3 fetches only
+config and tokenizer and reads the weight files' safetensors headers from the hub (a 70B plans from a few MB).
 """
 from __future__ import annotations
 
@@ -31,6 +33,10 @@ HUB_FILES = ["*.json", "*.safetensors", "*.txt", "*.model", "*.tiktoken", "*.jin
 # Never: subfolders (e.g. original/ with a second, consolidated copy of the weights) or Mistral's
 # consolidated.safetensors next to the sharded files, which would double the download.
 HUB_SKIP = ["*/*", "consolidated*"]
+# What a plan fetches of a hub model not in the cache (resolve_headers): config and tokenizer, never a weight file;
+# the weights' safetensors headers are read from the hub instead.
+PLAN_FILES = ["config.json", "generation_config.json", "tokenizer*", "special_tokens_map.json", "vocab.json",
+              "merges.txt", "*.tiktoken", "*.jinja"]
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "vocab.json")
 
 _TRUE = {"1", "ON", "YES", "TRUE"}
@@ -75,6 +81,43 @@ def resolve_model(name: str | Path) -> Path:
     return folder
 
 
+def resolve_headers(name: str | Path) -> tuple[Path, Optional[dict[str, dict[str, dict]]]]:
+    """A model folder or a hub id -> (folder, headers) to plan from, without downloading any weight file.
+
+    headers None: read them from the folder's *.safetensors (a folder as given, or a complete cached snapshot:
+    rules 1, 2 and 4 of the module docstring). Otherwise (a hub id not cached whole) the folder is the cached
+    snapshot of the hub's small files only (PLAN_FILES: config, tokenizer) and headers are the weight files'
+    safetensors headers as the hub serves them, {file: {tensor: {"dtype", "shape", "data_offsets"}}}: a few
+    KB a file, read by range requests. HF_HUB_OFFLINE set: one-line CheckpointError."""
+    path = Path(name).expanduser()
+    if path.exists() or not HUB_ID.fullmatch(str(name)):
+        return path, None
+    repo_id, cache = str(name), hub_cache_dir()
+    folder = cached_snapshot(repo_id, cache)
+    if folder is not None:
+        return folder, None
+    if hub_offline():
+        raise CheckpointError(
+            f"{repo_id}: no such folder, and not in the Hugging Face cache {cache}; HF_HUB_OFFLINE is set, so its "
+            "config and safetensors headers cannot be read from the hub: unset HF_HUB_OFFLINE, or pass a model folder")
+    from huggingface_hub import get_safetensors_metadata, snapshot_download
+    from huggingface_hub.errors import NotASafetensorsRepoError, SafetensorsParsingError
+
+    try:
+        folder = Path(snapshot_download(repo_id, cache_dir=cache, allow_patterns=PLAN_FILES, ignore_patterns=HUB_SKIP))
+        # the headers of the revision whose config was fetched (the snapshot folder is named for its commit)
+        metadata = get_safetensors_metadata(repo_id, revision=folder.name)
+    except (OSError, ValueError, NotASafetensorsRepoError, SafetensorsParsingError) as e:   # HTTP, offline; bad ids
+        reason = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise CheckpointError(f"{repo_id}: no such folder, and reading its config and safetensors headers from the "
+                              f"Hugging Face hub failed ({reason}); check the id and the network, or pass a model "
+                              "folder") from None
+    headers = {file: {tensor: {"dtype": info.dtype, "shape": tuple(info.shape), "data_offsets": tuple(info.data_offsets)}
+                      for tensor, info in meta.tensors.items()}
+               for file, meta in metadata.files_metadata.items()}
+    return folder, headers
+
+
 def cached_snapshot(repo_id: str, cache: Path) -> Optional[Path]:
     """The cached snapshot of `repo_id` at refs/main when it holds a loadable model, else None. No network."""
     from huggingface_hub import snapshot_download
@@ -85,6 +128,16 @@ def cached_snapshot(repo_id: str, cache: Path) -> Optional[Path]:
     except (OSError, ValueError):        # not cached (LocalEntryNotFoundError), incomplete, or a bad id
         return None
     return folder if has_model_files(folder) else None
+
+
+def model_name(folder: Path) -> str:
+    """A model folder's name for reports: owner/name for a cache snapshot (.../models--owner--name/snapshots/<commit>),
+    else the folder's own name."""
+    folder = Path(folder)
+    repo = folder.parent.parent.name
+    if folder.parent.name == "snapshots" and repo.startswith("models--"):
+        return repo.removeprefix("models--").replace("--", "/", 1)
+    return folder.name
 
 
 def has_model_files(folder: Path) -> bool:

@@ -98,7 +98,8 @@ class RunReport:
     calibration: Optional[dict] = None  # predicted vs observed acceptance of tree nodes (calibrate.AcceptanceCounts.report)
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        return {**asdict(self), "tokens_per_second": tokens_per_second(self.seconds_per_token),
+                "tokens_per_second_e2e": tokens_per_second(self.seconds_per_token_e2e)}
 
     def summary(self) -> str:
         dev = f", device peak {self.peak_device_gb:.2f} GB" if self.peak_device_gb is not None else ""
@@ -193,6 +194,27 @@ class JobReport:
                   f"{d['stream_gb_per_second']:.2f} GB/s)" if d["stream_gb_per_second"] is not None else "")
         return (f"a pass: draft {d['draft_seconds_per_pass']:.2f} s, target {d['target_seconds_per_pass']:.2f} s"
                 f"{stream}")
+
+
+def tokens_per_second(seconds_per_token: float) -> float:
+    return 1 / seconds_per_token if seconds_per_token > 0 else 0.0
+
+
+def offspec_version() -> str:
+    """The installed offspec's version ("unknown" when run from a tree that was never installed)."""
+    from importlib.metadata import PackageNotFoundError, version
+    try:
+        return version("offspec")
+    except PackageNotFoundError:
+        return "unknown"
+
+
+def provenance(command: str, options: dict, target: Optional[str], draft: Optional[str]) -> dict:
+    """What every JSON report says of the run that made it, beside its numbers: which offspec ("offspec": version
+    and command), which models ("models": the target and draft folders that ran; draft None: the target alone)
+    and which settings ("options": the command's options as given, defaults filled in)."""
+    return {"offspec": {"version": offspec_version(), "command": command},
+            "models": {"target": target, "draft": draft}, "options": options}
 
 
 def peak_host_gb() -> float:

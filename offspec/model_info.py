@@ -2,6 +2,7 @@
 
     machine_for(device_bytes, host_bytes)          the machine to plan for: sizes given, else this one
     model_info(target, draft, plan, dtype, rates)  the report's lines: model, layer sizes, plan, PREDICTED times
+    draft_vocab_mismatch(target, draft)            why the draft cannot speculate for the target (a WARNING line)
 
 Reads config.json and the safetensors headers only (checkpoint.Checkpoint(..., headers_only=True)): a plan can be
 made for weights and machines that are not here. The PREDICTED lines take their rates as given (`offspec doctor`
@@ -36,10 +37,32 @@ def machine_for(device_bytes: Optional[int], host_bytes: Optional[int]) -> Machi
     return Machine("cuda", measured.device_bytes, host_bytes, "given", measured.name)
 
 
+def draft_vocab_mismatch(target, draft) -> Optional[str]:
+    """Why `draft` cannot speculate for `target` (checkpoint.Checkpoints), else None: where both folders hold
+    tokenizer files, the checks a run makes (vocab.check_same_tokenizer, each model's rows covering its own
+    tokenizer); else, from the headers alone, their embedding row counts (vocab.rows_mismatch)."""
+    from .checkpoint import TOKENIZER_FILES, load_tokenizer
+    from .errors import CheckpointError
+    from .hub import model_name
+    from .vocab import check_rows_cover_tokenizer, check_same_tokenizer, rows_mismatch, token_id_count
+
+    if not all(any((c.path / f).is_file() for f in TOKENIZER_FILES) for c in (target, draft)):
+        return rows_mismatch(target.config.vocab_size, draft.config.vocab_size)
+    try:
+        target_tok, draft_tok = load_tokenizer(target.path), load_tokenizer(draft.path)
+        check_same_tokenizer(target_tok, draft_tok)
+        for c, tok, who in ((target, target_tok, "target"), (draft, draft_tok, "draft")):
+            check_rows_cover_tokenizer(c.config.vocab_size, token_id_count(tok), f"{who} {model_name(c.path)}")
+    except CheckpointError as e:
+        return f"{e}; a run with this draft is refused"
+    return None
+
+
 def model_info(target, draft, plan: MemoryPlan, dtype: torch.dtype, rates: Rates) -> str:
     """The report `offspec models info` prints. target, draft: checkpoint.Checkpoints (headers are enough; draft
     may be None); plan: their memory plan (plan.make_plan) in `dtype`."""
     from .costmodel import GpuSetup, predict_seconds_per_token
+    from .hub import model_name
 
     cfg = target.config
     layer_bytes, block = plan.placement.layer_nbytes, plan.block_nbytes
@@ -60,9 +83,12 @@ def model_info(target, draft, plan: MemoryPlan, dtype: torch.dtype, rates: Rates
     if draft is not None:
         lines.append(f"draft:           {draft.path} ({draft.parameter_count() / 1e9:.3f} B parameters, "
                      f"{draft.config.n_layers} layers)")
+        mismatch = draft_vocab_mismatch(target, draft)
+        if mismatch:
+            lines.append(f"WARNING:         {mismatch}")
     for c in (target, draft):
         if c is not None and c.incomplete:
-            lines.append(f"weights incomplete (enough to plan, not to run): {c.path.name}: {'; '.join(c.incomplete)}")
+            lines.append(f"weights incomplete (enough to plan, not to run): {model_name(c.path)}: {'; '.join(c.incomplete)}")
     lines.append(plan.describe())
     if plan.streamed_bytes:
         seconds = predicted_pass_seconds(plan, rates.link_gbps, rates.disk_gbps)

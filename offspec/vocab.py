@@ -28,6 +28,7 @@ rows (tests/test_vocab.py shows a chi-square test catching exactly that).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -37,6 +38,7 @@ from .errors import CheckpointError
 from .sampling import process_logits
 
 PLACEHOLDER_ID = 0   # what the draft reads in place of a token id past its embedding rows (see above)
+PAD_SLACK = 0.01     # row counts this close (a fraction of the larger) may be one tokenizer padded two ways
 
 
 def token_id_count(tokenizer) -> int:
@@ -65,6 +67,17 @@ def check_same_tokenizer(target_tok, draft_tok) -> int:
         raise CheckpointError(f"draft and target tokenizers differ ({len(tv)} vs {len(dv)} tokens, {len(differing)} "
                               f"with different ids; e.g. {k!r} is {tv.get(k)} in the target, {dv.get(k)} in the draft)")
     return n_shared
+
+
+def rows_mismatch(target_rows: int, draft_rows: int) -> Optional[str]:
+    """Why two embedding tables cannot belong to one tokenizer, judged from their row counts alone (for plans
+    made from headers, with no tokenizer files to compare), else None. Checkpoints pad one tokenizer's ids up
+    to a round row count (see the module docstring), so counts within PAD_SLACK of the larger may be one
+    tokenizer padded two ways; counts farther apart are two tokenizers."""
+    if abs(target_rows - draft_rows) <= PAD_SLACK * max(target_rows, draft_rows):
+        return None
+    return (f"the draft has {draft_rows} embedding rows and the target {target_rows}: they do not share a "
+            "tokenizer, which speculation needs (a run refuses them)")
 
 
 def check_rows_cover_tokenizer(rows: int, n_ids: int, who: str) -> None:

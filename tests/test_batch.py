@@ -84,10 +84,60 @@ def test_openai_batch_format(tmp_path):
                                                                     ("own", None, False)]
     assert items[0].prompt == [{"role": "user", "content": "hi"}]
     assert [b.line for b in bad] == [3, 4, 5] and "body.messages" in bad[0].reason
-    report = SimpleNamespace(text="t", tokens=[1], seconds_per_token=0.1, tokens_per_pass=1.0, passes=1,
-                             prompt_tokens=3, finish_reason="eos")
-    assert result_record(items[0], report)["custom_id"] == "req-1"
-    assert "custom_id" not in result_record(items[2], report)
+    report = SimpleNamespace(text="t", tokens=[1], new_tokens=1, seconds_per_token=0.1, tokens_per_pass=1.0,
+                             passes=1, prompt_tokens=3, finish_reason="eos")
+    record = result_record(items[0], report)
+    assert set(record) == {"id", "custom_id", "response", "error"} and record["error"] is None
+    assert record["custom_id"] == "req-1" and record["id"].startswith("batch_req_")
+    response = record["response"]
+    assert response["status_code"] == 200 and isinstance(response["request_id"], str)
+    body = response["body"]
+    assert body["object"] == "chat.completion" and body["model"] == "x" and isinstance(body["created"], int)
+    assert body["choices"] == [{"index": 0, "message": {"role": "assistant", "content": "t"}, "finish_reason": "stop"}]
+    assert body["usage"] == {"prompt_tokens": 3, "completion_tokens": 1, "total_tokens": 4}
+    plain = result_record(items[2], report)
+    assert "custom_id" not in plain and plain["id"] == "own" and plain["text"] == "t"
+
+
+def test_openai_body_fields_honoured_or_refused_by_name(tmp_path):
+    """temperature, top_p, seed and stop override the command's options for their line; fields that would change
+    the output and that offspec cannot honour are refused by name; their neutral values pass."""
+    from offspec.config import SamplingConfig
+    messages = [{"role": "user", "content": "hi"}]
+
+    def line(**body):
+        return json.dumps({"custom_id": f"r{len(lines)}", "body": {"messages": messages, **body}})
+    lines = []
+    for body in [dict(temperature=0.7, top_p=0.9, seed=5, stop="END"), dict(stop=["a", "b"]), dict(),
+                 dict(n=1, logprobs=False, response_format={"type": "text"}, presence_penalty=0, metadata={"k": 1}),
+                 dict(n=2), dict(logprobs=True), dict(tools=[{"type": "function"}]),
+                 dict(response_format={"type": "json_object"}), dict(temperature=3), dict(top_p=0),
+                 dict(seed=1.5), dict(stop=[1]), dict(temperature=True)]:
+        lines.append(line(**body))
+    f = tmp_path / "p.jsonl"
+    f.write_text("\n".join(lines))
+    items, bad = read_prompt_file(f)
+    assert [i.id for i in items] == ["r0", "r1", "r2", "r3"]
+    default = SamplingConfig(temperature=0.0, top_p=1.0, top_k=4, seed=0)
+    assert items[0].sampling(default) == SamplingConfig(temperature=0.7, top_p=0.9, top_k=4, seed=5)
+    assert items[0].stop_strings(("X",)) == ("END",) and items[1].stop_strings(("X",)) == ("a", "b")
+    assert items[2].sampling(default) == default and items[2].stop_strings(("X",)) == ("X",)
+    reasons = [b.reason for b in bad]
+    for name, reason in zip(["body.n", "body.logprobs", "body.tools", "body.response_format"], reasons):
+        assert reason.startswith(name) and "not supported" in reason
+    for name, reason in zip(["body.temperature", "body.top_p", "body.seed", "body.stop", "body.temperature"],
+                            reasons[4:]):
+        assert reason.startswith(name)
+    assert len(bad) == 9
+
+
+def test_resume_reads_custom_id_of_openai_shaped_lines(tmp_path):
+    out = tmp_path / "out.jsonl"
+    r = ResultFile(out)
+    r.append({"id": "batch_req_1", "custom_id": "req-1", "response": {}, "error": None})
+    r.append({"id": "plain"})
+    r.close()
+    assert ResultFile(out).done == {"req-1", "plain"}
 
 
 def test_job_report_counts_a_shared_pass_once():

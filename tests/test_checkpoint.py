@@ -96,6 +96,29 @@ def test_headers_only_folder_describes_itself_but_does_not_load(good, tmp_path):
         Checkpoint(path)
 
 
+def test_headers_given_describe_the_checkpoint_without_weight_files(good, tmp_path):
+    """headers= (a hub model's, read from the hub): config.json alone on disk, the same description as the folder."""
+    from offspec.checkpoint import read_safetensors_header
+    header, _ = read_safetensors_header(good / "model.safetensors")
+    path = tmp_path / "config_only"
+    path.mkdir()
+    shutil.copy(good / "config.json", path)
+    names = sorted(header)
+    split = {"model-00001-of-00002.safetensors": {n: header[n] for n in names[::2]},
+             "model-00002-of-00002.safetensors": {n: dict(header[n], shape=list(header[n]["shape"])) for n in names[1::2]}}
+    given, local = Checkpoint(path, headers=split), Checkpoint(good)
+    assert (given.config, given.parameter_count(), given.dtype, given.has_lm_head) == \
+           (local.config, local.parameter_count(), local.dtype, local.has_lm_head)
+    assert given.incomplete and "2 weight file(s)" in given.incomplete[0]
+    with pytest.raises(CheckpointError, match="cannot read tensor"):
+        given.layer_tensors(0)
+    missing = {f: {n: e for n, e in h.items() if n != "model.norm.weight"} for f, h in split.items()}
+    with pytest.raises(CheckpointError, match="tensor model.norm.weight is missing"):
+        Checkpoint(path, headers=missing)
+    with pytest.raises(CheckpointError, match="unreadable safetensors headers"):
+        Checkpoint(path, headers={"model.safetensors": {"model.norm.weight": {"dtype": "F32"}}})
+
+
 def test_garbage_header(good, tmp_path):
     path = copy(good, tmp_path)
     (path / "model.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{garbage-header}" + b"\0" * 64)
@@ -117,3 +140,18 @@ def test_bad_json_config(good, tmp_path):
     (path / "config.json").write_text("{")
     with pytest.raises(CheckpointError, match="not valid JSON"):
         Checkpoint(path)
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "llama"])
+def test_a_folder_without_tokenizer_files_says_so(arch, tmp_path):
+    """Without tokenizer files transformers builds an empty Qwen2 tokenizer (every prompt then encodes to
+    nothing) and fails on a Llama folder with a message about its backend: both are one line naming the folder
+    and the files it lacks."""
+    from offspec.checkpoint import TOKENIZER_FILES, load_tokenizer
+    path = save_checkpoint(make_model(hf_config(arch, n_layers=1)), tmp_path / arch)
+    for file in path.iterdir():
+        if file.name.startswith(("tokenizer", "special_tokens", "vocab", "merges")):
+            file.unlink()
+    with pytest.raises(CheckpointError, match="no tokenizer files") as e:
+        load_tokenizer(path)
+    assert str(path) in str(e.value) and all(name in str(e.value) for name in TOKENIZER_FILES)

@@ -335,6 +335,77 @@ def test_batch_repairs_a_torn_last_line(m, tmp_path):
     assert [r["id"] for r in rows] == ["line-1", "line-2", "line-3"]
 
 
+def test_batch_openai_lines_honour_their_body_and_answer_in_openai_shape(m, tmp_path):
+    """A line's temperature, seed and stop do what the same options do for a plain line; results are OpenAI
+    batch output lines, and a rerun resumes by custom_id."""
+    messages = [{"role": "user", "content": "tell me"}]
+    stop = greedy(m, messages, n=8).text[3:5]
+    openai = write_jsonl(tmp_path / "openai.jsonl", [
+        {"custom_id": "hot", "method": "POST", "url": "/v1/chat/completions",
+         "body": {"model": "m", "messages": messages, "max_tokens": 6, "temperature": 0.8, "seed": 3}},
+        {"custom_id": "cut", "body": {"messages": messages, "max_tokens": 8, "stop": stop}},
+        {"custom_id": "many", "body": {"messages": messages, "n": 2}},
+    ])
+    out = tmp_path / "out.jsonl"
+    alone = ["--tree", "none", "--concurrency", 1]     # a sample's tokens then depend on the seed alone
+    result = ok(cli("batch", openai, "-o", out, *m.models, *FAST, *alone))
+    assert "body.n = 2 is not supported" in result.stderr
+    rows = {r["custom_id"]: r for r in read_results(out)}
+    assert sorted(rows) == ["cut", "hot"]
+    assert all(r["response"]["status_code"] == 200 and r["error"] is None for r in rows.values())
+    hot, cut = (rows[k]["response"]["body"] for k in ("hot", "cut"))
+    assert hot["model"] == "m" and hot["usage"]["completion_tokens"] == 6
+
+    def plain(name, *args):
+        prompts = write_jsonl(tmp_path / f"{name}.jsonl", [{"id": name, "messages": messages}])
+        ok(cli("batch", prompts, "-o", tmp_path / f"{name}.out", *m.models, *FAST, *alone, *args))
+        return read_results(tmp_path / f"{name}.out")[0]
+    assert hot["choices"][0]["message"]["content"] == plain("hot", "--max-new-tokens", 6, "--temperature", 0.8,
+                                                            "--seed", 3)["text"]
+    cut_plain = plain("cut", "--max-new-tokens", 8, "--stop", stop)
+    assert cut["choices"][0]["message"]["content"] == cut_plain["text"] and stop not in cut_plain["text"]
+    assert cut_plain["finish_reason"] == "stop" and cut["choices"][0]["finish_reason"] == "stop"
+
+    result = cli("batch", openai, "-o", out, *m.models, *FAST)              # resumed: only the refused line is left
+    assert "resuming: 2 of 2" in result.stderr and "nothing to do" in result.stderr
+
+
+def test_every_json_report_says_which_offspec_models_settings_and_tokens_per_second(m, tmp_path):
+    from offspec.metrics import offspec_version
+    prompts = write_jsonl(tmp_path / "p.jsonl", [{"id": "x", "prompt": "a prompt that is long enough"}])
+    runs = {"generate": (["generate", *m.models, *FAST, "--max-new-tokens", 4, PROMPT], "tokens_per_second"),
+            "batch": (["batch", prompts, "-o", tmp_path / "out.jsonl", *m.models, *FAST, "--max-new-tokens", 4],
+                      "tokens_per_second"),
+            "bench": (["bench", prompts, *m.models, *FAST, "--prompt-tokens", 8, "--new-tokens", 4, "--temperatures",
+                       "0"], "median_tokens_per_second")}
+    for command, (args, speed) in runs.items():
+        out = tmp_path / f"{command}.json"
+        ok(cli(*args, "--json", out))
+        report = json.loads(out.read_text())
+        assert report["offspec"] == {"version": offspec_version(), "command": f"offspec {command}"}
+        assert report["models"] == {"target": str(m.target), "draft": str(m.draft)}
+        options = report["options"]
+        assert (options["target"], options["device"], options["dtype"], options["json_path"]) == (
+            str(m.target), "cpu", "float32", str(out))
+        assert options["policy"] == "dyspec" and options["tree_budget"] == "auto"      # defaults filled in
+        assert (report["summary"][0] if command == "bench" else report)[speed] > 0
+
+
+def test_batch_with_no_valid_line_fails_and_a_finished_one_has_nothing_to_do(m, tmp_path):
+    """Every line bad: the job had nothing valid to run, exit 2 with one line saying so (no result file made);
+    every id already in OUT: nothing to do, exit 0."""
+    prompts = write_jsonl(tmp_path / "p.jsonl", ["{not json", "[1, 2]", {"id": "x"}])
+    out = tmp_path / "out.jsonl"
+    result = cli("batch", prompts, "-o", out, *m.models, *FAST)
+    assert result.exit_code == 2 and "Traceback" not in result.output
+    assert "no valid prompt found" in result.stderr and "nothing to do" not in result.stderr
+    assert not out.exists()
+
+    prompts = write_jsonl(tmp_path / "p.txt", ["one"])
+    ok(cli("batch", prompts, "-o", out, *m.models, *FAST, "--max-new-tokens", 2))
+    assert "nothing to do" in ok(cli("batch", prompts, "-o", out, *m.models, *FAST)).stderr
+
+
 # ------------------------------------------------------------------ bench
 def test_bench_table_and_json(m, tmp_path):
     prompts = write_jsonl(tmp_path / "p.jsonl", [{"id": "x", "prompt": "a prompt that is long enough"},
@@ -359,6 +430,34 @@ def test_models_info(m):
     for needle in ("architecture:    qwen2 (Qwen2ForCausalLM)", "parameters:", "layers:          2",
                    "bytes per layer:", "PREDICTED pass:", "at 10 GB/s"):
         assert needle in out
+
+
+@pytest.mark.parametrize("draft,needle", [
+    ("draft", None),
+    ("other_tok", "WARNING:         draft and target tokenizers differ"),
+    ("other_vocab", "WARNING:         draft other_vocab: 64 embedding rows, but its tokenizer has 101 token ids"),
+])
+def test_models_info_warns_of_a_draft_that_cannot_speculate(m, tmp_path, draft, needle):
+    out = ok(cli("models", "info", m.target, "--draft", getattr(m, draft))).stdout
+    assert needle in out if needle else "WARNING" not in out
+
+
+def test_models_info_without_tokenizer_files_compares_the_row_counts(tmp_path):
+    """Headers only: a vocabulary padded to another round number is no mismatch; another tokenizer is."""
+    from shapes import headers_only_checkpoint
+
+    llama3, llama2, qwen, qwen_draft = (headers_only_checkpoint(tmp_path, name) for name in (
+        "Llama-3.1-70B-Instruct", "TinyLlama-1.1B-Chat-v1.0", "Qwen2.5-72B-Instruct", "Qwen2.5-0.5B-Instruct"))
+    machine = ["--device-memory", "24GB", "--host-memory", "64GB"]
+    out = ok(cli("models", "info", llama3, "--draft", llama2, *machine)).stdout
+    assert "WARNING:         the draft has 32000 embedding rows and the target 128256" in out
+    assert "WARNING" not in ok(cli("models", "info", qwen, "--draft", qwen_draft, *machine)).stdout
+
+
+def test_float16_on_a_cpu_warns_and_runs(m):
+    result = ok(cli("generate", *m.models, *FAST, "--dtype", "float16", "--max-new-tokens", "4", PROMPT))
+    assert "offspec: warning: --dtype float16 on a CPU" in result.stderr and "use bfloat16" in result.stderr
+    assert "warning" not in ok(cli("generate", *m.models, *FAST, "--max-new-tokens", "4", PROMPT)).stderr
 
 
 def test_models_prepare_then_disk_generate_and_corrupt_stores(m, tmp_path):
@@ -436,7 +535,13 @@ def _garble_header(folder):
     f.write_bytes(bytes(data))
 
 
-@pytest.mark.parametrize("case", ["missing", "no_config", "unsupported", "truncated", "garbled"])
+def _drop_tokenizer(folder):
+    for file in folder.iterdir():
+        if file.name.startswith(("tokenizer", "special_tokens", "vocab", "merges")):
+            file.unlink()
+
+
+@pytest.mark.parametrize("case", ["missing", "no_config", "unsupported", "truncated", "garbled", "no_tokenizer"])
 def test_bad_target_folders(m, tmp_path, case):
     folder = {
         "missing": lambda: tmp_path / "nope",
@@ -444,13 +549,16 @@ def test_bad_target_folders(m, tmp_path, case):
         "unsupported": lambda: bad_folder(m, "unsupported", _unsupported),
         "truncated": lambda: bad_folder(m, "truncated", _truncate_weights),
         "garbled": lambda: bad_folder(m, "garbled", _garble_header),
+        "no_tokenizer": lambda: bad_folder(m, "no_tokenizer", _drop_tokenizer),
     }[case]()
     needle = {"missing": "no such model folder", "no_config": "no config.json",
               "unsupported": "unsupported architecture GPT2LMHeadModel", "truncated": "model.safetensors",
-              "garbled": "model.safetensors"}[case]
+              "garbled": "model.safetensors", "no_tokenizer": "no tokenizer files"}[case]
     assert_clean_error(cli("generate", "--target", folder, "--draft", m.draft, *FAST, PROMPT), needle)
     if case == "truncated":     # the headers are whole: enough to plan, and info says the data is not
         assert "weights incomplete (enough to plan, not to run)" in ok(cli("models", "info", folder)).stdout
+    elif case == "no_tokenizer":    # planning reads no tokenizer
+        ok(cli("models", "info", folder))
     else:
         assert_clean_error(cli("models", "info", folder), needle)
 
@@ -556,6 +664,26 @@ def test_help_explains_every_option_with_its_default(path, command):
         assert param.help, f"{' '.join(path)} {param.opts[0]} has no help"
         assert param.show_default or "default" in param.help.lower(), f"{' '.join(path)} {param.opts[0]}: no default"
         assert param.opts[0] in result.output
+
+
+@pytest.mark.parametrize("name", ["generate", "batch", "bench"])
+def test_help_puts_the_common_options_first_and_lists_each_once(name):
+    """Two sections: the options most runs set, then "Advanced options"; every option (and its help) once."""
+    from offspec.cli import ESSENTIAL_OPTIONS
+
+    command = main.commands[name]
+    result = CliRunner().invoke(main, [name, "--help"], prog_name="offspec", terminal_width=120)
+    common, advanced = ok(result).output.split("\nOptions:\n")[1].split("\nAdvanced options:\n")
+    starts = [line.split()[0].rstrip(",") for line in (common + advanced).splitlines() if line.startswith("  -")]
+    options = [p for p in command.params if isinstance(p, click.Option)] + [command.get_help_option(click.Context(command))]
+    assert sorted(starts) == sorted(p.opts[0] for p in options)             # each option once, no other
+    for p in options:
+        essential = p.name in ESSENTIAL_OPTIONS or p.opts[0] == "--help"
+        section = common if essential else advanced
+        assert re.search(rf"^  {re.escape(p.opts[0])}\b", section, re.MULTILINE), (p.opts[0], essential)
+    assert 10 <= sum(p.name in ESSENTIAL_OPTIONS for p in options) <= 14 < len(options) - 14
+    for p in options[:-1]:
+        assert " ".join(p.help.split())[:40] in " ".join(result.output.split())
 
 
 def test_batch_concurrency_gives_the_same_lines_and_a_job_report(m, tmp_path):

@@ -168,3 +168,102 @@ def test_cli_takes_hub_ids(cache, folders, tmp_path):
     assert missing.exit_code == 1 and "Traceback" not in missing.output
     last = missing.stderr.strip().splitlines()[-1]
     assert last.startswith("offspec: error: tiny-org/missing: no such folder") and "hf download" in last
+
+
+# ------------------------------------------------------------------ plans from the hub's headers (models info)
+def fake_hub(monkeypatch, models: dict[str, str], shards: int = 30):
+    """huggingface_hub as the hub answers for `models` ({repo id: tests/shapes.py name}): snapshot_download serves
+    config.json (into the cache, as the real one would), get_safetensors_metadata the weight files' headers in
+    huggingface_hub's own classes, split over `shards` files like the real checkpoints. Any call that would fetch
+    a weight file fails the test. Returns the list of calls made."""
+    import fnmatch
+    import json
+
+    import httpx2                      # huggingface_hub's HTTP client: its errors carry a response
+    from huggingface_hub.errors import RepositoryNotFoundError
+    from huggingface_hub.utils import SafetensorsFileMetadata, SafetensorsRepoMetadata, TensorInfo
+    from shapes import MODELS, tensor_shapes
+
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.delenv("TRANSFORMERS_OFFLINE", raising=False)
+    calls, cached_only = [], huggingface_hub.snapshot_download
+
+    def snapshot_download(repo_id, **kwargs):
+        calls.append(("snapshot_download", repo_id, kwargs))
+        if kwargs.get("local_files_only"):
+            return cached_only(repo_id, **kwargs)           # the cache as it is (no network with local_files_only)
+        if repo_id not in models:
+            url = f"https://huggingface.co/api/models/{repo_id}"
+            raise RepositoryNotFoundError(f"404 Client Error. Repository Not Found for {repo_id}.\nmore",
+                                          response=httpx2.Response(404, request=httpx2.Request("GET", url)))
+        weight = "model-00001-of-00030.safetensors"
+        assert not any(fnmatch.fnmatch(weight, p) for p in kwargs["allow_patterns"]), kwargs["allow_patterns"]
+        source = Path(kwargs["cache_dir"]).parent / "served" / repo_id
+        source.mkdir(parents=True, exist_ok=True)
+        (source / "config.json").write_text(json.dumps(MODELS[models[repo_id]]))
+        return str(cache_model(Path(kwargs["cache_dir"]), repo_id, source))
+
+    def get_safetensors_metadata(repo_id, revision=None, **kwargs):
+        calls.append(("get_safetensors_metadata", repo_id, dict(kwargs, revision=revision)))
+        shapes = list(tensor_shapes(MODELS[models[repo_id]]).items())
+        files, per_file = {}, -(-len(shapes) // shards)
+        for s in range(shards):
+            tensors, offset = {}, 0
+            for name, shape in shapes[s * per_file:(s + 1) * per_file]:
+                nbytes = 2 * int(torch.tensor(shape).prod())
+                tensors[name] = TensorInfo(dtype="BF16", shape=list(shape), data_offsets=(offset, offset + nbytes))
+                offset += nbytes
+            files[f"model-{s + 1:05d}-of-{shards:05d}.safetensors"] = SafetensorsFileMetadata(metadata={}, tensors=tensors)
+        return SafetensorsRepoMetadata(metadata=None, sharded=True, files_metadata=files,
+                                       weight_map={t: f for f, m in files.items() for t in m.tensors})
+
+    def hf_hub_download(repo_id, filename, **kwargs):
+        raise AssertionError(f"downloaded {filename} of {repo_id}")
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", snapshot_download)
+    monkeypatch.setattr(huggingface_hub, "get_safetensors_metadata", get_safetensors_metadata)
+    monkeypatch.setattr(huggingface_hub, "hf_hub_download", hf_hub_download)
+    return calls
+
+
+def test_models_info_plans_a_hub_id_from_its_headers_without_the_weights(cache, monkeypatch):
+    calls = fake_hub(monkeypatch, {"meta-llama/Llama-3.1-70B-Instruct": "Llama-3.1-70B-Instruct",
+                                   "meta-llama/Llama-3.2-1B-Instruct": "Llama-3.2-1B-Instruct"})
+    result = cli("models", "info", "meta-llama/Llama-3.1-70B-Instruct", "--draft", "meta-llama/Llama-3.2-1B-Instruct",
+                 "--device-memory", "24GB", "--host-memory", "64GB", "--target-quant", "nf4")
+    assert result.exit_code == 0, (result.output, result.exception)
+    snapshot = snapshot_of(cache, "meta-llama/Llama-3.1-70B-Instruct")
+    for needle in (f"folder:          {snapshot}", "parameters:      70.554 B", "stored dtype:    bfloat16",
+                   "layers:          80 (hidden 8192, heads 64/8 kv, mlp 28672, vocab 128256",
+                   "meta-llama/Llama-3.1-70B-Instruct: 30 weight file(s), 141.11 GB, not downloaded", "PREDICTED pass:"):
+        assert needle in result.stdout, needle
+    assert "WARNING" not in result.stdout                     # one vocabulary: the draft may speculate
+    assert not list(cache.glob("models--meta-llama--*/**/*.safetensors"))    # no weight file came down
+    headers = [c for c in calls if c[0] == "get_safetensors_metadata"]
+    assert [c[1] for c in headers] == ["meta-llama/Llama-3.1-70B-Instruct", "meta-llama/Llama-3.2-1B-Instruct"]
+    assert headers[0][2]["revision"] == COMMIT                # the headers of the config's revision
+
+
+def test_models_info_on_a_hub_id_offline_or_unreachable_is_one_line(cache, monkeypatch):
+    result = cli("models", "info", "meta-llama/Llama-3.1-70B-Instruct")       # HF_HUB_OFFLINE=1 (the fixture)
+    assert result.exit_code == 1 and "Traceback" not in result.output
+    (line,) = result.stderr.strip().splitlines()
+    assert line.startswith("offspec: error: meta-llama/Llama-3.1-70B-Instruct: no such folder, and not in the "
+                           "Hugging Face cache") and "HF_HUB_OFFLINE is set" in line
+
+    # online: a cached model plans from the cache; an unknown id, or a repo without safetensors, is one line
+    fake_hub(monkeypatch, {"owner/bin-weights": "Llama-3.2-1B-Instruct"})
+    from huggingface_hub.errors import NotASafetensorsRepoError
+
+    def not_safetensors(repo_id, **kwargs):
+        raise NotASafetensorsRepoError(f"'{repo_id}' is not a safetensors repo.\nmore")
+    monkeypatch.setattr(huggingface_hub, "get_safetensors_metadata", not_safetensors)
+    result = cli("models", "info", "tiny-org/tiny-target", "--dtype", "float32")
+    assert result.exit_code == 0 and "weights incomplete" not in result.stdout
+    for repo_id, reason in (("owner/unknown", "404 Client Error. Repository Not Found for owner/unknown."),
+                            ("owner/bin-weights", "'owner/bin-weights' is not a safetensors repo.")):
+        result = cli("models", "info", repo_id)
+        assert result.exit_code == 1 and "Traceback" not in result.output
+        (line,) = result.stderr.strip().splitlines()
+        assert line.startswith(f"offspec: error: {repo_id}: no such folder, and reading its config and safetensors "
+                               f"headers from the Hugging Face hub failed ({reason}); check the id"), line

@@ -1,0 +1,132 @@
+"""The options worth considering for a target on a machine, each one planned and its pass time predicted: what
+`offspec models info` and `offspec doctor` print, marking the one `auto` would use and the fastest.
+
+    compare(target, draft, offload, runtime, limits, machine, rates) -> Comparison
+    Comparison.table() -> str
+
+An option is a target quantization (bf16 as given, int8, nf4: a quantized target is another model, whose output
+offspec reproduces exactly) and an offload mode (none, cpu, cpu+disk, disk). Each is planned by plan.make_plan
+with the run's other settings; one that cannot fit is listed by name. Pass times are PREDICTIONS: the streamed
+bytes over the link and the disk layers' bytes over the drive (plan.predicted_pass_seconds), plus the held
+resident layers' dequantization (costmodel.GpuSetup); a plan that streams nothing is compute-bound (0 here).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Optional
+
+from .config import OffloadConfig, RunLimits, RuntimeConfig
+from .costmodel import GpuSetup
+from .errors import BudgetError
+from .layout import PAGE_BYTES, round_up
+from .layout import format_bytes as fmt
+from .plan import PINNED_FRACTION, Machine, MemoryPlan, ModelSpec, make_plan, predicted_pass_seconds
+
+QUANTS = ("none", "int8", "nf4")
+MODES = ("none", "cpu", "cpu+disk", "disk")
+
+
+@dataclass(frozen=True)
+class Option:
+    """One option planned: its plan and PREDICTED pass time."""
+    target_quant: str
+    mode: str                        # the offload mode asked for (the plan may resolve cpu+disk to cpu or disk)
+    plan: MemoryPlan
+    pass_seconds: float              # PREDICTED; 0 when nothing streams
+
+    @property
+    def key(self) -> tuple:
+        """Two options whose plans place the layers alike are one row."""
+        p = self.plan.placement
+        return self.target_quant, p.mode, p.resident, p.host_layers, p.n_slots
+
+
+@dataclass(frozen=True)
+class Comparison:
+    options: tuple[Option, ...]      # the ones that fit, fastest first
+    refused: tuple[str, ...]         # "nf4 none", ...: the ones that do not fit
+    auto: Optional[Option]           # what the run's own settings plan (None: they do not fit)
+    keep_in_ram: Optional[int]       # host bytes the run's target would need to stream from pinned RAM alone
+
+    def to_dict(self) -> dict:
+        rows = [{"target_quant": o.target_quant, "mode": o.plan.mode, "resident": len(o.plan.placement.resident),
+                 "in_ram": len(o.plan.placement.host_layers), "from_disk": len(o.plan.placement.disk_layers),
+                 "device_bytes": o.plan.total("device"), "host_bytes": o.plan.total("host"),
+                 "predicted_pass_seconds": o.pass_seconds, "auto": self.auto is not None and o.key == self.auto.key,
+                 "fastest": o.key == self.options[0].key} for o in self.options]
+        return {"options": rows, "refused": list(self.refused), "keep_in_ram_host_bytes": self.keep_in_ram}
+
+    def table(self) -> str:
+        """The options as aligned text, the auto one and the fastest marked."""
+        if not self.options:
+            return "options: nothing fits this machine, in any target quantization or offload mode"
+        rows = [("target", "offload", "resident", "in RAM", "from disk", "device", "host", "pass (PREDICTED)", "")]
+        fastest = self.options[0]
+        for o in self.options:
+            p = o.plan.placement
+            mark = ", ".join(m for m, on in (("auto", self.auto is not None and o.key == self.auto.key),
+                                             ("fastest", o.key == fastest.key)) if on)
+            rows.append((_quant_name(o), p.mode, str(len(p.resident)), str(len(p.host_layers)),
+                         str(len(p.disk_layers)), fmt(o.plan.total("device")), fmt(o.plan.total("host")),
+                         f"{o.pass_seconds:.2f} s" if p.streamed else "nothing streams", mark))
+        widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+        lines = ["options (int8 / nf4 change the target: the output is that quantized model's):"]
+        lines += ["  " + "  ".join(cell.ljust(w) for cell, w in zip(r, widths)).rstrip() for r in rows]
+        if self.refused:
+            lines.append("  does not fit: " + ", ".join(self.refused))
+        if self.keep_in_ram is not None:
+            lines.append(f"  every streamed layer in pinned RAM would take about {fmt(self.keep_in_ram)} of usable host "
+                         f"memory (this machine: {fmt(self.auto.plan.machine.host_bytes)})")
+        return "\n".join(lines)
+
+
+def _quant_name(o: Option) -> str:
+    return "as stored" if o.target_quant == "none" else o.target_quant
+
+
+def compare(target: ModelSpec, draft: Optional[ModelSpec], offload: OffloadConfig, runtime: RuntimeConfig,
+            limits: RunLimits, machine: Machine, link_gbps: float, disk_gbps: float) -> Comparison:
+    """Plan every target quantization and offload mode on `machine` with the run's other settings."""
+    def option(quant: str, mode: str) -> Option:
+        plan = make_plan(target, draft, replace(offload, mode=mode), replace(runtime, target_quant=quant), limits,
+                         machine)
+        return Option(quant, mode, plan, _pass_seconds(plan, link_gbps, disk_gbps))
+
+    found, refused = {}, []
+    for quant in QUANTS:
+        for mode in MODES:
+            try:
+                o = option(quant, mode)
+            except BudgetError:
+                refused.append(f"{'as stored' if quant == 'none' else quant} {mode}")
+                continue
+            found.setdefault(o.key, o)
+    try:
+        auto = option(runtime.target_quant, offload.mode)
+        found.setdefault(auto.key, auto)
+    except BudgetError:
+        auto = None
+    options = tuple(sorted(found.values(), key=lambda o: (o.pass_seconds, o.target_quant != "none")))
+    keep = _pinned_host_for_all(target, draft, offload, runtime, limits, machine) \
+        if auto is not None and auto.plan.placement.disk_layers else None
+    return Comparison(options, tuple(refused), auto, keep)
+
+
+def _pass_seconds(plan: MemoryPlan, link_gbps: float, disk_gbps: float) -> float:
+    held = len(plan.placement.resident) if plan.placement.resident_held else 0
+    return predicted_pass_seconds(plan, link_gbps, disk_gbps) + held * GpuSetup().dequant_s_per_layer
+
+
+def _pinned_host_for_all(target: ModelSpec, draft: Optional[ModelSpec], offload: OffloadConfig,
+                         runtime: RuntimeConfig, limits: RunLimits, machine: Machine) -> Optional[int]:
+    """The usable host memory at which the run's plan streams every layer from pinned RAM (mode cpu, pinned):
+    from the arena over the pinned fraction, raised in steps of a layer until the plan says so."""
+    base = make_plan(target, draft, offload, runtime, limits, machine)
+    stride = round_up(base.block_nbytes, PAGE_BYTES)
+    host = int(len(base.placement.streamed) * stride / PINNED_FRACTION)
+    for _ in range(64):
+        plan = make_plan(target, draft, offload, runtime, limits, replace(machine, host_bytes=host))
+        if plan.mode == "cpu" and plan.host_pinned:
+            return host
+        host += stride
+    return None

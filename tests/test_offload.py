@@ -705,15 +705,19 @@ def test_overlap_off_single_slot_streams_correctly():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("mode", ["cpu", "disk"])
+@pytest.mark.parametrize("mode", ["cpu", "disk", "cpu+disk"])
 def test_cuda_streamed_equals_checkpoint(tmp_path, mode):
-    """The CUDA path, under sync-debug mode "error": no hidden synchronization inside a pass."""
+    """The CUDA path, under sync-debug mode "error": no hidden synchronization inside a pass (cpu+disk: three
+    layers in the pinned arena, the rest read from the store through the same ring)."""
+    from offspec.quant import target_layout
     device = torch.device("cuda")
     weights = random_layers(TINY)
-    offload = OffloadConfig(mode=mode, n_slots=3, gpu_budget=budget_for(1, 3))
-    with open_target_layers(weights.__getitem__, TINY,
-                            LayerPlan.of(TINY, offload, torch.float32, store_dir=str(tmp_path)),
-                            device, torch.float32, progress=False) as target:
+    stride = -(-target_layout(TINY, torch.float32, "none").nbytes // PAGE_BYTES) * PAGE_BYTES
+    offload = OffloadConfig(mode=mode, n_slots=3, gpu_budget=budget_for(1, 3),
+                            host_budget=3 * stride if mode == "cpu+disk" else None)
+    plan = LayerPlan.of(TINY, offload, torch.float32, store_dir=str(tmp_path))
+    assert mode != "cpu+disk" or (len(plan.placement.host_layers) == 3 and plan.placement.disk_layers)
+    with open_target_layers(weights.__getitem__, TINY, plan, device, torch.float32, progress=False) as target:
         assert target.host.pinned, target.host.reason
         expected = {i: {n: t.to(device) for n, t in w.items()} for i, w in weights.items()}
         mismatches = torch.zeros((), dtype=torch.int64, device=device)

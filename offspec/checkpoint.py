@@ -320,6 +320,22 @@ class Checkpoint:
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
 
 
+TOKENIZER_DESCRIPTION = TOKENIZER_FILES + ("merges.txt", "tokenizer_config.json", "special_tokens_map.json",
+                                           "added_tokens.json")   # every file a tokenizer is read from
+
+
+def same_tokenizer_files(a: str | Path, b: str | Path) -> bool:
+    """Both folders describe one tokenizer byte for byte: each of TOKENIZER_DESCRIPTION is in neither, or in
+    both with the same bytes (a draft converted beside its target often is; then one tokenizer serves both)."""
+    for name in TOKENIZER_DESCRIPTION:
+        x, y = Path(a) / name, Path(b) / name
+        if x.is_file() != y.is_file():
+            return False
+        if x.is_file() and (x.stat().st_size != y.stat().st_size or x.read_bytes() != y.read_bytes()):
+            return False
+    return any((Path(a) / name).is_file() for name in TOKENIZER_FILES)
+
+
 def load_tokenizer(path: str | Path):
     """The checkpoint's own tokenizer (with its chat template), via transformers. A folder with none of
     TOKENIZER_FILES is refused here: transformers would build an empty tokenizer for some architectures, and

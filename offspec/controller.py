@@ -170,11 +170,12 @@ class Controller:
         and every row's first tree costs its draft reading its prompt: the job starts decoding plainly, after its
         first timed pass one row grows a tree (32 / B nodes but at least 8: enough to price a draft's nodes), and
         the others grow theirs once that tree is timed and trees pay (probe_first); rows joining later while trees
-        pay share 32 nodes a pass. One row in flight starts with its 32-node tree. Why each start:
+        pay share 32 nodes a pass. A row alone starts so too: its prefill round grows no tree, so its first token comes
+        after the target's prefill alone, and the next round grows its 32-node tree. Why each start:
         docs/benchmarks.md, "Reading the batch numbers"."""
         B = run.rows
         return cls(start=128 if run.gpu else max(1, 32 // B), max_budget=run.max_budget, max_depth=0,
-                   probe_first=None if run.gpu or run.streamed or B == 1 else max(8, 32 // B),
+                   probe_first=None if run.gpu or run.streamed else max(8, 32 // B),
                    prefill_per_pass=run.prefill_per_pass, most_rows=B if run.adapt_rows else None)
 
     def plan(self, rows: Sequence[RowView]) -> RoundPlan:

@@ -21,7 +21,7 @@ from typing import Iterator, Optional, Union
 import torch
 from tqdm import tqdm
 
-from .checkpoint import Checkpoint, load_tokenizer
+from .checkpoint import Checkpoint, load_tokenizer, same_tokenizer_files
 from .config import ModelConfig, OffloadConfig, RunLimits, RuntimeConfig
 from .draft import load_resident
 from .errors import InputError
@@ -136,7 +136,7 @@ class Models:
         if draft_dir is not None:
             draft_dir = resolve_model(draft_dir)
             draft = Checkpoint(draft_dir)
-            draft_tokenizer = load_tokenizer(draft_dir)
+            draft_tokenizer = tokenizer if same_tokenizer_files(target_dir, draft_dir) else load_tokenizer(draft_dir)
             # Embedding rows may differ (padded vocabularies); the tokenizers may not (vocab.py).
             n_shared = check_same_tokenizer(tokenizer, draft_tokenizer)
             check_rows_cover_tokenizer(draft.config.vocab_size, token_id_count(draft_tokenizer), f"draft {draft_dir}")

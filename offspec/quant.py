@@ -80,13 +80,21 @@ class Int8Weight:
         return self.q.to(self.scale.dtype) * self.scale[:, None]
 
 
+INT8_ROWS_AT_ONCE = 512     # int8_rows quantizes this many rows at a time (their float32 copy, not the matrix's)
+
+
 def int8_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """w (N, K) floating -> q (N, K) int8, scale (N,) float32 with w ~= q * scale[:, None] (symmetric, per row:
     scale = max |row| / 127). The formula of bitsandbytes' int8_vectorwise_quant, written here so the draft's
     default CPU path does not import bitsandbytes (1.5 s); its rounding differs from it by one step at most."""
-    wf = w.float()
-    scale = wf.abs().amax(dim=1).clamp_min(torch.finfo(torch.float32).tiny) / 127.0   # (N,)
-    q = torch.round(wf / scale[:, None]).clamp_(-127, 127).to(torch.int8)
+    N = w.shape[0]
+    q = torch.empty(w.shape, dtype=torch.int8, device=w.device)                       # (N, K)
+    scale = torch.empty(N, dtype=torch.float32, device=w.device)                      # (N,)
+    for a in range(0, N, INT8_ROWS_AT_ONCE):        # a block of rows at a time: its float copy stays in cache
+        wf = w[a:a + INT8_ROWS_AT_ONCE].to(torch.float32, copy=True)     # a copy: divided in place below
+        s = wf.abs().amax(dim=1).clamp_min(torch.finfo(torch.float32).tiny) / 127.0
+        q[a:a + INT8_ROWS_AT_ONCE] = wf.div_(s[:, None]).round_().clamp_(-127, 127)
+        scale[a:a + INT8_ROWS_AT_ONCE] = s
     return q, scale
 
 

@@ -56,7 +56,10 @@ def check_same_tokenizer(target_tok, draft_tok) -> int:
     embedding rows (see the module docstring) and special-token ROLES (a base draft's EOS is <|endoftext|>, an
     instruct target's <|im_end|>, same ids): the draft never stops or decodes; the target's tokenizer does both.
     """
-    tv, dv = target_tok.get_vocab(), draft_tok.get_vocab()
+    tv = target_tok.get_vocab()
+    if draft_tok is target_tok:                      # one tokenizer read for both (same_tokenizer_files)
+        return max(tv.values()) + 1
+    dv = draft_tok.get_vocab()
     n_shared = min(max(tv.values()) + 1, max(dv.values()) + 1)
     t_shared = {k: i for k, i in tv.items() if i < n_shared}
     d_shared = {k: i for k, i in dv.items() if i < n_shared}

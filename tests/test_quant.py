@@ -179,3 +179,18 @@ def test_the_help_and_the_readme_quote_the_int8_copys_bound():
     assert f"covers at most {FUSED_MAX_ROWS} of that prompt's tokens" in help_text
     readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
     assert f"covers ≤ {FUSED_MAX_ROWS} of that prompt's tokens" in readme
+
+
+def test_int8_rows_leaves_its_input_alone_and_matches_the_whole_matrix_formula():
+    """int8_rows works a block of rows at a time, in place on a float32 copy: a float32 input is not touched, and
+    q and scale equal the formula applied to the whole matrix at once (several blocks and a partial one)."""
+    from offspec.quant import INT8_ROWS_AT_ONCE, int8_rows
+    for dtype in (torch.float32, torch.bfloat16):
+        w = torch.randn(2 * INT8_ROWS_AT_ONCE + 37, 48, generator=torch.Generator().manual_seed(1)).to(dtype)
+        before = w.clone()
+        q, scale = int8_rows(w)
+        assert torch.equal(w, before)
+        wf = w.float()
+        want_scale = wf.abs().amax(dim=1).clamp_min(torch.finfo(torch.float32).tiny) / 127.0
+        assert torch.equal(scale, want_scale)
+        assert torch.equal(q, torch.round(wf / want_scale[:, None]).clamp(-127, 127).to(torch.int8))

@@ -513,3 +513,16 @@ def test_a_rounding_residual_never_picks_the_draft_model(monkeypatch):
     # the same model either way: per call, c0 = 0.01 up to the solver's rounding (which may differ between calls)
     assert all(abs(c0 - 0.01) < 1e-12 and c1 == 0.0 for c0, c1 in fits)
     assert p.rows_worth(16) == 16
+
+
+def test_a_row_alone_on_a_cpu_with_the_target_resident_prefills_plainly_then_grows_its_tree():
+    """Its first token comes after the target's prefill alone: the first round grows no tree, the next one its
+    32-node tree. Where the pass streams or runs on a GPU, the first round grows the tree with the prefill."""
+    from offspec.controller import RunStart
+    cpu = Controller.for_run(RunStart(gpu=False, streamed=False, rows=1, max_budget=1024))
+    assert budget(cpu, "r") == 0
+    cpu.observe(RoundRecord({"r": TokenTree(0, capacity=1)}, draft_seconds=0.0, target_seconds=0.5,
+                            pass_tokens=40, timed=False, catch_up=(0, 0.0)))
+    assert budget(cpu, "r") == 32
+    for gpu, streamed, start in ((True, False, 128), (False, True, 32)):
+        assert budget(Controller.for_run(RunStart(gpu=gpu, streamed=streamed, rows=1, max_budget=1024)), "r") == start

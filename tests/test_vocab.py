@@ -240,3 +240,25 @@ def test_a_model_with_fewer_rows_than_token_ids_is_refused(tmp_path, which):
     message = str(caught.value)
     assert "\n" not in message
     assert message.startswith(f"{which} {short}: 64 embedding rows") and "100 token ids" in message
+
+
+def test_a_draft_with_the_targets_tokenizer_files_shares_its_tokenizer(tmp_path):
+    """Tokenizer files equal byte for byte: the draft's tokenizer is not read again (one object serves both); one
+    byte different, or a file in one folder only: each folder's own tokenizer is read and compared."""
+    import shutil
+
+    from offspec.checkpoint import same_tokenizer_files
+    from offspec.load import Models
+    from tiny import save_agreeing_pair
+    target, draft = save_agreeing_pair(tmp_path, n_layers=1)[:2]
+    assert same_tokenizer_files(target, draft)
+    models = Models.open(target, draft)
+    assert models.n_shared == max(models.tokenizer.get_vocab().values()) + 1
+    other = tmp_path / "other"
+    shutil.copytree(draft, other)
+    config = other / "tokenizer_config.json"
+    config.write_text(config.read_text() + " ")
+    assert not same_tokenizer_files(target, other)
+    assert Models.open(target, other).n_shared == models.n_shared       # read and compared: the same ids
+    (other / "tokenizer_config.json").unlink()
+    assert not same_tokenizer_files(target, other)

@@ -723,8 +723,9 @@ def models_info(model_dir, draft_dir, device_memory, host_memory, dtype, offload
                 context, tree_budget, prefill_chunk, draft_quant, target_quant, resident_quant, tokens_per_pass, link_gbps,
                 disk_gbps, json_path):
     """The model(s), and the memory plan of a run on a given machine: where every layer lives, what the
-    device and host hold, the predicted pass time. Reads config.json and the safetensors headers only, so
-    the weights need not be here (plan a 70B on a 24 GB GPU from its headers).
+    device and host hold, the predicted pass time; for a GPU, every target quantization and offload mode
+    planned side by side, the one auto uses and the fastest marked. Reads config.json and the safetensors
+    headers only, so the weights need not be here (plan a 70B on a 24 GB GPU from its headers).
 
     MODEL_DIR: a model folder, or a hub id (owner/name): from the local Hugging Face cache when it holds the
     model, else its config, tokenizer and safetensors headers are read from the hub, never its weights."""

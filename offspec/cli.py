@@ -764,7 +764,8 @@ def models_info(model_dir, draft_dir, device_memory, host_memory, dtype, offload
     options = (compare(*specs, offload_config, runtime, limits, machine, link_gbps, disk_gbps)
                if machine.kind == "cuda" else None)
     try:
-        plan = make_plan(*specs, offload_config, runtime, limits, machine)
+        plan = (options.auto.plan if options is not None and options.auto is not None else
+                make_plan(*specs, offload_config, runtime, limits, machine))     # (refused: says why in one line)
     except BudgetError:
         if options is not None and options.options:
             click.echo(options.table(), err=True)     # what would fit, before the one line that says why not

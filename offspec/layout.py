@@ -119,6 +119,12 @@ def round_up(n: int, multiple: int) -> int:
     return (n + multiple - 1) // multiple * multiple
 
 
+def arena_stride(block_nbytes: int) -> int:
+    """Bytes from one layer's block to the next in a host arena: page-aligned, so the arena can be pinned in
+    pieces of whole layers (docs/streaming.md §4)."""
+    return round_up(block_nbytes, PAGE_BYTES)
+
+
 @dataclass
 class GlobalWeights:
     """Always resident: embedding, final norm, lm_head (the same tensor as embed when tied)."""

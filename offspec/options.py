@@ -18,7 +18,7 @@ from typing import Optional
 from .config import OffloadConfig, RunLimits, RuntimeConfig
 from .costmodel import GpuSetup
 from .errors import BudgetError
-from .layout import PAGE_BYTES, round_up
+from .layout import arena_stride
 from .layout import format_bytes as fmt
 from .plan import PINNED_FRACTION, Machine, MemoryPlan, ModelSpec, make_plan, predicted_pass_seconds
 
@@ -107,7 +107,7 @@ def compare(target: ModelSpec, draft: Optional[ModelSpec], offload: OffloadConfi
     except BudgetError:
         auto = None
     options = tuple(sorted(found.values(), key=lambda o: (o.pass_seconds, o.target_quant != "none")))
-    keep = _pinned_host_for_all(target, draft, offload, runtime, limits, machine) \
+    keep = _pinned_host_for_all(target, draft, offload, runtime, limits, auto.plan) \
         if auto is not None and auto.plan.placement.disk_layers else None
     return Comparison(options, tuple(refused), auto, keep)
 
@@ -118,11 +118,11 @@ def _pass_seconds(plan: MemoryPlan, link_gbps: float, disk_gbps: float) -> float
 
 
 def _pinned_host_for_all(target: ModelSpec, draft: Optional[ModelSpec], offload: OffloadConfig,
-                         runtime: RuntimeConfig, limits: RunLimits, machine: Machine) -> Optional[int]:
-    """The usable host memory at which the run's plan streams every layer from pinned RAM (mode cpu, pinned):
-    from the arena over the pinned fraction, raised in steps of a layer until the plan says so."""
-    base = make_plan(target, draft, offload, runtime, limits, machine)
-    stride = round_up(base.block_nbytes, PAGE_BYTES)
+                         runtime: RuntimeConfig, limits: RunLimits, base: MemoryPlan) -> Optional[int]:
+    """The usable host memory at which the run's plan (`base`, on its machine) streams every layer from pinned
+    RAM (mode cpu, pinned): from the arena over the pinned fraction, raised in steps of a layer until it does."""
+    machine = base.machine
+    stride = arena_stride(base.block_nbytes)
     host = int(len(base.placement.streamed) * stride / PINNED_FRACTION)
     for _ in range(64):
         plan = make_plan(target, draft, offload, runtime, limits, replace(machine, host_bytes=host))

@@ -34,7 +34,7 @@ import torch
 
 from .config import AUTO_MAX_TREE_BUDGET, ModelConfig, OffloadConfig, RunLimits, RuntimeConfig
 from .errors import BudgetError, InputError
-from .layout import BLOCK_ALIGN, N_STAGING, PAGE_BYTES, LayerLayout, layer_shapes, round_up
+from .layout import BLOCK_ALIGN, N_STAGING, LayerLayout, arena_stride, layer_shapes, round_up
 from .layout import format_bytes as fmt
 from .quant import HELD_DRAFT_QUANTS, QuantizedLayout, held_matrix_nbytes, target_layout
 
@@ -405,7 +405,7 @@ class LayerPlan:
                                          held_bytes=None if quant == "none" else layout.nbytes,
                                          resident_quant=resident_quant)
             if placement.mode == "cpu+disk":     # the host tier: the streamed layers offload.host_budget holds
-                stride = round_up(target_layout(cfg, dtype, quant).nbytes, PAGE_BYTES)
+                stride = arena_stride(target_layout(cfg, dtype, quant).nbytes)
                 fits = len(placement.streamed) if offload.host_budget is None else offload.host_budget // stride
                 placement = split_tiers(placement, fits)
         return LayerPlan(placement, quant, store_dir or offload.store_dir, offload.host_budget, offload.overlap,
@@ -661,7 +661,7 @@ def _place(target: ModelSpec, offload: OffloadConfig, runtime: RuntimeConfig, ma
         all_layers = min(n_layers * L, n_layers * B + L)
     host_runtime = 0 if shared else RUNTIME_HOST_BYTES
     loading = max(L, target.cfg.vocab_size * target.cfg.hidden_size * s)   # one layer or the embedding, on the host
-    arena = lambda streamed: streamed * round_up(B, PAGE_BYTES)           # noqa: E731
+    arena = lambda streamed: streamed * arena_stride(B)                   # noqa: E731
     staging = N_STAGING * round_up(B, BLOCK_ALIGN)
     pool = machine.host_bytes if shared else machine.device_bytes
     left = pool - fixed_bytes - (loading if shared else 0)
@@ -714,7 +714,7 @@ def _place(target: ModelSpec, offload: OffloadConfig, runtime: RuntimeConfig, ma
         room -= fixed_bytes + placement.device_bytes if shared else 0
         if not shared or offload.host_budget is not None:     # (a CPU device pins nothing: a given budget caps it)
             room = min(room, pinned_budget - staging)
-        placement = split_tiers(placement, max(room, 0) // round_up(B, PAGE_BYTES))
+        placement = split_tiers(placement, max(room, 0) // arena_stride(B))
         mode = placement.mode
         notes.append(f"{len(placement.host_layers)} streamed layers in host RAM, {len(placement.disk_layers)} read "
                      f"from the disk store" if mode == "cpu+disk" else f"offload cpu+disk -> {mode}")
@@ -745,8 +745,7 @@ def _place(target: ModelSpec, offload: OffloadConfig, runtime: RuntimeConfig, ma
             notes.append(f"the host arena ({fmt(nbytes)}) is over the pinned budget ({fmt(pinned_budget)}): "
                          f"pageable, copies are slower (--host-budget sets the budget)")
     if placement.disk_layers:
-        host_pinned = not shared and staging + (arena(len(placement.host_layers)) if placement.host_layers else 0) \
-            <= pinned_budget
+        host_pinned = not shared and arena(len(placement.host_layers)) + staging <= pinned_budget
         items.append(PlanItem("host", "disk staging buffers", staging, f"{N_STAGING} × {fmt(B)}"))
     items.append(PlanItem("host", "loading (transient)", loading, "one layer or the embedding at a time"))
     if not shared:

@@ -28,9 +28,9 @@ import torch
 from tqdm import tqdm
 
 from .errors import CheckpointError, StoreError
-from .layout import BLOCK_ALIGN, N_STAGING, LayerLayout, round_up
+from .layout import BLOCK_ALIGN, N_STAGING, LayerLayout, arena_stride, round_up
 from .quant import QuantizedLayout
-from .transfer import PAGE_BYTES, HostBuffer, TransferBackend, TransferEvent, format_bytes
+from .transfer import HostBuffer, TransferBackend, TransferEvent, format_bytes
 
 LayerTensorsFn = Callable[[int], dict[str, torch.Tensor]]   # layer index -> tensors keyed by LayerWeights fields
 BlockLayout = Union[LayerLayout, QuantizedLayout]          # how a stored / moved layer block is laid out
@@ -98,7 +98,7 @@ class HostArenaStore:
                  host_budget: Optional[int] = None):
         self.layout = layout
         self._block_of = {layer: i for i, layer in enumerate(layers)}   # layer index -> block index
-        self._stride = round_up(layout.nbytes, PAGE_BYTES)             # bytes from one block to the next
+        self._stride = arena_stride(layout.nbytes)                     # bytes from one block to the next
         nbytes = len(layers) * self._stride      # the memory plan has checked that the host can hold it
         layers_per_piece = max(1, PIN_CHUNK_BYTES // self._stride)
         self._arena = backend.host_buffer(nbytes, host_budget, chunk_bytes=layers_per_piece * self._stride)

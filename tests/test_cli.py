@@ -206,10 +206,10 @@ def test_offload_cpu_and_disk_tiers_in_one_run(m, tmp_path):
     """--offload cpu+disk with a host budget of one layer (of the tiny target's two): one streamed layer copied
     from host RAM, the other read from the store in the same passes; the tokens are the resident target's."""
     from offspec.checkpoint import Checkpoint
-    from offspec.layout import BLOCK_ALIGN, N_STAGING, PAGE_BYTES, round_up
+    from offspec.layout import BLOCK_ALIGN, N_STAGING, arena_stride, round_up
     from offspec.quant import target_layout
     block = target_layout(Checkpoint(m.target, headers_only=True).config, torch.float32, "none").nbytes
-    budget = round_up(block, PAGE_BYTES) + N_STAGING * round_up(block, BLOCK_ALIGN)   # one arena layer + staging
+    budget = arena_stride(block) + N_STAGING * round_up(block, BLOCK_ALIGN)   # one arena layer + staging
     _, report = generate_json(m, tmp_path, "--offload", "cpu+disk", "--store-dir", tmp_path / "store",
                               "--host-budget", budget, PROMPT)
     assert report["tokens"] == greedy(m, PROMPT).tokens

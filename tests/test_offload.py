@@ -13,7 +13,7 @@ import torch
 from offspec.config import ModelConfig, OffloadConfig
 from offspec.errors import BudgetError, InputError, StoreError
 from offspec.kv_cache import KVCache
-from offspec.layout import GlobalWeights, LayerLayout, layer_shapes
+from offspec.layout import GlobalWeights, LayerLayout, arena_stride, layer_shapes
 from offspec.model import Model, ResidentLayers
 from offspec.layout import BLOCK_ALIGN
 from offspec.load import open_target_layers
@@ -249,6 +249,17 @@ def budget_for(n_resident, n_slots, dtype=torch.float32):
     return (n_resident + n_slots) * layer_nbytes(TINY, dtype)
 
 
+def passes_equal_checkpoint(source, weights, passes=3):
+    """Each of `passes` passes yields every layer of TINY in order, equal to the checkpoint's bit for bit."""
+    for _ in range(passes):
+        order = []
+        for i, w in source.pass_layers():
+            order.append(i)
+            for name in layer_shapes(TINY):
+                assert torch.equal(getattr(w, name), weights[i][name]), (i, name)
+        assert order == list(range(N_LAYERS))
+
+
 @pytest.mark.parametrize("mode", ["cpu", "disk"])
 @pytest.mark.parametrize("n_slots,n_resident", [(2, 0), (3, 0), (2, 2), (3, 1)])
 def test_streamed_layers_equal_checkpoint_bitwise(tmp_path, mode, n_slots, n_resident):
@@ -261,13 +272,7 @@ def test_streamed_layers_equal_checkpoint_bitwise(tmp_path, mode, n_slots, n_res
         assert target.placement.resident == tuple(range(n_resident))
         assert target.placement.n_slots == n_slots
         assert isinstance(target.source, LayerStreamer)
-        for _ in range(3):
-            order = []
-            for i, w in target.source.pass_layers():
-                order.append(i)
-                for name in layer_shapes(TINY):
-                    assert torch.equal(getattr(w, name), weights[i][name]), (i, name)
-            assert order == list(range(N_LAYERS))
+        passes_equal_checkpoint(target.source, weights)
         stats = target.stats()
     assert stats.passes == 3
     assert stats.layers >= 3 * (N_LAYERS - n_resident)
@@ -284,7 +289,7 @@ def test_tiered_layers_equal_checkpoint_bitwise(tmp_path, n_host, n_resident, n_
     from offspec.quant import target_layout
     from offspec.stores import TieredStore
     weights = random_layers(TINY)
-    stride = -(-target_layout(TINY, torch.float32, "none").nbytes // PAGE_BYTES) * PAGE_BYTES
+    stride = arena_stride(target_layout(TINY, torch.float32, "none").nbytes)
     offload = OffloadConfig(mode="cpu+disk", n_slots=n_slots, host_budget=n_host * stride,
                             gpu_budget=budget_for(n_resident, n_slots) if n_resident else None)
     plan = LayerPlan.of(TINY, offload, torch.float32, store_dir=str(tmp_path / "store"))
@@ -293,13 +298,7 @@ def test_tiered_layers_equal_checkpoint_bitwise(tmp_path, n_host, n_resident, n_
     assert sorted(p.host_layers + p.disk_layers) == list(p.streamed)
     with open_target_layers(weights.__getitem__, TINY, plan, CPU, torch.float32, progress=False) as target:
         assert isinstance(target.source.store, TieredStore) and target.host.kind == "host arena + disk store"
-        for _ in range(3):
-            order = []
-            for i, w in target.source.pass_layers():
-                order.append(i)
-                for name in layer_shapes(TINY):
-                    assert torch.equal(getattr(w, name), weights[i][name]), (i, name)
-            assert order == list(range(N_LAYERS))
+        passes_equal_checkpoint(target.source, weights)
         stats = target.stats()
     assert stats.passes == 3 and stats.layers >= 3 * len(p.streamed) and stats.read_s > 0
 
@@ -367,7 +366,7 @@ def test_arena_pins_in_whole_layer_pieces(monkeypatch):
     """No layer may straddle two pinned registrations, and every piece starts on a page."""
     import offspec.stores as stores
     layout = LayerLayout.of(TINY, torch.float32)
-    stride = -(-layout.nbytes // PAGE_BYTES) * PAGE_BYTES
+    stride = arena_stride(layout.nbytes)
     monkeypatch.setattr(stores, "PIN_CHUNK_BYTES", 3 * stride + 1)
     asked = {}
 
@@ -712,7 +711,7 @@ def test_cuda_streamed_equals_checkpoint(tmp_path, mode):
     from offspec.quant import target_layout
     device = torch.device("cuda")
     weights = random_layers(TINY)
-    stride = -(-target_layout(TINY, torch.float32, "none").nbytes // PAGE_BYTES) * PAGE_BYTES
+    stride = arena_stride(target_layout(TINY, torch.float32, "none").nbytes)
     offload = OffloadConfig(mode=mode, n_slots=3, gpu_budget=budget_for(1, 3),
                             host_budget=3 * stride if mode == "cpu+disk" else None)
     plan = LayerPlan.of(TINY, offload, torch.float32, store_dir=str(tmp_path))

@@ -57,15 +57,16 @@ def command_line() -> str:
 
 
 def git_commit() -> Optional[str]:
-    """HEAD's short hash, with '+changes' when the working tree differs from it; None outside a checkout."""
+    """HEAD's short hash, with '+changes' when the working tree differs from it; outside a checkout (a copy of
+    the tree sent to another machine) $OFFSPEC_COMMIT, else None."""
     try:
         head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True)
         dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO,
                                capture_output=True, text=True)
     except OSError:
-        return None
+        return os.environ.get("OFFSPEC_COMMIT")
     if head.returncode != 0:
-        return None
+        return os.environ.get("OFFSPEC_COMMIT")
     return head.stdout.strip() + ("+changes" if dirty.stdout.strip() else "")
 
 

@@ -513,8 +513,10 @@ def section_runners(args, device: torch.device) -> dict[str, Callable[[], dict]]
     }
 
 
-def run_check(args, env: dict, runners: dict[str, Callable[[], dict]], started: float) -> dict:
-    """Every section asked for, in order, each on its own (a failed one never stops the rest) -> the summary."""
+def run_check(args, env: dict, runners: dict[str, Callable[[], dict]], started: float,
+              out: Optional[Path] = None) -> dict:
+    """Every section asked for, in order, each on its own (a failed one never stops the rest) -> the summary,
+    also written to `out` after every section (status "running" until the last), so a kill keeps what ran."""
     summary = {"format": "offspec-gpu-check", "version": 1, "status": "running", "command": _common.command_line(),
                "started": iso(started), "quick": args.quick, "environment": env, "sections": {}}
     for name in SECTIONS:
@@ -525,6 +527,8 @@ def run_check(args, env: dict, runners: dict[str, Callable[[], dict]], started: 
         summary["sections"][name] = result = run_section(runners[name])
         print(f"[{name}] {result['status']} in {result['seconds']:.0f} s: {section_line(name, result)}",
               file=sys.stderr, flush=True)
+        if out is not None:
+            write_summary({**summary, "seconds": round(time.time() - started, 1)}, out)
     failed = [name for name, s in summary["sections"].items() if s["status"] == "failed"]
     summary["status"] = "failed" if failed else "passed"
     summary["failed_sections"] = failed
@@ -543,7 +547,7 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         return skip(args.out, started)
     device = torch.device("cuda", torch.cuda.current_device())
-    summary = run_check(args, environment(device), section_runners(args, device), started)
+    summary = run_check(args, environment(device), section_runners(args, device), started, args.out)
     write_summary(summary, args.out)
     failed = summary["failed_sections"]
     print(f"gpu check {summary['status']}" + (f" ({', '.join(failed)})" if failed else "")

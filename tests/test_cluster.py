@@ -15,8 +15,9 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-import ray
 import torch
+
+ray = pytest.importorskip("ray", reason="the Ray tests need ray (pip install -e .[test])")
 
 from offspec.cluster import LOCAL_OBJECT_STORE, Cluster, WorkerSpec
 from offspec.config import OffloadConfig, RunLimits, RuntimeConfig, TreeConfig

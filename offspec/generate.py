@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import asdict, dataclass, field
-from typing import Iterator, Optional, Sequence, Union
+from typing import Any, Iterator, Optional, Sequence, Union
 
 import torch
 
@@ -168,6 +168,7 @@ class _Batch:
     device: torch.device
     rows: list = field(default_factory=list)     # _Rows in flight
     free: list = field(default_factory=list)     # free cache rows, the next one last
+    stream_seen: Any = None             # the streamer's counters at the end of the last round (StreamStats)
 
 
 class Engine:
@@ -296,10 +297,12 @@ class Engine:
         t_cache = KVCache.for_model(self.target.cfg, capacity, self.target.dtype, self.device, batch=B)
         d_cache = (KVCache.for_model(self.draft.cfg, capacity, self.draft.dtype, self.device, batch=B)
                    if speculative else None)
-        controller = Controller.for_run(RunStart(gpu=self.device.type == "cuda", streamed=self._stream_stats() is not None,
+        stream_seen = self._stream_stats()
+        controller = Controller.for_run(RunStart(gpu=self.device.type == "cuda", streamed=stream_seen is not None,
                                                  rows=B, max_budget=self.max_tree_budget,
                                                  prefill_per_pass=prefill_per_pass, adapt_rows=adapt_rows))
-        return _Batch(t_cache, d_cache, capacity, B, controller, self.device, free=list(range(B))[::-1])
+        return _Batch(t_cache, d_cache, capacity, B, controller, self.device, free=list(range(B))[::-1],
+                      stream_seen=stream_seen)
 
     def _admit_waiting(self, batch: _Batch, feed: RequestFeed) -> Iterator["RowStep"]:
         """The next waiting requests take free rows (auto concurrency: as many as the controller wants in
@@ -358,10 +361,9 @@ class Engine:
             growth = DraftWork()
             trees = self._grow_all(batch.rows, root_logits, batch.d_cache, growth)
         growth.catch_up = (caught_up, catch_up_timer.seconds)
-        stream_before = self._stream_stats()
         with Timer(self.device) as target_timer:
             q_logits, fed = self._verify_pass(batch.rows, trees, batch.t_cache)          # [(N_r, V)]
-        cost = PassCost(draft_timer.seconds, target_timer.seconds, self._stream_delta(stream_before), len(batch.rows))
+        cost = PassCost(draft_timer.seconds, target_timer.seconds, self._stream_delta(batch), len(batch.rows))
         return trees, q_logits, fed, cost, growth
 
     @staticmethod
@@ -549,8 +551,11 @@ class Engine:
         stats = getattr(self.target.layers, "stats", None)
         return stats() if stats is not None else None
 
-    def _stream_delta(self, before) -> "StreamDelta":
-        now = self._stream_stats()
+    def _stream_delta(self, batch: _Batch) -> "StreamDelta":
+        """What the streamer counted since the batch's last reading (docs/streaming.md §6: copies are counted
+        when their events are read, so the readings tile the run and each copy lands in exactly one round)."""
+        before, now = batch.stream_seen, self._stream_stats()
+        batch.stream_seen = now
         if now is None or before is None:
             return StreamDelta(0.0, 0.0, 0, 0)
         # Disk mode moves a layer in two legs (read into staging, then copy into the slot); both count.

@@ -57,16 +57,18 @@ def command_line() -> str:
 
 
 def git_commit() -> Optional[str]:
-    """HEAD's short hash, with '+changes' when the working tree differs from it; outside a checkout (a copy of
-    the tree sent to another machine) $OFFSPEC_COMMIT, else None."""
+    """$OFFSPEC_COMMIT when set (a copy of the tree sent to another machine, whose .git may be another state's),
+    else HEAD's short hash, with '+changes' when the working tree differs from it; None outside a checkout."""
+    if os.environ.get("OFFSPEC_COMMIT"):
+        return os.environ["OFFSPEC_COMMIT"]
     try:
         head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True)
         dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO,
                                capture_output=True, text=True)
     except OSError:
-        return os.environ.get("OFFSPEC_COMMIT")
+        return None
     if head.returncode != 0:
-        return os.environ.get("OFFSPEC_COMMIT")
+        return None
     return head.stdout.strip() + ("+changes" if dirty.stdout.strip() else "")
 
 

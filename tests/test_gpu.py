@@ -355,22 +355,26 @@ def test_cuda_streamed_forward_does_no_hidden_synchronization():
 
 def test_cuda_host_buffer_is_pinned_and_copies_asynchronously():
     """offspec's exactly-sized pinning (mmap + cudaHostRegister in page-aligned pieces): CUDA sees both pieces
-    as pinned, so the async copy's assertion passes, and the bytes arrive.
+    as pinned, so the async copies' assertion passes, and the bytes arrive. Each copy stays inside one piece,
+    as the arena's copies do (a piece holds whole layers): one copy spanning two registrations is refused by
+    CUDA with "invalid argument" (docs/streaming.md §4).
 
     Tensor.is_pinned() asks about its *storage's* first byte (aten/src/ATen/native/Memory.cpp), so a slice
     of the arena always reports piece 0; a tensor whose storage starts in piece 1 asks about piece 1."""
     backend = CudaBackend(cuda())
+    piece = 2 * PAGE_BYTES
     nbytes = 3 * PAGE_BYTES + 100
-    buffer = backend.host_buffer(nbytes, chunk_bytes=2 * PAGE_BYTES)
+    buffer = backend.host_buffer(nbytes, chunk_bytes=piece)
     try:
         assert buffer.pinned, buffer.reason
-        second_piece = torch.frombuffer(memoryview(buffer._mapping)[2 * PAGE_BYTES:], dtype=torch.uint8)
+        second_piece = torch.frombuffer(memoryview(buffer._mapping)[piece:], dtype=torch.uint8)
         assert buffer.tensor.is_pinned() and second_piece.is_pinned()
         del second_piece
         buffer.tensor.copy_(torch.arange(nbytes) % 251)
         dst = backend.device_buffer(nbytes)
         done = backend.new_event()
-        backend.copy_async(dst, buffer.tensor, src_pinned=True)
+        for start in (0, piece):
+            backend.copy_async(dst[start:start + piece], buffer.tensor[start:start + piece], src_pinned=True)
         done.record(backend.copy_queue)
         done.synchronize()
         assert torch.equal(dst.cpu(), buffer.tensor)

@@ -126,7 +126,8 @@ def test_on_a_gpu_every_system_makes_hf_plains_tokens_in_fp32(bp, checkpoints, t
     """Both sides compute on the GPU: offspec streams every layer through its ring (no int8 draft: the CPU's
     default), accelerate brings each offloaded layer there; greedy float32 output is the same for every system."""
     target_dir, draft_dir = checkpoints
-    args = args_for(bp, tmp_path / "rows.jsonl", "--regimes", regime, "--repeats", "1", device="cuda")
+    # --slots 2 of the 3 layers: with as many slots as layers the ring's budget holds the whole target, resident
+    args = args_for(bp, tmp_path / "rows.jsonl", "--regimes", regime, "--repeats", "1", "--slots", "2", device="cuda")
     settings = bp.run_settings(args, torch.float32)
     assert settings["device"] == "cuda" and bp.INT8 not in bp.regime_systems(args, regime)
     result = bp.bench_regime(args, regime, prompts_for(1), target_dir, draft_dir, torch.float32, settings, [])

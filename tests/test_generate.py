@@ -438,10 +438,9 @@ def test_timer_waits_for_the_compute_stream_only(monkeypatch):
 
 
 def test_every_copy_is_counted_once_even_when_it_ends_during_the_draft(tmp_path, monkeypatch):
-    """With as many slots as streamed layers, every copy of a pass is issued at the end of the pass before; on a
-    GPU they end while the draft works (here the draft's growth waits a little, as the copies end). The report
-    still counts each pass's layers: the streamer's readings tile the run (docs/streaming.md §6), they do not
-    start at the target pass."""
+    """With as many slots as streamed layers, every copy of a pass is issued at the end of the pass before and
+    may end while the draft works (here the draft's growth waits a little, as a GPU's copies would end). The
+    report still counts each pass's layers once: the streamer's readings tile the run (docs/streaming.md §6)."""
     from offspec.generate import Engine
     from offspec.layout import LayerLayout
     grow_all = Engine._grow_all

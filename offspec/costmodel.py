@@ -1,19 +1,77 @@
 """Predicted seconds per token on hardware that is not here (a GPU's link and compute), from a plan's bytes.
 
 The running hardware's own costs are measured while generating and drive the tree budget (controller.py);
-this module only predicts, and every figure it gives is labelled a PREDICTION where it is reported."""
+this module only predicts, and every figure it gives is labelled a PREDICTION where it is reported. Its GPU
+inputs are measured ones (MeasuredGpu, labelled by device), except the link: a user's PCIe 4.0 x16 is assumed
+(LINK_GB_PER_S), since the GPU measured sat on PCIe 5.0."""
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass
+
+LINK_GB_PER_S = 24.0    # a PREDICTION input: pinned host->device copies over PCIe 4.0 x16, a gaming PC's link
+PAGEABLE_GB_PER_S = 9.0  # pageable copies (the driver stages them), measured: 8.8-10.2 GB/s on the H100 below
+
+
+@dataclass(frozen=True)
+class MeasuredGpu:
+    """One GPU's pass components, measured by scripts/gpu_session.py (docs/benchmarks.md, "First GPU contact").
+
+    link_gb_per_s: pinned copies of 1.71 GB layers on the copy stream (the median of the pass's widths).
+    layer_compute_s: (tokens in the pass, seconds) of ONE Llama-3.1-70B-shaped bf16 decoder layer (layer_params
+    matrix parameters) after a 256-token prefix; other shapes scale by their parameters (a PREDICTION).
+    draft_call_s: (tokens, seconds) of one call of a Llama-3.2-1B-shaped bf16 draft, the lower of two runs.
+    dequant_s_per_gb: seconds to dequantize a layer into 1 GB of dense bf16, per target quantization.
+    tests/test_costmodel.py checks these against the committed results (docs/gpu_70b*.json)."""
+    device: str
+    link_gb_per_s: float
+    layer_params: int
+    layer_compute_s: tuple[tuple[int, float], ...]
+    draft_call_s: tuple[tuple[int, float], ...]
+    dequant_s_per_gb: tuple[tuple[str, float], ...]
+
+
+H100 = MeasuredGpu(
+    device="NVIDIA H100 80GB HBM3 (PCIe 5.0 x16), 2026-11-26",
+    link_gb_per_s=53.0, layer_params=855_638_016,
+    layer_compute_s=((1, 0.85e-3), (64, 0.91e-3), (256, 1.08e-3), (1024, 3.34e-3)),
+    draft_call_s=((1, 12.2e-3), (64, 11.4e-3), (256, 11.0e-3), (1024, 11.5e-3)),
+    dequant_s_per_gb=(("int8", 4.75e-3 / 1.711), ("nf4", 1.06e-3 / 1.711)))
+REFERENCE_GPU = H100     # the GPU whose measured components the predictions use
+
+
+def _at(points: tuple[tuple[int, float], ...], x: float) -> float:
+    """Piecewise-linear through measured (x, y) points, extended along the last segment beyond them and held at
+    the first point below them."""
+    xs = [p[0] for p in points]
+    i = min(max(bisect.bisect_left(xs, x), 1), len(xs) - 1)
+    (x0, y0), (x1, y1) = points[i - 1], points[i]
+    return y0 if x <= x0 else y0 + (y1 - y0) * (x - x0) / (x1 - x0)
+
+
+def pass_compute_seconds(layer_params: int, n_layers: int, tokens: int, gpu: MeasuredGpu = REFERENCE_GPU) -> float:
+    """PREDICTION: a target pass's compute over `tokens` tokens, from the measured 70B-shaped layer, scaled by
+    the layers' matrix parameters."""
+    return n_layers * _at(gpu.layer_compute_s, tokens) * layer_params / gpu.layer_params
+
+
+def draft_call_seconds(tokens: int, gpu: MeasuredGpu = REFERENCE_GPU) -> float:
+    """A 1B-shaped draft's call over `tokens` tokens, as measured (launch-bound: about the same at 1-1024)."""
+    return _at(gpu.draft_call_s, tokens)
+
+
+def dequant_seconds(quant: str, dense_bytes: int, gpu: MeasuredGpu = REFERENCE_GPU) -> float:
+    """One layer's dequantization into `dense_bytes` of dense weights (0 for an unquantized target)."""
+    return dict(gpu.dequant_s_per_gb).get(quant, 0.0) * dense_bytes / 1e9
 
 
 @dataclass(frozen=True)
 class GpuSetup:
     """A hypothetical machine for `predict_seconds_per_token`."""
-    link_gb_per_s: float = 24.0       # host->device bandwidth, pinned (PCIe 4.0 x16 ≈ 24 GB/s)
+    link_gb_per_s: float = LINK_GB_PER_S  # host->device bandwidth, pinned
     resident_bytes: int = 0           # target weight bytes kept on the GPU for good (not moved per pass)
-    dequant_s_per_layer: float = 1e-3  # a held quantized resident layer's dequantization (--resident-quant): ~1 ms
-                                       # a layer on a GPU (the streamer's figure; not measured on a GPU here)
+    dequant_s_per_layer: float = 0.0  # a held quantized resident layer's dequantization (--resident-quant):
+                                      # dequant_seconds(quant, dense layer bytes)
 
 
 def predict_seconds_per_token(streamed_bytes: int, setup: GpuSetup, tokens_per_pass: float,

@@ -61,7 +61,7 @@ def draft_vocab_mismatch(target, draft) -> Optional[str]:
 def model_info(target, draft, plan: MemoryPlan, dtype: torch.dtype, rates: Rates) -> str:
     """The report `offspec models info` prints. target, draft: checkpoint.Checkpoints (headers are enough; draft
     may be None); plan: their memory plan (plan.make_plan) in `dtype`."""
-    from .costmodel import GpuSetup, predict_seconds_per_token
+    from .costmodel import REFERENCE_GPU, GpuSetup, dequant_seconds, predict_seconds_per_token
     from .hub import model_name
 
     cfg = target.config
@@ -97,13 +97,16 @@ def model_info(target, draft, plan: MemoryPlan, dtype: torch.dtype, rates: Rates
         lines.append(f"PREDICTED pass:  {seconds:.3f} s to stream {plan.streamed_bytes / 1e9:.2f} GB at {via} "
                      f"(transfer-bound; copies{' and dequantization' if quant != 'none' else ''} overlap compute)")
         held = len(plan.placement.resident) if plan.placement.resident_held else 0
-        per_token = predict_seconds_per_token(plan.streamed_bytes, GpuSetup(link_gb_per_s=plan.streamed_bytes / seconds / 1e9),
-                                              rates.tokens_per_pass, draft_seconds_per_round=0.0, held_layers=held)
+        setup = GpuSetup(link_gb_per_s=plan.streamed_bytes / seconds / 1e9,
+                         dequant_s_per_layer=dequant_seconds(quant, layer_bytes))
+        per_token = predict_seconds_per_token(plan.streamed_bytes, setup, rates.tokens_per_pass,
+                                              draft_seconds_per_round=0.0, held_layers=held)
         lines.append(f"PREDICTED speed: {per_token['seconds_per_token']:.3f} s/token at {rates.tokens_per_pass:g} tokens "
                      f"per pass (--tokens-per-pass; the draft's time not counted)")
     else:
         lines.append("PREDICTED pass:  nothing streams (compute-bound)")
     if plan.placement.resident_held:
         lines.append(f"held layers:     {len(plan.placement.resident)} resident layers held {quant} are dequantized "
-                     f"every pass, on the compute queue (PREDICTED speed counts ~1 ms a layer, a GPU's)")
+                     f"every pass, on the compute queue (PREDICTED speed counts "
+                     f"{dequant_seconds(quant, layer_bytes) * 1e3:.1f} ms a layer, measured on {REFERENCE_GPU.device})")
     return "\n".join(lines)

@@ -8,7 +8,7 @@ An option is a target quantization (bf16 as given, int8, nf4: a quantized target
 offspec reproduces exactly) and an offload mode (none, cpu, cpu+disk, disk). Each is planned by plan.make_plan
 with the run's other settings; one that cannot fit is listed by name. Pass times are PREDICTIONS: the streamed
 bytes over the link and the disk layers' bytes over the drive (plan.predicted_pass_seconds), plus the held
-resident layers' dequantization (costmodel.GpuSetup); a plan that streams nothing is compute-bound (0 here).
+resident layers' dequantization (costmodel.dequant_seconds, measured on a GPU); a plan that streams nothing is compute-bound (0 here).
 """
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from dataclasses import dataclass, replace
 from typing import Optional
 
 from .config import OffloadConfig, RunLimits, RuntimeConfig
-from .costmodel import GpuSetup
+from .costmodel import dequant_seconds
 from .errors import BudgetError
 from .layout import arena_stride
 from .layout import format_bytes as fmt
@@ -114,7 +114,8 @@ def compare(target: ModelSpec, draft: Optional[ModelSpec], offload: OffloadConfi
 
 def _pass_seconds(plan: MemoryPlan, link_gbps: float, disk_gbps: float) -> float:
     held = len(plan.placement.resident) if plan.placement.resident_held else 0
-    return predicted_pass_seconds(plan, link_gbps, disk_gbps) + held * GpuSetup().dequant_s_per_layer
+    return predicted_pass_seconds(plan, link_gbps, disk_gbps) + held * dequant_seconds(plan.target_quant,
+                                                                                          plan.placement.layer_nbytes)
 
 
 def _pinned_host_for_all(target: ModelSpec, draft: Optional[ModelSpec], offload: OffloadConfig,

@@ -33,6 +33,7 @@ import psutil
 import torch
 
 from .config import AUTO_MAX_TREE_BUDGET, ModelConfig, OffloadConfig, RunLimits, RuntimeConfig
+from .costmodel import LINK_GB_PER_S as LINK_GBPS, PAGEABLE_GB_PER_S
 from .errors import BudgetError, InputError
 from .layout import BLOCK_ALIGN, N_STAGING, LayerLayout, arena_stride, layer_shapes, round_up
 from .layout import format_bytes as fmt
@@ -47,7 +48,6 @@ PINNED_FRACTION = 0.8           # default pinned budget: this share of the host 
 CUDA_RESERVE_MIN = 512 << 20    # allocator fragmentation, cuBLAS / attention workspaces, CUDA graphs: at least
 CUDA_RESERVE_FRACTION = 0.04    # ... or this share of the device, whichever is larger
 RUNTIME_HOST_BYTES = 1 << 30    # the process itself: Python, torch, tokenizer, page tables
-LINK_GBPS = 24.0                # auto's tie-break between tiers, a PREDICTION: pinned PCIe 4.0 x16 copies, GB/s
 DISK_GBPS = 3.0                 # ... and a PCIe 4.0 NVMe drive's lower end, GB/s
 AUTO_CONCURRENCY = 16           # auto concurrency (--concurrency auto): at most this many requests in flight
 
@@ -708,8 +708,8 @@ def _place(target: ModelSpec, offload: OffloadConfig, runtime: RuntimeConfig, ma
                                  resident_quant=runtime.resident_quant)
     if placement.mode == "cpu+disk":
         # The host tier holds what fits beside everything else on the host (the disk staging included), and on
-        # a GPU within the pinned budget too (a pageable arena copies at about half the rate); the rest is read
-        # from the disk store.
+        # a GPU within the pinned budget too (a pageable arena copies at PAGEABLE_GB_PER_S, a sixth of the pinned
+        # rate on the GPU measured); the rest is read from the disk store.
         room = machine.host_bytes - loading - host_runtime - staging
         room -= fixed_bytes + placement.device_bytes if shared else 0
         if not shared or offload.host_budget is not None:     # (a CPU device pins nothing: a given budget caps it)
@@ -773,7 +773,7 @@ def _auto_mode(shared: bool, left: int, all_layers: int, full_arena: int, host_f
                offload: OffloadConfig, pinnable: int) -> str:
     """none if every layer fits on the device; else cpu if the arena fits in host memory, unless it is over the
     pinned budget and the predicted pass (LINK_GBPS, DISK_GBPS) of the pinnable part in RAM and the rest on disk
-    is shorter than a pageable arena's (copied at about half the rate); else cpu+disk (as many streamed layers
+    is shorter than a pageable arena's (copied at PAGEABLE_GB_PER_S); else cpu+disk (as many streamed layers
     in host RAM as fit, the rest from the disk store; _place may find none fit: disk)."""
     if shared:
         return "none"
@@ -783,7 +783,7 @@ def _auto_mode(shared: bool, left: int, all_layers: int, full_arena: int, host_f
     if full_arena + host_fixed <= machine.host_bytes:
         if full_arena <= pinnable:
             return "cpu"
-        pageable = full_arena / (LINK_GBPS / 2)
+        pageable = full_arena / min(LINK_GBPS, PAGEABLE_GB_PER_S)
         tiered = max(full_arena / LINK_GBPS, (full_arena - max(pinnable, 0)) / DISK_GBPS)
         return "cpu" if pageable <= tiered else "cpu+disk"
     return "cpu+disk"
@@ -795,7 +795,7 @@ def predicted_pass_seconds(plan: MemoryPlan, link_gb_per_s: float, disk_gb_per_s
     drive too, their reads overlapping the copies:  max(streamed / link, disk bytes / drive)."""
     rate = link_gb_per_s
     if plan.placement.host_layers and not plan.host_pinned and plan.machine.kind == "cuda":
-        rate = rate / 2      # pageable copies are staged by the driver: roughly half the pinned rate
+        rate = min(rate, PAGEABLE_GB_PER_S)      # pageable copies are staged by the driver through a bounce buffer
     seconds = plan.streamed_bytes / (rate * GB)
     if disk_gb_per_s:
         seconds = max(seconds, len(plan.placement.disk_layers) * plan.block_nbytes / (disk_gb_per_s * GB))

@@ -62,6 +62,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _common  # noqa: E402
 import _stats  # noqa: E402
+from offspec.costmodel import LINK_GB_PER_S  # noqa: E402
 from offspec.config import OffloadConfig, RunLimits, RuntimeConfig, TreeConfig  # noqa: E402
 from offspec.demo import ensure_demo_models  # noqa: E402
 from offspec.generate import GenerationRequest  # noqa: E402
@@ -126,10 +127,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--tokens-per-row-pass", type=float, default=None,
                    help="prediction: tokens one prompt gains per pass (default: measured offspec B=1 disk rows' "
                         "tokens/pass in --rows, else 8)")
-    p.add_argument("--link-gbps", type=float, default=24.0, help="prediction: host-to-device GB/s (PCIe 4.0 x16)")
-    p.add_argument("--gpu-tflops", type=float, default=80.0,
-                   help="prediction: effective bf16 TFLOP/s of verification matmuls (an RTX 4090 peaks at ~165)")
-    p.add_argument("--draft-ms", type=float, default=10.0, help="prediction: one batched draft call, ms")
+    p.add_argument("--link-gbps", type=float, default=LINK_GB_PER_S, help="prediction: host-to-device GB/s, pinned (PCIe 4.0 x16)")
+    p.add_argument("--draft-ms", type=float, default=None,
+                   help="prediction: one batched draft call, ms [default: the 1B-shaped draft's call measured on a "
+                        "GPU at the call's width (offspec.costmodel.REFERENCE_GPU)]")
     p.add_argument("--tree-nodes", type=int, default=64, help="prediction: tree nodes per prompt per pass")
     args = p.parse_args(argv)
     # Resolved once: a report (--report-only) may name a device this machine lacks; it only picks that device's rows.
@@ -143,14 +144,14 @@ def predict(args, rows: list[dict]) -> str:
     from shapes import headers_only_checkpoint        # config + safetensors headers of real models, no weights
 
     from offspec.checkpoint import Checkpoint
-    from offspec.costmodel import GpuSetup, predict_seconds_per_token
+    from offspec.costmodel import (REFERENCE_GPU, GpuSetup, draft_call_seconds, pass_compute_seconds,
+                                   predict_seconds_per_token)
     from offspec.errors import BudgetError
     from offspec.plan import GB, Machine, ModelSpec, make_plan
     measured = [r["tokens_per_pass"] for r in rows if r["regime"] == "disk" and r["system"] == "offspec"
                 and r["concurrency"] == 1 and r["prompt_set"] == "code"]
     tau = args.tokens_per_row_pass or (statistics.median(measured) if measured else 8.0)
     context, depth = 1024, 12
-    draft_s = args.draft_ms / 1000 * (depth + 1)
     with tempfile.TemporaryDirectory() as tmp:
         target, draft = (ModelSpec.of(Checkpoint(headers_only_checkpoint(Path(tmp), name), headers_only=True))
                          for name in ("Llama-3.1-70B-Instruct", "Llama-3.2-1B-Instruct"))
@@ -167,19 +168,23 @@ def predict(args, rows: list[dict]) -> str:
         except BudgetError as e:
             table.append([str(B), f"does not fit: {e}", "–", "–", "–", "–", "–"])
             continue
-        compute = 2 * params * B * (args.tree_nodes + 1) / (args.gpu_tflops * 1e12)
+        compute = pass_compute_seconds(params // cfg.n_layers, cfg.n_layers, B * (args.tree_nodes + 1))
+        call_width = B * args.tree_nodes // depth          # a call grows one level of every row's tree
+        draft_s = (depth + 1) * (args.draft_ms / 1000 if args.draft_ms else draft_call_seconds(call_width))
         p = predict_seconds_per_token(plan.streamed_bytes, GpuSetup(link_gb_per_s=args.link_gbps), B * tau, draft_s,
                                       compute)
         table.append([str(B), f"{len(plan.placement.resident)} resident, {plan.mode}", f"{plan.streamed_bytes / 1e9:.1f}",
                       f"{p['transfer_seconds_per_pass']:.2f}", f"{compute:.2f}", f"{p['seconds_per_token']:.4f}",
                       f"{1 / p['seconds_per_token']:.1f}"])
-    assumptions = (f"Assumptions (a PREDICTION, nothing here ran on a GPU): Llama-3.1-70B target and Llama-3.2-1B draft "
+    assumptions = (f"Assumptions (a PREDICTION from measured parts): Llama-3.1-70B target and Llama-3.2-1B draft "
                    f"in bf16; a 24 GB GPU and 192 GB of host RAM (offload auto); context {context} tokens a prompt; "
                    f"{args.tree_nodes} tree nodes per prompt per pass; each prompt gains {tau:.2f} tokens a pass "
                    f"({f'measured here: offspec B=1, disk regime, demo pair, median of {len(measured)} runs' if measured and not args.tokens_per_row_pass else 'given'}); "
-                   f"link {args.link_gbps:g} GB/s pinned; verification compute 2 x {params / 1e9:.1f} B target matmul "
-                   f"parameters x B x {args.tree_nodes + 1} tokens at {args.gpu_tflops:g} TFLOP/s effective; draft "
-                   f"{depth + 1} calls a round at {args.draft_ms:g} ms each, not overlapped with the pass. "
+                   f"link {args.link_gbps:g} GB/s pinned (assumed: PCIe 4.0 x16); verification compute of the "
+                   f"{cfg.n_layers} layers over B x {args.tree_nodes + 1} tokens"
+                   + (f", and the draft's calls at {args.draft_ms:g} ms, " if args.draft_ms else " and the draft's calls ")
+                   + f"({depth + 1} a round, one level of every row's tree each, not overlapped with the pass) as "
+                   f"measured on {REFERENCE_GPU.device} (scripts/gpu_session.py; docs/gpu_70b.md). "
                    "s/token = (max(transfer, compute) + draft) / (B x tokens per prompt-pass).")
     return "\n".join(["### Prediction: a 70B on one 24 GB GPU, by prompts in flight", "", assumptions, "",
                       f"Command: `{_common.command_line()}`", "", _common.markdown_table(headers, table)])

@@ -37,9 +37,9 @@ Examples:
   python scripts/gpu_check.py --quick                 # smaller sizes, ~3 min
   python scripts/gpu_check.py --sections gpu_tests,sanitizer --out /tmp/check.json
 
-On a machine lent for minutes, with no package registry (the workplace's device machine): run it from the
-repository root with that machine's python3, writing where the results come back, e.g.
-  PYTHONUNBUFFERED=1 python3 scripts/gpu_check.py --quick --out $OUT/gpu_check.json
+On a machine lent for minutes, with no package registry (the workplace's device machine): run
+scripts/gpu_session.py, which runs this script (--quick) and then the 70B-shaped measurements, e.g.
+  PYTHONUNBUFFERED=1 python3 scripts/gpu_session.py --out $OUT
 The demo section then runs its random pair; the nf4 GPU tests need bitsandbytes, which such a machine lacks
 unless its wheel is carried (without it they are skipped, with that reason).
 """

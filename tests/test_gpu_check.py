@@ -251,3 +251,35 @@ def test_markdown_of_every_section(gc):
     assert "FAILED tests/test_gpu.py::test_cuda_ring_holds" in markdown
     assert "| sanitizer | failed | 1 | TimeoutExpired: pytest took too long |" in markdown
     assert "bfloat16 streamed 0.0200 s/token" in markdown and "| bfloat16_streamed | 0 | 0.0200 |" in markdown
+
+
+# ---------------------------------------------------------------- scripts/gpu_session.py (the lent GPU's one command)
+
+def test_gpu_session_parts_run_on_a_cpu_with_tiny_shapes(tmp_path):
+    """The 70B-shaped parts, on --tiny shapes through the CPU backend (the same code a GPU runs): each part's
+    rows land in gpu_70b.json as they come, the streamed logits equal the resident ones, and the markdown
+    renders every part."""
+    gs = load_script("gpu_session")
+    common = ["--out", str(tmp_path), "--tiny", "--device", "cpu", "--passes", "1", "--context", "16"]
+    for part in ("pass70b", "drafts", "dequant"):
+        assert gs.main([*common, "--part", part]) == 0
+    data = json.loads((tmp_path / "gpu_70b.json").read_text())
+    assert all(data[part]["status"] == "passed" for part in ("pass70b", "drafts", "dequant"))
+    rows = data["pass70b"]["rows"]
+    assert [r["tokens"] for r in rows] == list(gs.WIDTHS) and all(r["logits_equal"] for r in rows)
+    assert {(r["draft"], r["tokens"]) for r in data["drafts"]["rows"]} == {(d, t) for d in gs.DRAFTS for t in gs.WIDTHS}
+    int8 = next(r for r in data["dequant"]["rows"] if r["quant"] == "int8")
+    assert int8["block_bytes"] < int8["dense_bytes"]
+    text = (tmp_path / "gpu_70b.md").read_text()
+    assert "## pass70b" in text and "## drafts" in text and "## dequant" in text
+
+
+def test_gpu_session_records_a_failing_part(tmp_path, monkeypatch):
+    gs = load_script("gpu_session")
+
+    def broken(args, device, results):
+        raise RuntimeError("the ring tore")
+    monkeypatch.setitem(gs.PART_FNS, "drafts", broken)
+    assert gs.main(["--out", str(tmp_path), "--tiny", "--device", "cpu", "--part", "drafts"]) == 1
+    drafts = json.loads((tmp_path / "gpu_70b.json").read_text())["drafts"]
+    assert drafts["status"] == "failed" and "the ring tore" in drafts["error"]

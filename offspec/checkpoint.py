@@ -294,10 +294,17 @@ class Checkpoint:
     def layer_weights(self, i: int, device: torch.device, dtype: torch.dtype) -> LayerWeights:
         return LayerWeights(**{k: v.to(device=device, dtype=dtype, copy=True) for k, v in self.layer_tensors(i).items()})
 
-    def global_weights(self, device: torch.device, dtype: torch.dtype) -> GlobalWeights:
-        embed = self.tensor(GLOBAL_NAMES["embed"]).to(device=device, dtype=dtype, copy=True)
+    def global_weights(self, device: torch.device, dtype: torch.dtype, embed_device: Optional[torch.device] = None,
+                       lm_head_device: Optional[torch.device] = None) -> GlobalWeights:
+        """embed_device, lm_head_device: where the embedding / the lm_head live when not on `device`
+        (plan.LayerPlan.embed_on_host, lm_head_on_host); a tied lm_head is the embedding's tensor, so an
+        embedding elsewhere must be an untied one."""
+        embed = self.tensor(GLOBAL_NAMES["embed"]).to(device=embed_device or device, dtype=dtype, copy=True)
         if self.has_lm_head:
-            lm_head = self.tensor(GLOBAL_NAMES["lm_head"]).to(device=device, dtype=dtype, copy=True)
+            lm_head = self.tensor(GLOBAL_NAMES["lm_head"]).to(device=lm_head_device or device, dtype=dtype,
+                                                               copy=True)
+        elif embed.device != torch.device(device):
+            raise ValueError("an embedding tied to the lm_head stays with it on the compute device")
         else:
             lm_head = embed
         final_norm = self.tensor(GLOBAL_NAMES["final_norm"]).to(device=device, dtype=dtype, copy=True)

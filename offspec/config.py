@@ -8,6 +8,15 @@ import torch
 
 AUTO_MAX_TREE_BUDGET = 1024     # the largest tree the auto budget planner may grow
 DEFAULT_PREFILL_CHUNK = 1024    # rows each layer processes at a time in one forward
+ATTENTION_SCORE_BYTES = 256 << 20   # the most one attention call's scores may take: its query rows are cut to fit
+LM_HEAD_CHUNK_BYTES = 256 << 20     # an lm_head kept in host memory crosses to the device this many bytes at a time
+
+
+def attention_rows(n_heads: int, columns: int, itemsize: int) -> int:
+    """Query rows one attention call takes over `columns` cache columns, so that its scores (n_heads, rows,
+    columns), float32 scores plus probabilities in the compute dtype, stay within ATTENTION_SCORE_BYTES: a long
+    context costs KV cache, not an activation peak."""
+    return max(1, ATTENTION_SCORE_BYTES // (n_heads * columns * (4 + itemsize)))
 
 
 @dataclass(frozen=True)

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import replace
+from typing import Optional
 
 import torch
 
@@ -10,8 +11,11 @@ from .model import Model, ResidentLayers
 from .quant import QUANT_MODES, Int8Weight, with_quantized_matrices
 
 
-def load_resident(ckpt: Checkpoint, device: torch.device, dtype: torch.dtype, quant: str = "none") -> Model:
-    """Every weight on `device` for good (the draft; also the target with offload mode "none").
+def load_resident(ckpt: Checkpoint, device: torch.device, dtype: torch.dtype, quant: str = "none",
+                  embed_device: Optional[torch.device] = None, lm_head_device: Optional[torch.device] = None) -> Model:
+    """Every weight on `device` for good (the draft; also the target with offload mode "none"), but the
+    embedding and the lm_head where embed_device / lm_head_device say (the memory plan's embed_on_host,
+    lm_head_on_host).
 
     quant (only for the draft: it changes p, never the output; see quant.py):
       "int8"       the layers' matrices and lm_head also get a per-row int8 copy that calls over a few rows
@@ -25,7 +29,7 @@ def load_resident(ckpt: Checkpoint, device: torch.device, dtype: torch.dtype, qu
     for i in range(ckpt.config.n_layers):
         w = ckpt.layer_weights(i, device, dtype)
         layers.append(w if quant == "none" else with_quantized_matrices(w, quant))
-    globals_ = ckpt.global_weights(device, dtype)
+    globals_ = ckpt.global_weights(device, dtype, embed_device, lm_head_device)
     if quant == "int8":
         globals_ = replace(globals_, lm_head=Int8Weight.quantize(globals_.lm_head))   # embed stays as it is
     return Model(ckpt.config, globals_, ResidentLayers(layers))

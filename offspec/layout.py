@@ -130,4 +130,4 @@ class GlobalWeights:
     """Always resident: embedding, final norm, lm_head (the same tensor as embed when tied)."""
     embed: torch.Tensor       # (V, D)
     final_norm: torch.Tensor  # (D,)
-    lm_head: torch.Tensor     # (V, D)
+    lm_head: torch.Tensor     # (V, D); in host memory where the plan keeps it there (Model.logits)

@@ -85,9 +85,13 @@ def store_dir_for(ckpt: Checkpoint, dtype: torch.dtype, home: Path, quant: str =
 
 def load_target(ckpt: Checkpoint, layers: LayerPlan, runtime: RuntimeConfig, progress: bool = True) -> Model:
     """The target: globals first, then its layers as `layers` (the memory plan's) says."""
+    host = torch.device("cpu")
+    embed_device = host if layers.embed_on_host else None
+    lm_head_device = host if layers.lm_head_on_host else None
     if layers.dense_resident:
-        return load_resident(ckpt, runtime.device, runtime.dtype)
-    globals_ = ckpt.global_weights(runtime.device, runtime.dtype)
+        return load_resident(ckpt, runtime.device, runtime.dtype, embed_device=embed_device,
+                             lm_head_device=lm_head_device)
+    globals_ = ckpt.global_weights(runtime.device, runtime.dtype, embed_device, lm_head_device)
     target_layers = open_target_layers(ckpt.layer_tensors, ckpt.config, layers, runtime.device, runtime.dtype,
                                        progress=progress, source_id=ckpt.fingerprint())
     return Model(ckpt.config, globals_, target_layers)
@@ -270,10 +274,11 @@ def open_target_layers(layer_tensors_fn: LayerTensorsFn, cfg: ModelConfig, layer
             _pack_layer(layer_tensors_fn, layer, layout, block)
             return block
 
-        # Held quantized resident layers share one scratch layer: the plan counted it once (scratch_nbytes).
+        # Held quantized resident layers and a compact ring share one scratch layer: the plan counted it once
+        # (scratch_nbytes).
         scratch = (torch.empty(layout.dense.nbytes, dtype=torch.uint8, device=device)   # (dense nbytes,)
-                   if placement.resident_held else None)
-        resident = {i: _resident_layer(host_block(i), layout, device, scratch)
+                   if placement.scratch_nbytes else None)
+        resident = {i: _resident_layer(host_block(i), layout, device, scratch if placement.resident_held else None)
                     for i in tqdm(placement.resident, desc="loading resident layers", unit="layer",
                                   disable=not progress or not placement.resident)}
         if not placement.streamed:
@@ -296,6 +301,7 @@ def open_target_layers(layer_tensors_fn: LayerTensorsFn, cfg: ModelConfig, layer
             on_error.callback(store.close)
         else:
             store = disk
-        streamer = LayerStreamer(store, backend, cfg.n_layers, resident, placement.n_slots, overlap=layers.overlap)
+        streamer = LayerStreamer(store, backend, cfg.n_layers, resident, placement.n_slots, overlap=layers.overlap,
+                                 scratch=scratch if placement.compact else None)
         on_error.pop_all()
     return TargetLayers(streamer, placement, store.info())

@@ -32,7 +32,7 @@ from typing import Callable, Iterator, Optional, Protocol, Sequence, Union
 import torch
 import torch.nn.functional as F
 
-from .config import ModelConfig
+from .config import LM_HEAD_CHUNK_BYTES, ModelConfig, attention_rows
 from .kv_cache import KVCache
 from .layout import GlobalWeights, LayerWeights
 from .quant import QuantizedResident, layer_weights, linear, narrow_rows
@@ -179,17 +179,31 @@ def attend(x: torch.Tensor, w: LayerWeights, cfg: ModelConfig, cache: KVCache, l
     q = apply_rope(q, cos, sin)
     attn = torch.empty_like(q)                                                    # (H, N, hd)
     for r in rows:
-        span = slice(r.start, r.end)
         mask = r.mask_rows(0, r.end - r.start)                                    # (t, S)
         S = mask.shape[-1]
         keys, values = cache.k[layer, r.cache_row, :, :S], cache.v[layer, r.cache_row, :, :S]   # (H_kv, S, hd)
-        attn[:, span] = F.scaled_dot_product_attention(q[None, :, span], keys[None], values[None],
-                                                       attn_mask=mask[None, None], enable_gqa=H != H_kv)[0]
+        step = attention_rows(H, S, x.element_size())          # query rows a call: the scores stay bounded
+        for a in range(0, r.end - r.start, step):
+            span = slice(r.start + a, min(r.end, r.start + a + step))
+            attn[:, span] = F.scaled_dot_product_attention(q[None, :, span], keys[None], values[None],
+                                                           attn_mask=mask[None, None, a:a + step],
+                                                           enable_gqa=H != H_kv)[0]
     x = x + linear(attn.transpose(0, 1).reshape(N, H * hd), w.o_proj, narrow=narrow)            # (N, D)
 
     h = rms_norm(x, w.post_norm, cfg.rms_norm_eps)
     return x + linear(F.silu(linear(h, w.gate_proj, narrow=narrow)) * linear(h, w.up_proj, narrow=narrow),
                       w.down_proj, narrow=narrow)
+
+
+def chunked_logits(x: torch.Tensor, head: torch.Tensor) -> torch.Tensor:
+    """x (R, D) on the compute device, head (V, D) in host memory -> logits (R, V) float32 on x's device: the
+    head crosses LM_HEAD_CHUNK_BYTES at a time (a whole lm_head never sits on the device), and each chunk's
+    columns are computed as they come."""
+    rows = max(1, LM_HEAD_CHUNK_BYTES // (head.shape[1] * head.element_size()))
+    out = torch.empty(x.shape[0], head.shape[0], dtype=torch.float32, device=x.device)   # (R, V)
+    for a in range(0, head.shape[0], rows):
+        out[:, a:a + rows] = F.linear(x, head[a:a + rows].to(x.device)).float()
+    return out
 
 
 class Model:
@@ -199,9 +213,17 @@ class Model:
         self.cfg = cfg
         self.globals = globals_
         self.layers = layers
-        self.inv_freq = rope_inv_freq(cfg).to(globals_.embed.device)
-        self.dtype = globals_.embed.dtype
-        self.device = globals_.embed.device
+        self.dtype = globals_.final_norm.dtype
+        self.device = globals_.final_norm.device     # the compute device (the embedding may stay on the host)
+        self.inv_freq = rope_inv_freq(cfg).to(self.device)
+
+    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        """(N,) ids -> (N, D) on the compute device; an embedding kept in host memory is looked up there and
+        only the N rows cross (the ids come back first: a synchronization, once a pass)."""
+        table = self.globals.embed
+        if table.device == self.device:
+            return F.embedding(tokens, table)
+        return F.embedding(tokens.to(table.device), table).to(self.device)
 
     def forward(
         self,
@@ -225,7 +247,7 @@ class Model:
         else:
             pieces = [(a, b, [RowSpan(c.start - a, c.end - a, c.cache_row, c.slots, c.mask)
                               for r in rows if (c := r.clip(a, b)) is not None]) for a, b in bounds]
-        x = F.embedding(tokens, self.globals.embed)                                  # (N, D)
+        x = self.embed(tokens)                                                       # (N, D)
         cos, sin = rope_cos_sin(self.inv_freq, positions, self.dtype)                # (N, hd) each
         narrow = narrow_rows([r.end - r.start for r in rows], self.device)           # (N,) bool, or None
         cut = (lambda a, b: None) if narrow is None else (lambda a, b: narrow[a:b])
@@ -242,4 +264,7 @@ class Model:
             x = x[logit_rows]
             narrow = None if narrow is None else narrow[logit_rows.cpu()]
         x = rms_norm(x, self.globals.final_norm, self.cfg.rms_norm_eps)
-        return linear(x, self.globals.lm_head, narrow=narrow).float()               # (R, V)
+        head = self.globals.lm_head
+        if isinstance(head, torch.Tensor) and head.device != self.device:
+            return chunked_logits(x, head)                                          # (R, V)
+        return linear(x, head, narrow=narrow).float()                               # (R, V)

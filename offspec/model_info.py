@@ -94,9 +94,10 @@ def model_info(target, draft, plan: MemoryPlan, dtype: torch.dtype, rates: Rates
         seconds = predicted_pass_seconds(plan, rates.link_gbps, rates.disk_gbps)
         disk = len(plan.placement.disk_layers) * plan.block_nbytes
         via = f"{rates.link_gbps:g} GB/s" + (f", {disk / 1e9:.2f} GB of it read at {rates.disk_gbps:g} GB/s" if disk else "")
+        overlapped = " and dequantization" if quant != "none" and not plan.placement.compact else ""
         lines.append(f"PREDICTED pass:  {seconds:.3f} s to stream {plan.streamed_bytes / 1e9:.2f} GB at {via} "
-                     f"(transfer-bound; copies{' and dequantization' if quant != 'none' else ''} overlap compute)")
-        held = len(plan.placement.resident) if plan.placement.resident_held else 0
+                     f"(transfer-bound; copies{overlapped} overlap compute)")
+        held = plan.placement.dequantized_in_line
         setup = GpuSetup(link_gb_per_s=plan.streamed_bytes / seconds / 1e9,
                          dequant_s_per_layer=dequant_seconds(quant, layer_bytes))
         per_token = predict_seconds_per_token(plan.streamed_bytes, setup, rates.tokens_per_pass,
@@ -105,8 +106,11 @@ def model_info(target, draft, plan: MemoryPlan, dtype: torch.dtype, rates: Rates
                      f"per pass (--tokens-per-pass; the draft's time not counted)")
     else:
         lines.append("PREDICTED pass:  nothing streams (compute-bound)")
-    if plan.placement.resident_held:
-        lines.append(f"held layers:     {len(plan.placement.resident)} resident layers held {quant} are dequantized "
-                     f"every pass, on the compute queue (PREDICTED speed counts "
-                     f"{dequant_seconds(quant, layer_bytes) * 1e3:.1f} ms a layer, measured on {REFERENCE_GPU.device})")
+    p = plan.placement
+    if p.dequantized_in_line:
+        which = " and ".join(([f"{len(p.resident)} resident layers held {quant}"] if p.resident_held else [])
+                             + ([f"the {len(p.streamed)} streamed layers of a compact ring"] if p.compact else []))
+        lines.append(f"held layers:     {which}: dequantized every pass, on the compute queue (PREDICTED speed "
+                     f"counts {dequant_seconds(quant, layer_bytes) * 1e3:.1f} ms a layer, measured on "
+                     f"{REFERENCE_GPU.device})")
     return "\n".join(lines)

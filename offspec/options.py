@@ -36,8 +36,11 @@ class Option:
 
     @property
     def key(self) -> tuple:
-        """Two options whose plans place the layers alike are one row."""
+        """Two options whose plans place the layers alike are one row (a forced cpu or disk mode whose plan keeps
+        every layer resident is the "none" row again)."""
         p = self.plan.placement
+        if not p.streamed:
+            return self.target_quant, "resident"
         return self.target_quant, p.mode, p.resident, p.host_layers, p.n_slots
 
 
@@ -113,9 +116,9 @@ def compare(target: ModelSpec, draft: Optional[ModelSpec], offload: OffloadConfi
 
 
 def _pass_seconds(plan: MemoryPlan, link_gbps: float, disk_gbps: float) -> float:
-    held = len(plan.placement.resident) if plan.placement.resident_held else 0
-    return predicted_pass_seconds(plan, link_gbps, disk_gbps) + held * dequant_seconds(plan.target_quant,
-                                                                                          plan.placement.layer_nbytes)
+    in_line = plan.placement.dequantized_in_line
+    return predicted_pass_seconds(plan, link_gbps, disk_gbps) + in_line * dequant_seconds(plan.target_quant,
+                                                                                             plan.placement.layer_nbytes)
 
 
 def _pinned_host_for_all(target: ModelSpec, draft: Optional[ModelSpec], offload: OffloadConfig,

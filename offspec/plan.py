@@ -32,7 +32,8 @@ from typing import Optional, Union
 import psutil
 import torch
 
-from .config import AUTO_MAX_TREE_BUDGET, ModelConfig, OffloadConfig, RunLimits, RuntimeConfig
+from .config import (AUTO_MAX_TREE_BUDGET, LM_HEAD_CHUNK_BYTES, ModelConfig, OffloadConfig, RunLimits, RuntimeConfig,
+                     attention_rows)
 from .costmodel import LINK_GB_PER_S as LINK_GBPS, PAGEABLE_GB_PER_S
 from .errors import BudgetError, InputError
 from .layout import BLOCK_ALIGN, N_STAGING, LayerLayout, arena_stride, layer_shapes, round_up
@@ -50,6 +51,7 @@ CUDA_RESERVE_FRACTION = 0.04    # ... or this share of the device, whichever is 
 RUNTIME_HOST_BYTES = 1 << 30    # the process itself: Python, torch, tokenizer, page tables
 DISK_GBPS = 3.0                 # ... and a PCIe 4.0 NVMe drive's lower end, GB/s
 AUTO_CONCURRENCY = 16           # auto concurrency (--concurrency auto): at most this many requests in flight
+CONTEXT_STEP = 256              # a refusal's advice names a context that fits in steps of this many tokens
 
 
 @dataclass(frozen=True)
@@ -154,10 +156,20 @@ class TargetLayerSizes:
     block: int        # a layer as stored, pinned, read and moved each pass (quantized or dense)
     slot: int         # a ring slot: the block, plus the dense layer it dequantizes into when quantized
 
+    def ring_min(self, min_slots: int) -> int:
+        """The least device memory a ring takes: min_slots slots, or for a quantized target, where that is
+        less, a compact ring (min_slots blocks and the one shared scratch layer; Placement.compact)."""
+        whole = min_slots * self.slot
+        return whole if self.block == self.slot else min(whole, min_slots * self.block + self.resident)
+
     @staticmethod
     def of(cfg: ModelConfig, dtype: torch.dtype, quant: str) -> "TargetLayerSizes":
         layout = target_layout(cfg, dtype, quant)
         return TargetLayerSizes(layout.dense.nbytes, layout.nbytes, ring_slot_nbytes(layout) or layout.nbytes)
+
+
+def embed_nbytes(spec: ModelSpec, dtype: torch.dtype) -> int:
+    return spec.cfg.vocab_size * spec.cfg.hidden_size * itemsize(dtype)
 
 
 def globals_nbytes(spec: ModelSpec, dtype: torch.dtype) -> int:
@@ -201,9 +213,10 @@ def activation_nbytes(cfg: ModelConfig, dtype: torch.dtype, rows: int, chunk: in
     """The largest forward of `rows` new tokens attending to `context` cache columns, each layer run over
     chunks of `chunk` rows: hidden states of every row, plus one chunk's intermediates, mask and attention
     scores. On a GPU the scores are counted as the math kernel materializes them (float32 scores +
-    probabilities), an upper bound, since which kernel runs a masked grouped-query attention varies with the
-    build; fused_attention (the CPU: its kernel works in blocks, measured to add ~0.1 GB for 12 heads x 1024
-    rows x 32768 columns) counts one float copy of the mask instead."""
+    probabilities) for the query rows one attention call takes (config.attention_rows), an upper bound, since
+    which kernel runs a masked grouped-query attention varies with the build; fused_attention (the CPU: its
+    kernel works in blocks, measured to add ~0.1 GB for 12 heads x 1024 rows x 32768 columns) counts one float
+    copy of the mask instead."""
     s = itemsize(dtype)
     c = max(1, min(rows, chunk))
     D, F_, hd = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
@@ -211,7 +224,7 @@ def activation_nbytes(cfg: ModelConfig, dtype: torch.dtype, rows: int, chunk: in
     hidden = 2 * rows * D * s + 2 * rows * hd * (s + 4)                    # x + residual; RoPE cos/sin
     chunk_work = c * (3 * D + 2 * (H + 2 * H_kv) * hd + 3 * F_) * s        # norms, q/k/v (+roped), attn out, MLP
     mask = c * context                                                      # bool
-    scores = c * context * 4 if fused_attention else H * c * context * (4 + s)
+    scores = c * context * 4 if fused_attention else H * min(c, attention_rows(H, context, s)) * context * (4 + s)
     return hidden + chunk_work + mask + scores
 
 
@@ -242,6 +255,9 @@ class Placement:
     held_nbytes: Optional[int] = None   # resident layers held quantized (--resident-quant): the bytes of one,
                                         # its block; None = resident layers are dense (layer_nbytes each)
     in_host: tuple[int, ...] = ()       # mode cpu+disk: the streamed layers held in host RAM (the rest: disk)
+    compact: bool = False               # quantized: slots hold blocks only (slot_nbytes = the block), each
+                                        # dequantized at its use into the shared scratch layer on the compute
+                                        # queue; chosen only where whole slots do not fit
 
     @property
     def host_layers(self) -> tuple[int, ...]:
@@ -268,14 +284,21 @@ class Placement:
         return self.held_nbytes is not None and bool(self.resident)
 
     @property
+    def dequantized_in_line(self) -> int:
+        """Layers dequantized on the compute queue every pass, in line with compute: the held resident ones and
+        a compact ring's."""
+        return (len(self.resident) if self.resident_held else 0) + (len(self.streamed) if self.compact else 0)
+
+    @property
     def resident_nbytes(self) -> int:
         """Device bytes of one resident layer: its quantized block when held so, else the dense layer."""
         return self.held_nbytes if self.resident_held else self.layer_nbytes
 
     @property
     def scratch_nbytes(self) -> int:
-        """The dense layer that held quantized resident layers dequantize into, one for them all (else 0)."""
-        return self.layer_nbytes if self.resident_held else 0
+        """The dense layer that held quantized resident layers and a compact ring's layers dequantize into, one
+        for them all (else 0)."""
+        return self.layer_nbytes if self.resident_held or self.compact else 0
 
     @property
     def device_bytes(self) -> int:
@@ -285,14 +308,17 @@ class Placement:
 
 def place_layers(n_layers: int, layer_bytes: int, offload: OffloadConfig,
                  layer_budget: Optional[int], slot_bytes: Optional[int] = None,
-                 held_bytes: Optional[int] = None) -> Placement:
+                 held_bytes: Optional[int] = None, compact: bool = False) -> Placement:
     """Spend `layer_budget` device bytes on the target's layers: the ring first (n_slots slots of slot_bytes,
     default layer_bytes), then resident layers, first layers first. layer_budget None: nothing resident
     beyond the ring (a CPU device, where cpu/disk offload should really stream).
 
     held_bytes (a quantized target's block): resident layers are held quantized, held_bytes each, plus one
     dense scratch layer (layer_bytes) they all dequantize into; e.g. a budget of 10 dense bf16 layers and a
-    2-slot nf4 ring (slots of 1.28 layers) holds 7 dense or (10 - 2.56 - 1) / 0.28 = 23 held nf4 layers."""
+    2-slot nf4 ring (slots of 1.28 layers) holds 7 dense or (10 - 2.56 - 1) / 0.28 = 23 held nf4 layers.
+
+    compact (a quantized target; slot_bytes = its block): the slots hold blocks only and the one dense scratch
+    layer is paid whether or not a resident layer is held."""
     mode = offload.mode
     if mode not in MODES:
         raise InputError(f"unknown offload mode {mode!r} (expected one of {', '.join(MODES)})")
@@ -301,6 +327,7 @@ def place_layers(n_layers: int, layer_bytes: int, offload: OffloadConfig,
         raise InputError(f"n_slots={offload.n_slots}: streaming needs at least 2 slots (1 only with overlap off)")
     each, scratch = (layer_bytes, 0) if held_bytes is None else (held_bytes, layer_bytes)
     all_layers = n_layers * each + scratch
+    scratch = layer_bytes if compact else scratch
     slot = layer_bytes if slot_bytes is None else slot_bytes
     everything = Placement(mode, n_layers, layer_bytes, resident=tuple(range(n_layers)), n_slots=0,
                            held_nbytes=held_bytes)
@@ -311,18 +338,20 @@ def place_layers(n_layers: int, layer_bytes: int, offload: OffloadConfig,
                               f"({fmt(all_layers)}): use --offload cpu or disk")
         return everything
     if layer_budget is None:
-        return Placement(mode, n_layers, layer_bytes, resident=(), n_slots=offload.n_slots, slot_nbytes=slot_bytes)
+        return Placement(mode, n_layers, layer_bytes, resident=(), n_slots=offload.n_slots, slot_nbytes=slot_bytes,
+                         compact=compact)
     if layer_budget >= all_layers:     # held quantized, every layer may fit in less than a ring would take
         return everything
-    ring_min = min_slots * slot
+    ring_min = min_slots * slot + (scratch if compact else 0)
     if layer_budget < ring_min:
         raise BudgetError(f"{fmt(layer_budget)} for target layers is too small to stream: it needs at least "
-                          f"{fmt(ring_min)} ({min_slots} slots × {fmt(slot)} per slot)")
-    n_slots = min(offload.n_slots, layer_budget // slot)
+                          f"{fmt(ring_min)} ({min_slots} slots × {fmt(slot)} per slot"
+                          + (f" + the {fmt(scratch)} dequantization scratch)" if compact else ")"))
+    n_slots = min(offload.n_slots, (layer_budget - (scratch if compact else 0)) // slot)
     room = layer_budget - n_slots * slot - scratch       # the scratch is paid once, by the first held layer
     n_resident = max(0, min(room // each, n_layers - n_slots))
     return Placement(mode, n_layers, layer_bytes, resident=tuple(range(n_resident)), n_slots=n_slots,
-                     slot_nbytes=slot_bytes, held_nbytes=held_bytes if n_resident else None)
+                     slot_nbytes=slot_bytes, held_nbytes=held_bytes if n_resident else None, compact=compact)
 
 
 def split_tiers(placement: Placement, n_host: int) -> Placement:
@@ -357,13 +386,28 @@ def choose_placement(n_layers: int, layer_bytes: int, offload: OffloadConfig, la
     MORE layers resident (a tie stays dense: a held layer costs a dequantization every pass, a dense one
     nothing). A budget no placement fits raises the BudgetError of the held one."""
     check_resident_quant(resident_quant, quantized=held_bytes is not None)
+    try:
+        return _choose_held(n_layers, layer_bytes, offload, layer_budget, slot_bytes, held_bytes, resident_quant)
+    except BudgetError:
+        if held_bytes is None or offload.mode == "none":
+            raise
+    # Whole slots do not fit: a compact ring (blocks only, each dequantized at its use into the shared scratch;
+    # its dequantization no longer overlaps compute, the copies still do).
+    return _choose_held(n_layers, layer_bytes, offload, layer_budget, held_bytes, held_bytes, resident_quant,
+                        compact=True)
+
+
+def _choose_held(n_layers: int, layer_bytes: int, offload: OffloadConfig, layer_budget: Optional[int],
+                 slot_bytes: Optional[int], held_bytes: Optional[int], resident_quant: str,
+                 compact: bool = False) -> Placement:
+    """choose_placement with the slots as given: dense or held resident layers as resident_quant says."""
     if held_bytes is None or resident_quant == "off":
-        return place_layers(n_layers, layer_bytes, offload, layer_budget, slot_bytes)
-    held = place_layers(n_layers, layer_bytes, offload, layer_budget, slot_bytes, held_bytes)
+        return place_layers(n_layers, layer_bytes, offload, layer_budget, slot_bytes, compact=compact)
+    held = place_layers(n_layers, layer_bytes, offload, layer_budget, slot_bytes, held_bytes, compact)
     if resident_quant == "on":
         return held
     try:
-        dense = place_layers(n_layers, layer_bytes, offload, layer_budget, slot_bytes)
+        dense = place_layers(n_layers, layer_bytes, offload, layer_budget, slot_bytes, compact=compact)
     except BudgetError:
         return held
     return held if len(held.resident) > len(dense.resident) else dense
@@ -380,6 +424,8 @@ class LayerPlan:
     overlap: bool = True          # copy the next layers while computing; False: copy then compute (debug)
     drop_page_cache: bool = True  # disk: drop each piece from the page cache once read
     disk_io: str = "direct"       # disk: "direct" (O_DIRECT where the filesystem takes it) | "buffered"
+    embed_on_host: bool = False   # the target's embedding stays in host memory (a lookup of the pass's rows)
+    lm_head_on_host: bool = False  # ... and its lm_head: the logits computed in chunks that cross each pass
 
     @property
     def from_store(self) -> bool:
@@ -444,6 +490,7 @@ class MemoryPlan:
     block_nbytes: int = 0         # one target layer as stored and moved (quantized or dense)
     concurrency_auto: bool = False  # concurrency was auto: `concurrency` is the most rows in flight, and the
                                     # measured costs may keep fewer (Engine.run_batch's adapt_rows)
+    host_head_bytes: int = 0        # an lm_head kept in host memory: bytes crossing (pageable) every pass
 
     @property
     def placement(self) -> Placement:
@@ -542,7 +589,44 @@ def make_plan(target: ModelSpec, draft: Optional[ModelSpec], offload: OffloadCon
     Auto concurrency (limits.concurrency None) is the most requests in flight, up to AUTO_CONCURRENCY and
     limits.concurrency_cap, whose plan fits (each adds KV-cache rows, a tree's logits and activations): halved
     from there until it fits, down to 1 (whose refusal is the answer). The plan records the number and that it
-    was auto (concurrency_auto)."""
+    was auto (concurrency_auto).
+
+    A refusal that a shorter context would cure says which (the longest that fits, in steps of
+    CONTEXT_STEP tokens)."""
+    try:
+        return _plan_concurrency(target, draft, offload, runtime, limits, machine, store_dir)
+    except BudgetError as refused:
+        fits = _longest_context(target, draft, offload, runtime, limits, machine, store_dir)
+        if fits is None:
+            raise
+        raise BudgetError(f"{refused}; --context {fits} fits") from None
+
+
+def _longest_context(target: ModelSpec, draft: Optional[ModelSpec], offload: OffloadConfig, runtime: RuntimeConfig,
+                     limits: RunLimits, machine: Machine, store_dir: Optional[str]) -> Optional[int]:
+    """The longest context, a multiple of CONTEXT_STEP below the run's, whose plan fits; None if none does."""
+    model_context = min([target.cfg.max_position_embeddings] + ([draft.cfg.max_position_embeddings] if draft else []))
+    asked = min(limits.context or model_context, model_context)
+
+    def fits(context: int) -> bool:
+        try:
+            _plan_concurrency(target, draft, offload, runtime, replace(limits, context=context), machine, store_dir)
+            return True
+        except (BudgetError, InputError):
+            return False
+    lo, hi = 0, (asked - 1) // CONTEXT_STEP            # in steps: the longest k with fits(k * CONTEXT_STEP)
+    if hi < 1 or not fits(CONTEXT_STEP):
+        return None
+    lo = 1
+    while lo < hi:                                     # plans only grow with the context: bisect
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if fits(mid * CONTEXT_STEP) else (lo, mid - 1)
+    return lo * CONTEXT_STEP
+
+
+def _plan_concurrency(target: ModelSpec, draft: Optional[ModelSpec], offload: OffloadConfig, runtime: RuntimeConfig,
+                      limits: RunLimits, machine: Machine, store_dir: Optional[str]) -> MemoryPlan:
+    """make_plan without the context advice: auto concurrency resolved here."""
     if limits.concurrency is not None:
         return _plan_rows(target, draft, offload, runtime, limits, machine, store_dir)
     rows = min(AUTO_CONCURRENCY, max(1, limits.concurrency_cap or AUTO_CONCURRENCY))
@@ -558,7 +642,33 @@ def make_plan(target: ModelSpec, draft: Optional[ModelSpec], offload: OffloadCon
 
 def _plan_rows(target: ModelSpec, draft: Optional[ModelSpec], offload: OffloadConfig, runtime: RuntimeConfig,
                limits: RunLimits, machine: Machine, store_dir: Optional[str]) -> MemoryPlan:
-    """make_plan for a given number of requests in flight (limits.concurrency)."""
+    """make_plan for a given number of requests in flight (limits.concurrency).
+
+    On a GPU, a target whose embedding is its own tensor (not the lm_head's) keeps it in host memory whenever
+    the device cannot hold every layer with it: a pass looks up its rows there and copies them over (kilobytes
+    to megabytes, against the gigabyte of an embedding that then holds more layers, or lets the run fit at
+    all). Where even that does not fit, the lm_head stays in host memory too, and the logits are computed in
+    chunks of it that cross every pass (model.chunked_logits): the pass pays its bytes, the run fits."""
+    args = (target, draft, offload, runtime, limits, machine, store_dir)
+    if machine.kind == "cpu" or not target.lm_head_stored:
+        return _plan_with(*args, on_host=())
+    try:
+        on_device = _plan_with(*args, on_host=())
+        if not on_device.placement.streamed:
+            return on_device
+    except BudgetError:
+        on_device = None
+    try:
+        return _plan_with(*args, on_host=("embed",))
+    except BudgetError:
+        if on_device is not None:           # (the host had no room for the embedding)
+            return on_device
+    return _plan_with(*args, on_host=("embed", "lm_head"))
+
+
+def _plan_with(target: ModelSpec, draft: Optional[ModelSpec], offload: OffloadConfig, runtime: RuntimeConfig,
+               limits: RunLimits, machine: Machine, store_dir: Optional[str], on_host: tuple[str, ...]) -> MemoryPlan:
+    """_plan_rows with the target's globals named in on_host ("embed", "lm_head") kept in host memory."""
     if limits.prefill_chunk < 1:
         raise InputError("--prefill-chunk must be at least 1")
     if limits.concurrency < 1:
@@ -570,28 +680,38 @@ def _plan_rows(target: ModelSpec, draft: Optional[ModelSpec], offload: OffloadCo
     if context < 2:
         raise InputError(f"a context of {context} tokens leaves no room to generate")
     shared = machine.kind == "cpu"
-    slot = TargetLayerSizes.of(target.cfg, runtime.dtype, runtime.target_quant).slot
     min_slots = 2 if offload.overlap else 1
+    ring = TargetLayerSizes.of(target.cfg, runtime.dtype, runtime.target_quant).ring_min(min_slots)
     pool = machine.host_bytes if shared else machine.device_bytes
     notes: list[str] = []
     if draft is None or limits.tree_budget is not None:
         tree_budget = 0 if draft is None else limits.tree_budget   # no draft: plain decoding, no trees
-        fixed = _fixed_device_items(target, draft, runtime, limits, machine, context, tree_budget)
+        fixed = _fixed_device_items(target, draft, runtime, limits, machine, context, tree_budget, on_host)
     else:
         tree_budget = min(AUTO_MAX_TREE_BUDGET, context)
         while True:
-            fixed = _fixed_device_items(target, draft, runtime, limits, machine, context, tree_budget)
-            if pool - sum(i.nbytes for i in fixed) >= min_slots * slot or tree_budget <= MIN_AUTO_TREE_BUDGET:
+            fixed = _fixed_device_items(target, draft, runtime, limits, machine, context, tree_budget, on_host)
+            if pool - _device_bytes(fixed) >= ring or tree_budget <= MIN_AUTO_TREE_BUDGET:
                 break
             tree_budget //= 2
         if tree_budget < min(AUTO_MAX_TREE_BUDGET, context):
             notes.append(f"auto tree budget capped at {tree_budget} nodes: larger trees' logits do not fit")
-    return _place(target, offload, runtime, machine, context, tree_budget, limits, fixed, notes, store_dir)
+    plan = _place(target, offload, runtime, machine, context, tree_budget, limits, fixed, notes, store_dir)
+    if not on_host:
+        return plan
+    matrix = embed_nbytes(target, runtime.dtype)
+    head = "lm_head" in on_host
+    note = (f"the target's embedding ({fmt(matrix)}) stays in host memory: the device holds layers instead"
+            if not head else f"the target's embedding and lm_head ({fmt(2 * matrix)}) stay in host memory: the "
+            f"lm_head crosses in {fmt(min(LM_HEAD_CHUNK_BYTES, matrix))} chunks every pass (the run fits only so)")
+    return replace(plan, layers=replace(plan.layers, embed_on_host=True, lm_head_on_host=head),
+                   notes=plan.notes + (note,), host_head_bytes=matrix if head else 0)
 
 
 def _fixed_device_items(target: ModelSpec, draft: Optional[ModelSpec], runtime: RuntimeConfig, limits: RunLimits,
-                        machine: Machine, context: int, tree_budget: int) -> list[PlanItem]:
-    """Every device item but the target's decoder layers."""
+                        machine: Machine, context: int, tree_budget: int, on_host: tuple[str, ...]) -> list[PlanItem]:
+    """Every device item but the target's decoder layers (and the target's globals that stay on the host, as
+    host items: on_host names them, "embed" and "lm_head")."""
     dtype = runtime.dtype
     fixed: list[PlanItem] = []
     if draft is not None:
@@ -604,7 +724,18 @@ def _fixed_device_items(target: ModelSpec, draft: Optional[ModelSpec], runtime: 
         if held:
             fixed.append(PlanItem("device", "draft dequantization temporary", largest_matrix_nbytes(draft.cfg, dtype),
                                   "one dense matrix a call"))
-    fixed.append(PlanItem("device", "target embed, norm, lm_head", globals_nbytes(target, dtype)))
+    matrix = embed_nbytes(target, dtype)
+    if "lm_head" in on_host:
+        fixed.append(PlanItem("device", "target norm", target.cfg.hidden_size * itemsize(dtype)))
+        fixed.append(PlanItem("device", "lm_head chunk", min(LM_HEAD_CHUNK_BYTES, matrix),
+                              "the host lm_head crosses this much at a time"))
+        fixed.append(PlanItem("host", "target lm_head", matrix, "its chunks cross every pass"))
+    elif "embed" in on_host:
+        fixed.append(PlanItem("device", "target norm, lm_head", globals_nbytes(target, dtype) - matrix))
+    else:
+        fixed.append(PlanItem("device", "target embed, norm, lm_head", globals_nbytes(target, dtype)))
+    if "embed" in on_host:
+        fixed.append(PlanItem("host", "target embedding", matrix, "looked up on the host, the pass's rows copied over"))
     # Every request in flight has its own KV-cache rows and its own tree in each pass; a pass may carry all of
     # their prompts at once (the worst case for the hidden states of the packed rows).
     B = limits.concurrency
@@ -638,13 +769,17 @@ def _fixed_device_items(target: ModelSpec, draft: Optional[ModelSpec], runtime: 
     return fixed
 
 
+def _device_bytes(items: list[PlanItem]) -> int:
+    return sum(i.nbytes for i in items if i.where == "device")
+
+
 def _place(target: ModelSpec, offload: OffloadConfig, runtime: RuntimeConfig, machine: Machine, context: int,
            tree_budget: int, limits: RunLimits, fixed: list[PlanItem], notes: list[str],
            store_dir: Optional[str] = None) -> MemoryPlan:
     """Given the fixed device items, place the target's layers and the host side, or refuse."""
     shared = machine.kind == "cpu"
     s = itemsize(runtime.dtype)
-    fixed_bytes = sum(i.nbytes for i in fixed)
+    fixed_bytes = _device_bytes(fixed)
 
     # ---- the target's layers
     sizes = TargetLayerSizes.of(target.cfg, runtime.dtype, runtime.target_quant)
@@ -674,7 +809,7 @@ def _place(target: ModelSpec, offload: OffloadConfig, runtime: RuntimeConfig, ma
     if left < 0:
         what = "host memory" if shared else f"the device's {fmt(machine.device_bytes)}"
         raise BudgetError(f"{what} cannot hold the run before any target layer: "
-                          + ", ".join(f"{i.what} {fmt(i.nbytes)}" for i in fixed)
+                          + ", ".join(f"{i.what} {fmt(i.nbytes)}" for i in fixed if i.where == "device")
                           + f" = {fmt(fixed_bytes)}; lower --context or --tree-budget, or use a smaller draft")
 
     mode = offload.mode
@@ -696,11 +831,13 @@ def _place(target: ModelSpec, offload: OffloadConfig, runtime: RuntimeConfig, ma
                               f"{'disk' if shared else 'cpu or disk'}")
     else:
         min_slots = 2 if offload.overlap else 1
-        if left < min(min_slots * slot, all_layers):     # (held quantized, all layers may take less than a ring)
+        ring = sizes.ring_min(min_slots)
+        if left < min(ring, all_layers):     # (held quantized, all layers may take less than a ring)
+            compact = "" if ring == min_slots * slot else f" or a compact ring of {fmt(ring)}"
             raise BudgetError(f"{fmt(left)} is all the {'machine' if shared else 'device'} leaves for target layers "
                               f"(of {fmt(pool)}: {fmt(fixed_bytes)} go to the draft, globals, caches, logits, "
-                              f"activations and reserve), too little for {min_slots} streaming slots of {fmt(slot)}; "
-                              f"lower --context or --tree-budget, or use a smaller draft")
+                              f"activations and reserve), too little for {min_slots} streaming slots of {fmt(slot)}"
+                              f"{compact}; lower --context or --tree-budget, or use a smaller draft")
         # On a CPU device, with no budget given, nothing stays resident: cpu/disk offload should really stream.
         budget = offload.gpu_budget if offload.gpu_budget is not None else (None if shared else left)
     placement = choose_placement(n_layers, L, replace(offload, mode=mode), budget,
@@ -721,15 +858,20 @@ def _place(target: ModelSpec, offload: OffloadConfig, runtime: RuntimeConfig, ma
 
     items = list(fixed)
     if placement.n_slots:
-        items.append(PlanItem("device", f"ring: {placement.n_slots} slots", placement.n_slots * slot,
+        ring_slot = placement.ring_slot_nbytes
+        items.append(PlanItem("device", f"ring: {placement.n_slots} slots", placement.n_slots * ring_slot,
                               f"{fmt(L)} per layer" if quant == "none" else
-                              f"{quant} block {fmt(B)} + dense layer {fmt(L)} per slot"))
+                              f"{quant} block {fmt(B)} per slot, compact: dequantized at its use" if placement.compact
+                              else f"{quant} block {fmt(B)} + dense layer {fmt(L)} per slot"))
     if placement.resident_held:
         items.append(PlanItem("device", f"resident target layers ({len(placement.resident)}, {quant})",
                               len(placement.resident) * B, f"held quantized, {fmt(B)} each"))
+    if placement.scratch_nbytes:
+        users = " and ".join((["the held layers"] if placement.resident_held else [])
+                             + (["the ring's layers"] if placement.compact else []))
         items.append(PlanItem("device", "dequantization scratch", placement.scratch_nbytes,
-                              "one dense layer the held layers dequantize into, every pass"))
-    elif placement.resident:
+                              f"one dense layer {users} dequantize into, every pass"))
+    if placement.resident and not placement.resident_held:
         items.append(PlanItem("device", f"resident target layers ({len(placement.resident)})",
                               len(placement.resident) * L))
     host_pinned = False
@@ -792,14 +934,15 @@ def _auto_mode(shared: bool, left: int, all_layers: int, full_arena: int, host_f
 def predicted_pass_seconds(plan: MemoryPlan, link_gb_per_s: float, disk_gb_per_s: Optional[float] = None) -> float:
     """PREDICTION: the transfer time of one target pass (copies overlap compute, so this is its floor when
     streaming dominates): every streamed byte crosses the link, and the disk layers' bytes are read from the
-    drive too, their reads overlapping the copies:  max(streamed / link, disk bytes / drive)."""
+    drive too, their reads overlapping the copies:  max(streamed / link, disk bytes / drive); plus an lm_head
+    kept in host memory, whose pageable chunks cross after the layers (not overlapped)."""
     rate = link_gb_per_s
     if plan.placement.host_layers and not plan.host_pinned and plan.machine.kind == "cuda":
         rate = min(rate, PAGEABLE_GB_PER_S)      # pageable copies are staged by the driver through a bounce buffer
     seconds = plan.streamed_bytes / (rate * GB)
     if disk_gb_per_s:
         seconds = max(seconds, len(plan.placement.disk_layers) * plan.block_nbytes / (disk_gb_per_s * GB))
-    return seconds
+    return seconds + plan.host_head_bytes / (min(link_gb_per_s, PAGEABLE_GB_PER_S) * GB)
 
 
 # ---------------------------------------------------------------- formatting

@@ -31,6 +31,8 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Iterator, Optional, Union
 
+import torch
+
 from .layout import LayerLayout, LayerWeights
 from .quant import QuantizedLayout, QuantizedResident, layer_weights
 from .stores import WeightStore
@@ -73,11 +75,18 @@ class LayerStreamer:
     dequantizes it into slot k's dense buffer, which is what the consumer reads; ready[k] / free[k] cover
     both, so the protocol is unchanged and dequantization overlaps compute like the copy.
 
+    A compact ring (`scratch` given, plan.Placement.compact): the slots hold blocks only. The consumer
+    dequantizes slot k into the one shared scratch layer on the compute queue (as a held resident layer is),
+    releases slot k right after (the block is read; free[k] is recorded after the dequantization's kernels),
+    and reads the scratch, which the next layer's dequantization overwrites in stream order after this
+    layer's kernels. The copies still overlap compute; the dequantization no longer does.
+
     overlap=False (debug): no prefetch, and compute is finished before the next copy starts.
     The streamer owns `store` and `backend`: close() stops the loader and closes both."""
 
     def __init__(self, store: WeightStore, backend: TransferBackend, n_layers: int,
-                 resident: dict[int, Union[LayerWeights, QuantizedResident]], n_slots: int, overlap: bool = True):
+                 resident: dict[int, Union[LayerWeights, QuantizedResident]], n_slots: int, overlap: bool = True,
+                 scratch: Optional[torch.Tensor] = None):
         if n_slots < (2 if overlap else 1):
             raise ValueError(f"n_slots={n_slots}: streaming needs at least 2 slots (1 only with overlap off)")
         self.store, self.backend = store, backend
@@ -91,10 +100,14 @@ class LayerStreamer:
         # Allocated once, never freed or reallocated (docs/streaming.md §3), so no record_stream is needed.
         self._slots = [backend.device_buffer(self.layout.nbytes) for _ in range(n_slots)]   # each (nbytes,) uint8
         self.quantized = isinstance(self.layout, QuantizedLayout)
+        self._scratch = scratch                # (dense nbytes,) uint8: a compact ring's one dense layer
+        if scratch is not None and not self.quantized:
+            raise ValueError("a compact ring is for quantized layers")
         # What the consumer reads: the slot itself, or the dense layer its quantized block dequantizes into.
-        self._dense = ([backend.device_buffer(self.layout.dense.nbytes) for _ in range(n_slots)] if self.quantized
-                       else self._slots)                                                    # each (dense nbytes,) uint8
-        self._views = [self.layout.dense.views(dense) for dense in self._dense]
+        self._dense = ([backend.device_buffer(self.layout.dense.nbytes) for _ in range(n_slots)]
+                       if self.quantized and scratch is None else self._slots)            # each (dense nbytes,) uint8
+        self._views = ([self.layout.dense.views(dense) for dense in self._dense] if scratch is None
+                       else [])                                                     # compact: the scratch's views
         self._ready = [backend.new_event() for _ in range(n_slots)]   # copy into slot k done (RAW)
         self._free = [backend.new_event() for _ in range(n_slots)]    # compute done reading slot k (WAR)
         backend.synchronize()
@@ -141,6 +154,11 @@ class LayerStreamer:
                 n = self._released
                 assert self.streamed[n % len(self.streamed)] == layer, (n, layer)
                 k = self._take(n, comp_q)
+                if self._scratch is not None:          # compact: dequantize at use, then the slot is free
+                    weights = self._dequantize_at_use(k, comp_q)
+                    self._release(n, comp_q)
+                    yield layer, weights
+                    continue
                 held = n
                 yield layer, self._views[k]
                 held = None
@@ -164,6 +182,16 @@ class LayerStreamer:
         with self._lock:
             self._pending_waits.append((stall_start, stall_end))
         return k
+
+    def _dequantize_at_use(self, k: int, comp_q) -> LayerWeights:
+        """A compact ring: slot k's block -> the shared scratch, on the compute queue, timed."""
+        start, end = self._timing_event(), self._timing_event()
+        start.record(comp_q)
+        weights = QuantizedResident(self.layout, self._slots[k], self._scratch).weights()
+        end.record(comp_q)
+        with self._lock:
+            self._pending_dequants.append((start, end))
+        return weights
 
     def _release(self, n: int, comp_q) -> None:
         """Hand slot k back: after the consumer's last kernel on it, and before any refill is posted."""
@@ -241,7 +269,7 @@ class LayerStreamer:
         copy_end.record(copy_q)
         if staged.gate is not None:
             staged.gate.record(copy_q)         # the staging buffer may be refilled once the copy is done
-        if self.quantized:
+        if self.quantized and self._scratch is None:
             dequant_start, dequant_end = self._timing_event(), self._timing_event()
             dequant_start.record(copy_q)
             self.backend.on_copy_queue(lambda block=self._slots[k], dense=self._dense[k]:
@@ -250,7 +278,7 @@ class LayerStreamer:
         self._ready[k].record(copy_q)          # RAW: slot k holds `layer` once this completes
         with self._lock:
             self._pending_copies.append((copy_start, copy_end, staged.block.numel()))
-            if self.quantized:
+            if self.quantized and self._scratch is None:
                 self._pending_dequants.append((dequant_start, dequant_end))
             self._stats.read_s += staged.read_s
 

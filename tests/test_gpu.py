@@ -351,6 +351,30 @@ def test_cuda_streamed_forward_does_no_hidden_synchronization():
         assert torch.isfinite(logits).all().item()
 
 
+def test_cuda_embedding_and_lm_head_in_host_memory_equal_them_on_the_device(monkeypatch):
+    """The plan's embed_on_host / lm_head_on_host: the embedding looked up on the host and the lm_head crossing
+    in chunks (four here) give the on-device logits (the chunks' matmuls may round differently: close, not
+    bitwise), pass after pass through the streamed target."""
+    import offspec.model as model_module
+    from dataclasses import replace
+    device = cuda()
+    layers, globals_ = random_model(device)
+    monkeypatch.setattr(model_module, "LM_HEAD_CHUNK_BYTES", MODEL.vocab_size * MODEL.hidden_size)  # float32: 4
+    host = replace(globals_, embed=globals_.embed.cpu(), lm_head=globals_.lm_head.cpu())
+    offload = OffloadConfig(mode="cpu", n_slots=2, gpu_budget=3 * layer_nbytes(MODEL, torch.float32))
+    with open_target_layers(layers.__getitem__, MODEL, LayerPlan.of(MODEL, offload, torch.float32),
+                            device, torch.float32, progress=False) as target:
+        outs = []
+        for g in (globals_, host):
+            model = Model(MODEL, g, target)
+            assert model.device == device
+            cache = KVCache.for_model(MODEL, 16, torch.float32, device)
+            outs.append([forward_one(model, *step, cache) for step in steps(device)])
+    for on_device, on_host in zip(*outs):
+        assert on_host.device == device
+        torch.testing.assert_close(on_host, on_device, rtol=1e-5, atol=1e-5)
+
+
 # ---------------------------------------------------------------- pinned host memory
 
 def test_cuda_host_buffer_is_pinned_and_copies_asynchronously():

@@ -90,3 +90,41 @@ def test_kv_compact_equals_recompute(tmp_path):
     forward_one(ours, torch.cat([prefix[0], torch.tensor([a, c])]), torch.arange(7), torch.arange(7), causal(7, 0), ref)
     torch.testing.assert_close(cache.k[:, :, :, :7], ref.k[:, :, :, :7], rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(cache.v[:, :, :, :7], ref.v[:, :, :, :7], rtol=1e-5, atol=1e-5)
+
+
+def test_attention_in_bounded_query_blocks_equals_one_call(tmp_path, monkeypatch):
+    """With the score budget so small that every attention call takes 3 query rows, a prompt's logits equal
+    the one-call ones (to float32 rounding: the kernel's blocking follows its query count) and transformers';
+    the plan counts the smaller scores."""
+    import offspec.config as config
+    from offspec.plan import activation_nbytes
+    hf = make_model(hf_config("llama"), seed=5)
+    ckpt = Checkpoint(save_checkpoint(hf, tmp_path / "m"))
+    ours = load_resident(ckpt, CPU, torch.float32)
+    tokens = torch.randint(0, 128, (20,), generator=torch.Generator().manual_seed(2))
+    pos = torch.arange(20)
+
+    def logits():
+        cache = KVCache.for_model(ckpt.config, 32, torch.float32, CPU)
+        return forward_one(ours, tokens, pos, pos, causal(20, 0), cache)
+    whole = logits()
+    heads = ckpt.config.n_heads
+    plan_whole = activation_nbytes(ckpt.config, torch.float32, 20, 1024, 20)
+    monkeypatch.setattr(config, "ATTENTION_SCORE_BYTES", 3 * heads * 20 * 8)
+    assert config.attention_rows(heads, 20, 4) == 3
+    torch.testing.assert_close(logits(), whole, rtol=1e-5, atol=1e-5)
+    with torch.no_grad():
+        torch.testing.assert_close(whole, hf(tokens[None]).logits[0], rtol=1e-4, atol=1e-4)
+    assert plan_whole - activation_nbytes(ckpt.config, torch.float32, 20, 1024, 20) == heads * 17 * 20 * 8
+
+
+def test_logits_from_an_lm_head_in_chunks_equal_one_matmul(monkeypatch):
+    """model.chunked_logits (an lm_head in host memory crossing a chunk at a time): the same logits as one
+    matmul, with a chunk that does not divide the vocabulary; the chunk size is LM_HEAD_CHUNK_BYTES."""
+    import offspec.model as model_module
+    g = torch.Generator().manual_seed(3)
+    x, head = torch.randn(5, 16, generator=g), torch.randn(100, 16, generator=g)
+    monkeypatch.setattr(model_module, "LM_HEAD_CHUNK_BYTES", 7 * 16 * 4)      # 7 rows of float32 a chunk
+    got = model_module.chunked_logits(x, head)
+    assert got.dtype == torch.float32 and got.shape == (5, 100)
+    torch.testing.assert_close(got, x @ head.T, rtol=1e-6, atol=1e-6)

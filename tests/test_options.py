@@ -80,3 +80,17 @@ def test_models_info_prints_the_options_and_shows_them_before_a_refusal(tmp_path
     assert [row["mode"] for row in rows if row["auto"]] == ["cpu+disk"]
     r = CliRunner().invoke(main, ["models", "info", str(t), "--draft", str(d), *machine, "--offload", "cpu"])
     assert r.exit_code == 1 and "options (" in r.output and "offspec: error: the run needs" in r.output
+
+
+def test_where_everything_fits_forced_offload_modes_are_not_rows_of_their_own(pair):
+    """On an 80 GB GPU the 1B fits whole: cpu and disk plans keep every layer resident too, the "none" row again."""
+    small = ModelSpec.of(Checkpoint(headers_only_checkpoint(pair_root(pair), "Llama-3.2-1B-Instruct"),
+                                    headers_only=True))
+    c = compare(small, None, OffloadConfig(mode="auto"), RuntimeConfig(dtype=torch.bfloat16), RunLimits(context=4096),
+                Machine.given(80 * GB, 256 * GB), 24.0, 3.0)
+    assert sorted((o.target_quant, o.mode) for o in c.options) == [("int8", "none"), ("nf4", "none"), ("none", "none")]
+
+
+def pair_root(pair):
+    from pathlib import Path
+    return Path(pair[1].name).parent

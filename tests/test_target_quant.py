@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from offspec.config import ModelConfig, OffloadConfig, RuntimeConfig, SamplingConfig, TreeConfig
-from offspec.errors import InputError, StoreError
+from offspec.errors import BudgetError, InputError, StoreError
 from offspec.generate import GenerationRequest, run
 from offspec.kv_cache import KVCache
 from offspec.layout import LayerLayout, layer_shapes
@@ -130,6 +130,53 @@ def test_streamed_quantized_equals_resident_quantized_bitwise(pair, tmp_path, qu
                 assert streamed.target.layers.placement.resident == (0, 1)
         finally:
             streamed.close()
+
+
+@pytest.mark.parametrize("quant", QUANTS)
+@pytest.mark.parametrize("held", [False, True])
+def test_a_compact_ring_equals_the_resident_quantized_target_bitwise(pair, tmp_path, quant, held):
+    """A compact ring (slots of blocks only, each dequantized at its use into the one shared scratch, which
+    held resident layers share too) gives the quantized target's logits bit for bit, pass after pass, and
+    moves quantized bytes; the device holds 2 blocks and one dense layer instead of 2 blocks + 2 dense layers."""
+    from offspec.checkpoint import Checkpoint
+    from offspec.load import load_target
+    from offspec.plan import LayerPlan, Placement
+    from offspec.quant import QuantizedResident
+    want = prompt_logits(engine(pair, quant, draft=False, resident_quant="off"))
+    ckpt = Checkpoint(pair[0])
+    dense_layer = LayerLayout.of(ckpt.config, torch.float32).nbytes
+    block = QuantizedLayout.of(ckpt.config, torch.float32, quant).nbytes
+    placement = Placement("cpu", 5, dense_layer, resident=(0,) if held else (), n_slots=2, slot_nbytes=block,
+                          held_nbytes=block if held else None, compact=True)
+    assert placement.device_bytes == 2 * block + dense_layer + (block if held else 0)
+    layers = LayerPlan.of(ckpt.config, OffloadConfig(mode="cpu", n_slots=2, store_dir=str(tmp_path / "s")),
+                          torch.float32, quant=quant, placement=placement, store_dir=str(tmp_path / "s"))
+    target = load_target(ckpt, layers, runtime(quant), progress=False)
+    try:
+        source = target.layers.source
+        assert all(len(slot) == block for slot in source._slots) and source._dense is source._slots
+        if held:
+            assert isinstance(source.resident[0], QuantizedResident)
+            assert source.resident[0].scratch.data_ptr() == source._scratch.data_ptr()
+        for _ in range(3):
+            assert torch.equal(prompt_logits(SimpleNamespace(target=target)), want)
+        stats = target.layers.stats()
+        assert stats.passes == 3 and stats.bytes == stats.layers * block and stats.dequant_s > 0
+    finally:
+        target.layers.close()
+
+
+def test_the_plan_takes_a_compact_ring_only_where_whole_slots_do_not_fit():
+    from offspec.plan import choose_placement
+    dense, block = 1000, 300
+    offload = OffloadConfig(mode="cpu", n_slots=2)
+    roomy = choose_placement(10, dense, offload, 2 * (block + dense), slot_bytes=block + dense, held_bytes=block)
+    assert not roomy.compact and roomy.n_slots == 2
+    short = choose_placement(10, dense, offload, 2 * block + dense, slot_bytes=block + dense, held_bytes=block)
+    assert short.compact and short.n_slots == 2 and short.ring_slot_nbytes == block
+    assert short.device_bytes == 2 * block + dense
+    with pytest.raises(BudgetError, match="dequantization scratch"):
+        choose_placement(10, dense, offload, 2 * block + dense - 1, slot_bytes=block + dense, held_bytes=block)
 
 
 @pytest.mark.parametrize("quant", QUANTS)

@@ -119,11 +119,11 @@ def model_options(f):
                      help="Weight and compute dtype: bfloat16, float16 or float32 (float32 for bit-exact greedy)."),
         click.option("--offload", type=click.Choice(OFFLOAD_CHOICES), default="auto", show_default=True,
                      help="Where the target's decoder layers live: none = all on the device; cpu = host RAM, streamed; "
-                          "disk = packed store on disk, streamed; cpu+disk = as many streamed layers as fit in host "
-                          "RAM (pinned, within --host-budget), the rest read from the disk store in the same pass, "
-                          "their reads overlapping the RAM layers' copies. auto, on a GPU: none if the whole target "
-                          "fits beside everything else, else cpu if its layers fit in host RAM (pinned, or pageable "
-                          "where that is predicted faster than cpu+disk), else cpu+disk (the memory plan decides; "
+                          "disk = packed store on disk, streamed; cpu+disk = streamed layers in host RAM (the first "
+                          "pinned, within --host-budget, more pageable, as many as make the predicted pass shortest), "
+                          "the rest read from the disk store in the same pass, their reads overlapping the RAM "
+                          "layers' copies. auto, on a GPU: none if the whole target fits beside everything else, else "
+                          "cpu if its layers fit in pinned RAM, else cpu+disk (the memory plan decides; "
                           "`offspec models info` shows it); on a CPU-only run: none (there the 'device' is host RAM "
                           "already and streaming would only add copies)."),
         click.option("--gpu-budget", default=None, help="Device bytes for the target's decoder layers, ring included "
@@ -133,8 +133,9 @@ def model_options(f):
         click.option("--slots", "n_slots", type=int, default=2, show_default=True,
                      help="Device slots in the streaming ring (>= 2; 1 only with --no-overlap)."),
         click.option("--store-dir", default=None, help="Disk-mode packed store folder. Default: under $OFFSPEC_HOME/stores."),
-        click.option("--host-budget", default=None, help="Host RAM that may be pinned (the cpu-mode arena, disk-mode "
-                     "staging; e.g. 64GB); an arena above it stays pageable (slower copies, said in the report). "
+        click.option("--host-budget", default=None, help="Host RAM that may be pinned (the arena, the disk staging; "
+                     "e.g. 64GB); an arena above it has its first layers pinned and the rest pageable (slower "
+                     "copies, said in the report). "
                      "Refused when above the host memory the run may use. "
                      f"Default: {PINNED_FRACTION:.0%} of min(MemAvailable, the cgroup's memory limit)."),
         click.option("--context", "context", default="auto", show_default=True,
@@ -362,7 +363,7 @@ def generate(prompt, prompt_file, raw, max_new_tokens, stop, json_path, quiet, *
         sys.stdout.flush()
 
     try:
-        report, _ = run(loaded.engine, request, load_seconds=loaded.load_seconds, on_text=on_text)
+        report, _ = run(loaded.engine, request, start=loaded.start, on_text=on_text)
     finally:
         loaded.engine.close()
     sys.stdout.write("\n")
@@ -370,7 +371,7 @@ def generate(prompt, prompt_file, raw, max_new_tokens, stop, json_path, quiet, *
     if not quiet:
         click.echo(report.summary(), err=True)
     if json_path:
-        write_report(json_path, report.to_dict(), models)
+        write_report(json_path, report.to_dict(), *models_of(models))
 
 
 def read_prompt(prompt: Optional[str], prompt_file: Optional[str]) -> str:
@@ -413,14 +414,34 @@ def write_json(path: str, data: dict) -> None:
         raise InputError(f"cannot write {path}: {e}") from None
 
 
-def write_report(path: str, data: dict, models) -> None:
-    """A command's --json report: `data` (its numbers) with which offspec, which models (`models`: the
-    load.Models that ran) and which settings (this command's options) made it: metrics.provenance."""
+def write_report(path: str, data: dict, target, draft) -> None:
+    """A command's --json report: `data` (its numbers) with which offspec, which models (target, draft: their
+    folders, or None) and which settings (this command's options) made it: metrics.provenance."""
     from .metrics import provenance
 
     ctx = click.get_current_context()
-    draft = str(models.draft.path) if models.draft is not None else None
-    write_json(path, {**provenance(ctx.command_path, dict(ctx.params), str(models.target.path), draft), **data})
+    write_json(path, {**provenance(ctx.command_path, dict(ctx.params), *(None if m is None else str(m)
+                                                                          for m in (target, draft))), **data})
+
+
+def headers_checkpoint(name: str):
+    """A model folder or hub id -> its checkpoint.Checkpoint from config and safetensors headers alone: a hub id
+    not cached is planned from the hub's headers, its weights never downloaded (hub.resolve_headers)."""
+    from .checkpoint import Checkpoint
+    from .hub import resolve_headers
+    folder, headers = resolve_headers(name)
+    return Checkpoint(folder, headers_only=True, headers=headers)
+
+
+def models_of(models) -> tuple:
+    """The target and draft folders of a load.Models, for write_report."""
+    return models.target.path, models.draft.path if models.draft is not None else None
+
+
+def nothing_valid(message: str) -> None:
+    """A job with nothing valid to run failed: one line, exit 2 (as when no prompt ran at all)."""
+    click.echo(f"offspec: error: {message}", err=True)
+    sys.exit(2)
 
 
 # ------------------------------------------------------------------ batch
@@ -492,9 +513,8 @@ def batch(prompt_file, output, max_new_tokens, stop, raw, strict, concurrency, p
         if strict:
             raise InputError(f"{prompt_file}: {b}")
         click.echo(f"offspec: skipping {prompt_file} {b}", err=True)
-    if not items:   # every line was bad: a job with nothing valid to run failed (exit 2, as when no prompt ran)
-        click.echo(f"offspec: error: {prompt_file}: no valid prompt found (all {len(bad)} lines were skipped)", err=True)
-        sys.exit(2)
+    if not items:
+        nothing_valid(f"{prompt_file}: no valid prompt found (all {len(bad)} lines were skipped)")
     results = ResultFile(output)
     try:
         todo = [it for it in items if it.id not in results.done]
@@ -525,7 +545,7 @@ def batch(prompt_file, output, max_new_tokens, stop, raw, strict, concurrency, p
             except InputError as e:
                 click.echo(skip(item, e), err=True)
         if not requests:
-            raise InputError(f"{prompt_file}: no prompt could be encoded")
+            nothing_valid(f"{prompt_file}: no prompt could be encoded ({failed} skipped)")
         longest = max(len(r.prompt_ids) + r.max_new_tokens for _, r in requests)
         samples = any(not r.sampling.greedy for _, r in requests)     # an OpenAI line may set its own temperature
         limits = run_limits(o, tree, samples, longest, concurrency, prompts=len(requests))
@@ -554,7 +574,7 @@ def batch(prompt_file, output, max_new_tokens, stop, raw, strict, concurrency, p
     for worker in job.workers:
         click.echo(f"  {worker.line()}", err=True)
     if json_path:
-        write_report(json_path, job.to_dict(), models)
+        write_report(json_path, job.to_dict(), *models_of(models))
     if failed or bad:
         sys.exit(2 if job.prompts == 0 else 0)
 
@@ -620,7 +640,7 @@ def bench(prompt_file, prompt_tokens, new_tokens, temperatures, limit, json_path
         write_report(json_path, {"summary": table, "rows": rows, "device": str(loaded.engine.device),
                                  "dtype": str(loaded.engine.target.dtype), "offload": loaded.plan.mode,
                                  "target_quant": loaded.engine.target_quant, "draft_quant": loaded.engine.draft_quant,
-                                 "memory_plan": loaded.plan.to_dict()}, models)
+                                 "memory_plan": loaded.plan.to_dict()}, *models_of(models))
 
 
 # ------------------------------------------------------------------ doctor
@@ -644,22 +664,21 @@ def doctor(target, draft, device, store_dir, quick, json_path):
     the flags to run a target with (from the memory plan and the measured rates)."""
     from .demo import DEFAULT_DRAFT, DEFAULT_TARGET, demo_model_dir, is_complete
     from .doctor import check, summary
-    from .hub import resolve_model
     from .load import parse_device
 
     if json_path:
         check_writable(json_path)
     dev = parse_device(device)
-    target, draft = (str(resolve_model(m)) if m else None for m in (target, draft))
     if target is None and is_complete(demo_model_dir(DEFAULT_TARGET)):
         target = str(demo_model_dir(DEFAULT_TARGET))
         if draft is None and is_complete(demo_model_dir(DEFAULT_DRAFT)):
             draft = str(demo_model_dir(DEFAULT_DRAFT))
-    report = check(target, draft, dev, store_dir, quick, progress=lambda line: click.echo(line, err=True))
+    checkpoints = [headers_checkpoint(m) if m else None for m in (target, draft)]   # a hub id: no weights fetched
+    report = check(*checkpoints, dev, store_dir, quick, progress=lambda line: click.echo(line, err=True))
     report.update(target=target, draft=draft)
     click.echo(summary(report))
     if json_path:
-        write_json(json_path, report)
+        write_report(json_path, report, target, draft)
     failed = [name for name, section in report.items() if isinstance(section, dict) and section.get("status") == "failed"]
     if failed:
         click.echo(f"offspec: doctor: {', '.join(failed)} failed (details in the report)", err=True)
@@ -731,8 +750,6 @@ def models_info(model_dir, draft_dir, device_memory, host_memory, dtype, offload
     model, else its config, tokenizer and safetensors headers are read from the hub, never its weights."""
     import torch
 
-    from .checkpoint import Checkpoint
-    from .hub import resolve_headers
     from .load import parse_dtype
     from .model_info import machine_for, model_info
     from .options import compare
@@ -745,12 +762,8 @@ def models_info(model_dir, draft_dir, device_memory, host_memory, dtype, offload
         raise InputError("--prefill-chunk must be at least 1")
     if tokens_per_pass < 1:
         raise InputError("--tokens-per-pass must be at least 1 (every pass yields its bonus token)")
-    def headers_of(name: str) -> Checkpoint:
-        folder, headers = resolve_headers(name)
-        return Checkpoint(folder, headers_only=True, headers=headers)
-
-    target = headers_of(model_dir)
-    draft = headers_of(draft_dir) if draft_dir else None
+    target = headers_checkpoint(model_dir)
+    draft = headers_checkpoint(draft_dir) if draft_dir else None
     dt = parse_dtype(dtype)
     machine = machine_for(parse_bytes(device_memory), parse_bytes(host_memory))
     runtime = RuntimeConfig(device=torch.device("cpu"), dtype=dt, target_quant=target_quant, resident_quant=resident_quant,
@@ -774,7 +787,8 @@ def models_info(model_dir, draft_dir, device_memory, host_memory, dtype, offload
     if options is not None:
         click.echo(options.table())
     if json_path:
-        write_json(json_path, {**plan.to_dict(), **({"options": options.to_dict()} if options is not None else {})})
+        write_report(json_path, {**plan.to_dict(), **({"compared": options.to_dict()} if options is not None else {})},
+                     target.path, draft.path if draft is not None else None)
 
 
 @models.command("prepare")

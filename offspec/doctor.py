@@ -38,19 +38,20 @@ READ_BYTES = 64 << 20          # bytes per read of the drive probe (dd bs=64M)
 MIN_PIN_BYTES = 256 << 20      # the pinning probe stops halving below this
 
 
-def check(target_dir: Optional[str], draft_dir: Optional[str], device: torch.device, store_dir: Optional[str],
-          quick: bool = False, progress: Callable[[str], None] = lambda line: None) -> dict:
-    """Every section, in order; `progress` hears a line as each starts."""
+def check(target, draft, device: torch.device, store_dir: Optional[str], quick: bool = False,
+          progress: Callable[[str], None] = lambda line: None) -> dict:
+    """Every section, in order; `progress` hears a line as each starts. target, draft: checkpoint.Checkpoints
+    (headers are enough: a hub id's, read without its weights; draft may be None), or no target."""
     report: dict = {"device": str(device)}
     sections = [("devices", lambda: devices()), ("host", lambda: host()),
                 ("pinning", lambda: pinning(device, quick)), ("link", lambda: link(device, quick)),
-                ("drive", lambda: drive(store_dir, target_dir, quick))]
+                ("drive", lambda: drive(store_dir, target, quick))]
     for name, run in sections:
         progress(f"checking {name} ...")
         report[name] = _guarded(run)
-    if target_dir is not None:
+    if target is not None:
         progress("planning the target ...")
-        report["advice"] = _guarded(lambda: advice(target_dir, draft_dir, device, report))
+        report["advice"] = _guarded(lambda: advice(target, draft, device, report))
     else:
         report["advice"] = {"status": "skipped", "why": "no --target given (and the demo models are not prepared)"}
     return report
@@ -182,7 +183,7 @@ def link(device: torch.device, quick: bool) -> dict:
     return out
 
 
-def drive(store_dir: Optional[str], target_dir: Optional[str], quick: bool) -> dict:
+def drive(store_dir: Optional[str], target, quick: bool) -> dict:
     """Cold read rate of the drive holding the stores: the target's packed store read as the streamer reads it
     (DiskStore: O_DIRECT where allowed, several reads in flight) when it exists; else a temporary file written
     there and read back front to back, buffered and with O_DIRECT."""
@@ -191,7 +192,7 @@ def drive(store_dir: Optional[str], target_dir: Optional[str], quick: bool) -> d
     folder = Path(store_dir) if store_dir else offspec_home() / "stores"
     folder.mkdir(parents=True, exist_ok=True)
     out: dict = {"folder": str(folder)}
-    store = _target_store(target_dir) if target_dir is not None and not store_dir else None
+    store = _target_store(target) if target is not None and not store_dir else None
     if store is not None:
         out.update(_read_store(*store))
         out["disk_io"] = "direct" if out["direct_gbps"] >= out["buffered_gbps"] else "buffered"
@@ -221,13 +222,12 @@ def drive(store_dir: Optional[str], target_dir: Optional[str], quick: bool) -> d
     return out
 
 
-def _target_store(target_dir: str):
-    """(store folder, checkpoint) of the target's default bf16 disk store, if it has been built."""
-    from .checkpoint import Checkpoint
+def _target_store(ckpt):
+    """(store folder, checkpoint) of the target's default bf16 disk store, if it has been built (a target whose
+    weights are not all here has none)."""
     from .demo import offspec_home
     from .load import store_dir_for
     from .stores import disk_store_exists
-    ckpt = Checkpoint(target_dir, headers_only=True)
     if ckpt.incomplete:
         return None
     folder = store_dir_for(ckpt, torch.bfloat16, offspec_home())
@@ -259,17 +259,14 @@ def _read_store(folder: str, ckpt) -> dict:
     return out
 
 
-def advice(target_dir: str, draft_dir: Optional[str], device: torch.device, report: dict) -> dict:
+def advice(target, draft, device: torch.device, report: dict) -> dict:
     """The memory plan for the target on this machine, the predicted pass time from the measured rates, and
     the flags to run with. The tree budget: on a GPU streaming the target, a pass costs its transfer time
     almost whatever it computes, so the largest tree whose verification compute stays under that time
     (from a measured matmul rate) is free; on a compute-bound run, `auto` measures it."""
-    from .checkpoint import Checkpoint
     from .config import OffloadConfig, RunLimits, RuntimeConfig
     from .plan import Machine, ModelSpec, make_plan, predicted_pass_seconds
 
-    target = Checkpoint(target_dir, headers_only=True)
-    draft = Checkpoint(draft_dir, headers_only=True) if draft_dir else None
     runtime = RuntimeConfig(device=device, dtype=torch.bfloat16, draft_quant="int8" if device.type == "cpu" else "none")
     plan = make_plan(ModelSpec.of(target), ModelSpec.of(draft) if draft else None, OffloadConfig(mode="auto"), runtime,
                      RunLimits(context=4096), Machine.measure(device))

@@ -212,11 +212,14 @@ class Engine:
     # ------------------------------------------------------------ the loop
     def weights_source(self) -> str:
         """Where the target's streamed layers come from, for the report (pinned or not, and why)."""
+        from .layout import format_bytes
         host = getattr(self.target.layers, "host", None)
         if host is None:
             return "resident"
-        return (f"{host.kind}, {'pinned' if host.pinned else 'pageable: ' + host.reason}"
-                + (f"; reads: {host.io}" if host.io else ""))
+        pinned = ("pinned" if host.pinned else
+                  f"{format_bytes(host.pinned_nbytes)} pinned, the rest pageable" if host.pinned_nbytes else
+                  f"pageable: {host.reason}")
+        return f"{host.kind}, {pinned}" + (f"; reads: {host.io}" if host.io else "")
 
     def close(self) -> None:
         """Stop the streamer's threads (a no-op for resident models)."""
@@ -612,10 +615,11 @@ class StreamDelta:
     dequant_seconds: float = 0.0   # quantized target: dequantizing its streamed layers (overlapped like the copies)
 
 
-def run(engine: Engine, request: GenerationRequest, *, load_seconds: float = 0.0,
-        offload: Optional[str] = None, on_text=None, on_step=None):
+def run(engine: Engine, request: GenerationRequest, *, start=None, offload: Optional[str] = None, on_text=None,
+        on_step=None):
     """Drive the loop to the end: stream text deltas to `on_text`, return (RunReport, steps).
-    offload: the mode for the report; default the engine's memory plan's ("none" for an engine without one)."""
+    start: the load's metrics.StartTimes, for the report (load.Loaded.start); offload: the mode for the report;
+    default the engine's memory plan's ("none" for an engine without one)."""
     from .prompt import IncrementalText
 
     text_stream = IncrementalText(engine.tokenizer, request.stop_strings)
@@ -631,10 +635,10 @@ def run(engine: Engine, request: GenerationRequest, *, load_seconds: float = 0.0
         if on_step is not None:
             on_step(step)
     text = "".join(streamed) if on_text is not None else None      # the deltas add up to the text
-    return report_of(engine, request, steps, load_seconds=load_seconds, offload=offload, text=text), steps
+    return report_of(engine, request, steps, start=start, offload=offload, text=text), steps
 
 
-def report_of(engine: Engine, request: GenerationRequest, steps: list[Step], *, load_seconds: float = 0.0,
+def report_of(engine: Engine, request: GenerationRequest, steps: list[Step], *, start=None,
               offload: Optional[str] = None, text: Optional[str] = None):
     """The RunReport of one request from its Steps (run() for one request, `offspec batch` for each of many).
     text: the output text when the caller has it already (streamed); else it is decoded from the steps."""
@@ -651,5 +655,4 @@ def report_of(engine: Engine, request: GenerationRequest, steps: list[Step], *, 
                      memory_plan=engine.plan.to_dict() if engine.plan is not None else None)
     if text is None:
         text = IncrementalText(engine.tokenizer, request.stop_strings).text([t for s in steps for t in s.tokens])
-    return build_report(steps, prompt_tokens=len(request.prompt_ids), text=text, load_seconds=load_seconds,
-                        setup=setup)
+    return build_report(steps, prompt_tokens=len(request.prompt_ids), text=text, setup=setup, start=start)

@@ -14,6 +14,7 @@
   4. Anything else (no such path, not an id) goes on unchanged; Checkpoint then says "no such model folder".
 `models info` plans without the weights: resolve_headers follows rules 1, 2 and 4, and in place of 3 fetches only
 config and tokenizer and reads the weight files' safetensors headers from the hub (a 70B plans from a few MB).
+The headers are kept under offspec's home (hub-headers/), by repo and commit, so the same plan works offline after.
 """
 from __future__ import annotations
 
@@ -96,6 +97,9 @@ def resolve_headers(name: str | Path) -> tuple[Path, Optional[dict[str, dict[str
     folder = cached_snapshot(repo_id, cache)
     if folder is not None:
         return folder, None
+    planned = planned_snapshot(repo_id, cache)
+    if planned is not None:
+        return planned
     if hub_offline():
         raise CheckpointError(
             f"{repo_id}: no such folder, and not in the Hugging Face cache {cache}; HF_HUB_OFFLINE is set, so its "
@@ -115,7 +119,39 @@ def resolve_headers(name: str | Path) -> tuple[Path, Optional[dict[str, dict[str
     headers = {file: {tensor: {"dtype": info.dtype, "shape": tuple(info.shape), "data_offsets": tuple(info.data_offsets)}
                       for tensor, info in meta.tensors.items()}
                for file, meta in metadata.files_metadata.items()}
+    path = headers_file(repo_id, folder.name)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(headers))
+        os.replace(tmp, path)
+    except OSError:                      # a read-only home: the plan still works, the next one asks the hub again
+        pass
     return folder, headers
+
+
+def headers_file(repo_id: str, revision: str) -> Path:
+    """Where a hub model's safetensors headers are kept once read: offspec's home, by repo and commit."""
+    from .demo import offspec_home
+    return offspec_home() / "hub-headers" / repo_id.replace("/", "--") / f"{revision}.json"
+
+
+def planned_snapshot(repo_id: str, cache: Path) -> Optional[tuple[Path, dict]]:
+    """(folder, headers) of a hub model planned before: its config in the cache at refs/main and its headers
+    kept for that commit (headers_file). No network; None when either is missing or unreadable."""
+    from huggingface_hub import snapshot_download
+
+    try:
+        folder = Path(snapshot_download(repo_id, cache_dir=cache, local_files_only=True, allow_patterns=PLAN_FILES,
+                                        ignore_patterns=HUB_SKIP))
+        kept = json.loads(headers_file(repo_id, folder.name).read_text())
+    except (OSError, ValueError):        # not cached, no headers kept, or a damaged file: ask the hub
+        return None
+    if not (folder / "config.json").is_file():
+        return None
+    return folder, {file: {tensor: {"dtype": t["dtype"], "shape": tuple(t["shape"]),
+                                    "data_offsets": tuple(t["data_offsets"])} for tensor, t in tensors.items()}
+                    for file, tensors in kept.items()}
 
 
 def cached_snapshot(repo_id: str, cache: Path) -> Optional[Path]:

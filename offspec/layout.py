@@ -15,6 +15,7 @@ import torch
 from .config import ModelConfig
 
 PAGE_BYTES = mmap.PAGESIZE   # host page size: mappings start on it, pinned pieces must too
+PIN_CHUNK_BYTES = 1 << 30     # a host arena is pinned in pieces of about this size (whole layers each)
 
 
 def format_bytes(n: float) -> str:
@@ -123,6 +124,23 @@ def arena_stride(block_nbytes: int) -> int:
     """Bytes from one layer's block to the next in a host arena: page-aligned, so the arena can be pinned in
     pieces of whole layers (docs/streaming.md §4)."""
     return round_up(block_nbytes, PAGE_BYTES)
+
+
+def arena_piece_layers(block_nbytes: int) -> int:
+    """Layers in one pinned piece of a host arena: as many whole layers as PIN_CHUNK_BYTES holds, at least one."""
+    return max(1, PIN_CHUNK_BYTES // arena_stride(block_nbytes))
+
+
+def pinned_arena_layers(n_layers: int, block_nbytes: int, budget: Optional[int]) -> int:
+    """How many of an arena's n_layers (its first) are pinned within `budget` bytes: whole pieces only, as the
+    transfer backend registers them (None: no budget, all of them)."""
+    if budget is None:
+        return n_layers
+    piece = arena_piece_layers(block_nbytes)
+    pinned = 0
+    while pinned < n_layers and min(pinned + piece, n_layers) * arena_stride(block_nbytes) <= budget:
+        pinned = min(pinned + piece, n_layers)
+    return pinned
 
 
 @dataclass

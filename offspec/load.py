@@ -28,6 +28,7 @@ from .errors import InputError
 from .generate import Engine
 from .hub import resolve_model
 from .layout import LayerWeights
+from .metrics import StartTimes
 from .model import Model, ResidentLayers
 from .plan import LayerPlan, Machine, MemoryPlan, ModelSpec, Placement, check_resident_quant, make_plan
 from .prompt import stop_token_ids
@@ -113,8 +114,12 @@ class Loaded:
     target_ckpt: Checkpoint
     draft_ckpt: Optional[Checkpoint]
     tokenizer: object
-    load_seconds: float
+    start: StartTimes              # the start, timed: open, plan, draft, target
     plan: MemoryPlan               # what was allocated where, as planned before loading
+
+    @property
+    def load_seconds(self) -> float:
+        return self.start.total
 
 
 @dataclass
@@ -161,12 +166,14 @@ class Models:
         """Plan, then load in the plan's order: draft, target globals, target layers (resident, ring, arena
         or store). The engine keeps to the plan's context, tree budget, prefill chunk and requests in flight
         (limits.concurrency None: the most the plan fits, recorded in plan.concurrency_auto)."""
-        start = time.perf_counter()
+        t0 = time.perf_counter()
         plan = self.plan(offload, runtime, limits, machine)
+        t1 = time.perf_counter()
         draft = None
         if self.draft is not None:
             check_draft_quant(runtime.draft_quant, runtime.device, runtime.dtype)
             draft = load_resident(self.draft, runtime.device, runtime.dtype, runtime.draft_quant)
+        t2 = time.perf_counter()
         target = load_target(self.target, plan.layers, runtime, progress)
         for ckpt in (self.target, self.draft):
             if ckpt is not None:
@@ -175,8 +182,8 @@ class Models:
                         max_tree_budget=plan.tree_budget, prefill_chunk=plan.prefill_chunk,
                         max_concurrency=plan.concurrency, plan=plan, target_quant=runtime.target_quant,
                         draft_quant=runtime.draft_quant)
-        return Loaded(engine, self.target, self.draft, self.tokenizer,
-                      self.open_seconds + time.perf_counter() - start, plan)
+        start = StartTimes(open=self.open_seconds, plan=t1 - t0, draft=t2 - t1, target=time.perf_counter() - t2)
+        return Loaded(engine, self.target, self.draft, self.tokenizer, start, plan)
 
 
 def load_engine(target_dir: str | Path, draft_dir: Optional[str | Path], offload: OffloadConfig,

@@ -58,6 +58,20 @@ class Step:
     acceptance_counts: Optional[AcceptanceCounts] = None   # what this round's tree said about acceptance (calibrate.py)
 
 
+@dataclass(frozen=True)
+class StartTimes:
+    """The start of a run, seconds: opening the models (configs, headers, tokenizers), the memory plan, loading
+    the draft (its quantized copies included) and the target (globals, resident layers, arena or store)."""
+    open: float = 0.0
+    plan: float = 0.0
+    draft: float = 0.0
+    target: float = 0.0
+
+    @property
+    def total(self) -> float:
+        return self.open + self.plan + self.draft + self.target
+
+
 @dataclass
 class RunReport:
     """What a user reads after a run (stderr summary and the --json file)."""
@@ -72,7 +86,7 @@ class RunReport:
     passes: int
     prefill_seconds: float              # the first target pass (prompt + first tree)
     decode_seconds: float
-    load_seconds: float
+    load_seconds: float                 # the start before the first pass: StartTimes.total
     draft_seconds: float
     target_seconds: float
     wait_seconds: float
@@ -96,10 +110,18 @@ class RunReport:
     tree_sizes: list[int] = field(default_factory=list)   # tree nodes proposed per round
     memory_plan: Optional[dict] = None  # plan.MemoryPlan.to_dict(): where every byte was planned to live
     calibration: Optional[dict] = None  # predicted vs observed acceptance of tree nodes (calibrate.AcceptanceCounts.report)
+    start: Optional[dict] = None        # the load split (StartTimes: open, plan, draft, target), where it was timed
 
     def to_dict(self) -> dict:
         return {**asdict(self), "tokens_per_second": tokens_per_second(self.seconds_per_token),
                 "tokens_per_second_e2e": tokens_per_second(self.seconds_per_token_e2e)}
+
+    def start_line(self) -> str:
+        """Where the time before the first token went: the load's parts, then the first round."""
+        parts = (": " + ", ".join(f"{name} {seconds:.2f} s" for name, seconds in self.start.items())
+                 if self.start else "")
+        return (f"load {self.load_seconds:.2f} s{parts}; first round {self.prefill_seconds:.2f} s; first token "
+                f"at {self.load_seconds + self.prefill_seconds:.2f} s")
 
     def summary(self) -> str:
         dev = f", device peak {self.peak_device_gb:.2f} GB" if self.peak_device_gb is not None else ""
@@ -119,7 +141,7 @@ class RunReport:
             f"{self.new_tokens} tokens in {self.passes} target passes ({self.tokens_per_pass:.2f} tokens/pass), "
             f"finish: {self.finish_reason}\n"
             f"{self.seconds_per_token:.4f} s/token decode, {self.seconds_per_token_e2e:.4f} s/token end to end "
-            f"(load {self.load_seconds:.2f} s, prefill {self.prefill_seconds:.2f} s)\n"
+            f"({self.start_line()})\n"
             f"target {self.target_seconds:.2f} s (waiting for weights {self.wait_seconds:.2f} s, compute "
             f"{self.compute_seconds:.2f} s), draft {self.draft_seconds:.2f} s; streamed {self.gb_streamed:.2f} GB "
             f"at {self.gb_per_second:.2f} GB/s{prefetch}{dequant}\n"
@@ -246,8 +268,8 @@ class RunSetup:
     memory_plan: Optional[dict] = None
 
 
-def build_report(steps: list[Step], *, prompt_tokens: int, text: str, load_seconds: float,
-                 setup: RunSetup) -> RunReport:
+def build_report(steps: list[Step], *, prompt_tokens: int, text: str, setup: RunSetup,
+                 start: Optional[StartTimes] = None) -> RunReport:
     """The RunReport of one request from the Steps of its passes."""
     tokens = [t for s in steps for t in s.tokens]
     n = len(tokens)
@@ -259,6 +281,7 @@ def build_report(steps: list[Step], *, prompt_tokens: int, text: str, load_secon
     wait = sum(s.wait_seconds for s in steps)
     transfer = sum(s.transfer_seconds for s in steps)
     streamed = sum(s.bytes_streamed for s in steps)
+    load_seconds = start.total if start is not None else 0.0
     return RunReport(
         prompt_tokens=prompt_tokens, new_tokens=n, tokens=tokens, text=text,
         finish_reason=steps[-1].finish_reason if steps and steps[-1].finish_reason else "length",
@@ -273,7 +296,7 @@ def build_report(steps: list[Step], *, prompt_tokens: int, text: str, load_secon
         dequant_seconds=sum(s.dequant_seconds for s in steps),
         peak_host_gb=peak_host_gb(), peak_device_gb=peak_device_gb(torch.device(setup.device)),
         acceptance=[s.accepted for s in steps], tree_sizes=[s.tree_size for s in steps],
-        calibration=acceptance_report(steps), **asdict(setup),
+        calibration=acceptance_report(steps), start=asdict(start) if start is not None else None, **asdict(setup),
     )
 
 

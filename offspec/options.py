@@ -24,6 +24,7 @@ from .plan import PINNED_FRACTION, Machine, MemoryPlan, ModelSpec, make_plan, pr
 
 QUANTS = ("none", "int8", "nf4")
 MODES = ("none", "cpu", "cpu+disk", "disk")
+DRAFT_CHOICES = ("none", "int8-held", "nf4")   # ways to hold the draft on a GPU: dense, or its layers held quantized
 
 
 @dataclass(frozen=True)
@@ -33,6 +34,7 @@ class Option:
     mode: str                        # the offload mode asked for (the plan may resolve cpu+disk to cpu or disk)
     plan: MemoryPlan
     pass_seconds: float              # PREDICTED; 0 when nothing streams
+    plan_draft_quant: str = "none"   # how the plan holds the draft (--draft-quant)
 
     @property
     def key(self) -> tuple:
@@ -50,6 +52,7 @@ class Comparison:
     refused: tuple[str, ...]         # "nf4 none", ...: the ones that do not fit
     auto: Optional[Option]           # what the run's own settings plan (None: they do not fit)
     keep_in_ram: Optional[int]       # host bytes the run's target would need to stream from pinned RAM alone
+    drafts: tuple[Option, ...] = ()  # the fastest row again with each way of holding the draft (DRAFT_CHOICES)
 
     def to_dict(self) -> dict:
         rows = [{"target_quant": o.target_quant, "mode": o.plan.mode, "resident": len(o.plan.placement.resident),
@@ -57,7 +60,10 @@ class Comparison:
                  "device_bytes": o.plan.total("device"), "host_bytes": o.plan.total("host"),
                  "predicted_pass_seconds": o.pass_seconds, "auto": self.auto is not None and o.key == self.auto.key,
                  "fastest": o.key == self.options[0].key} for o in self.options]
-        return {"options": rows, "refused": list(self.refused), "keep_in_ram_host_bytes": self.keep_in_ram}
+        drafts = [{"draft_quant": o.plan_draft_quant, "predicted_pass_seconds": o.pass_seconds,
+                   "resident": len(o.plan.placement.resident)} for o in self.drafts]
+        return {"options": rows, "refused": list(self.refused), "keep_in_ram_host_bytes": self.keep_in_ram,
+                "drafts": drafts}
 
     def table(self) -> str:
         """The options as aligned text, the auto one and the fastest marked."""
@@ -77,6 +83,11 @@ class Comparison:
         lines += ["  " + "  ".join(cell.ljust(w) for cell, w in zip(r, widths)).rstrip() for r in rows]
         if self.refused:
             lines.append("  does not fit: " + ", ".join(self.refused))
+        if len(self.drafts) > 1:
+            lines.append(f"  the draft, for the fastest row ({_quant_name(fastest)} {fastest.plan.mode}): " + ", ".join(
+                f"{'as stored' if o.plan_draft_quant == 'none' else o.plan_draft_quant} {o.pass_seconds:.2f} s "
+                f"({len(o.plan.placement.resident)} resident)" for o in self.drafts)
+                + " (a held draft changes how often its tokens are accepted, never the output)")
         if self.keep_in_ram is not None:
             lines.append(f"  every streamed layer in pinned RAM would take about {fmt(self.keep_in_ram)} of usable host "
                          f"memory (this machine: {fmt(self.auto.plan.machine.host_bytes)})")
@@ -90,10 +101,10 @@ def _quant_name(o: Option) -> str:
 def compare(target: ModelSpec, draft: Optional[ModelSpec], offload: OffloadConfig, runtime: RuntimeConfig,
             limits: RunLimits, machine: Machine, link_gbps: float, disk_gbps: float) -> Comparison:
     """Plan every target quantization and offload mode on `machine` with the run's other settings."""
-    def option(quant: str, mode: str) -> Option:
-        plan = make_plan(target, draft, replace(offload, mode=mode), replace(runtime, target_quant=quant), limits,
-                         machine)
-        return Option(quant, mode, plan, _pass_seconds(plan, link_gbps, disk_gbps))
+    def option(quant: str, mode: str, draft_quant: str = runtime.draft_quant) -> Option:
+        plan = make_plan(target, draft, replace(offload, mode=mode),
+                         replace(runtime, target_quant=quant, draft_quant=draft_quant), limits, machine)
+        return Option(quant, mode, plan, _pass_seconds(plan, link_gbps, disk_gbps), draft_quant)
 
     found, refused = {}, []
     for quant in QUANTS:
@@ -112,7 +123,20 @@ def compare(target: ModelSpec, draft: Optional[ModelSpec], offload: OffloadConfi
     options = tuple(sorted(found.values(), key=lambda o: (o.pass_seconds, o.target_quant != "none")))
     keep = _pinned_host_for_all(target, draft, offload, runtime, limits, auto.plan) \
         if auto is not None and auto.plan.placement.disk_layers else None
-    return Comparison(options, tuple(refused), auto, keep)
+    return Comparison(options, tuple(refused), auto, keep, _drafts(options[0], draft, option) if options else ())
+
+
+def _drafts(fastest: Option, draft: Optional[ModelSpec], option) -> tuple[Option, ...]:
+    """The fastest option with the draft held each way that fits (none when there is no draft)."""
+    if draft is None:
+        return ()
+    found = []
+    for draft_quant in DRAFT_CHOICES:
+        try:
+            found.append(option(fastest.target_quant, fastest.mode, draft_quant))
+        except BudgetError:
+            continue
+    return tuple(found)
 
 
 def _pass_seconds(plan: MemoryPlan, link_gbps: float, disk_gbps: float) -> float:

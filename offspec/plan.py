@@ -36,7 +36,8 @@ from .config import (AUTO_MAX_TREE_BUDGET, LM_HEAD_CHUNK_BYTES, ModelConfig, Off
                      attention_rows)
 from .costmodel import LINK_GB_PER_S as LINK_GBPS, PAGEABLE_GB_PER_S
 from .errors import BudgetError, InputError
-from .layout import BLOCK_ALIGN, N_STAGING, LayerLayout, arena_stride, layer_shapes, round_up
+from .layout import (BLOCK_ALIGN, N_STAGING, LayerLayout, arena_stride, layer_shapes, pinned_arena_layers,
+                     round_up)
 from .layout import format_bytes as fmt
 from .quant import HELD_DRAFT_QUANTS, QuantizedLayout, held_matrix_nbytes, target_layout
 
@@ -354,6 +355,22 @@ def place_layers(n_layers: int, layer_bytes: int, offload: OffloadConfig,
                      slot_nbytes=slot_bytes, held_nbytes=held_bytes if n_resident else None, compact=compact)
 
 
+def best_host_layers(n_streamed: int, n_ram: int, block_nbytes: int, pin_budget: int) -> int:
+    """How many of n_streamed layers to hold in host RAM (at most n_ram fit), the rest read from the disk store,
+    for the shortest PREDICTED pass on a GPU. The arena's first layers are pinned (pinned_arena_layers within
+    pin_budget) and copy at LINK_GBPS; its others are pageable and copy at PAGEABLE_GB_PER_S; a disk layer is
+    read at DISK_GBPS, overlapping the copies, then copied from pinned staging at LINK_GBPS:
+        pass(n) = max(copies, reads),  copies = (pinned + disk) / link + pageable / pageable,  reads = disk / drive
+    So a pageable RAM layer is not always better than a disk one: past the point where the reads hide under
+    the copies, the drive is the cheaper place for a layer that cannot be pinned. Ties keep more in RAM."""
+    def seconds(n_host: int) -> float:
+        pageable = n_host - pinned_arena_layers(n_host, block_nbytes, pin_budget)
+        disk = n_streamed - n_host
+        copies = ((n_streamed - pageable) / LINK_GBPS + pageable / PAGEABLE_GB_PER_S) * block_nbytes / GB
+        return max(copies, disk * block_nbytes / (DISK_GBPS * GB))
+    return min(range(n_ram + 1), key=lambda n: (seconds(n), -n))
+
+
 def split_tiers(placement: Placement, n_host: int) -> Placement:
     """Mode cpu+disk with n_host of the streamed layers held in host RAM. The others, read from the disk store,
     are spread evenly through the pass (the k-th of D at position floor((k + 1/2) S / D) of the S streamed
@@ -491,6 +508,8 @@ class MemoryPlan:
     concurrency_auto: bool = False  # concurrency was auto: `concurrency` is the most rows in flight, and the
                                     # measured costs may keep fewer (Engine.run_batch's adapt_rows)
     host_head_bytes: int = 0        # an lm_head kept in host memory: bytes crossing (pageable) every pass
+    pinned_layers: int = 0          # of the host arena's layers, the first this many are pinned (the rest pageable)
+    pinned_budget: int = 0          # host bytes that may be pinned (the arena's share: layers.host_budget)
 
     @property
     def placement(self) -> Placement:
@@ -501,11 +520,6 @@ class MemoryPlan:
     def mode(self) -> str:
         """The offload mode that runs ("auto" resolved)."""
         return self.placement.mode
-
-    @property
-    def pinned_budget(self) -> int:
-        """Host bytes that may be pinned."""
-        return self.layers.host_budget
 
     @property
     def target_quant(self) -> str:
@@ -522,7 +536,11 @@ class MemoryPlan:
         if not p.streamed:
             return (f"all {p.n_layers} target layers resident on the device"
                     + (held or (f" (the {self.target_quant} target, dequantized)" if quantized else "")))
-        ram = "host RAM (" + ("pinned" if self.host_pinned else "pageable") + ")"
+        n_host = len(p.host_layers)
+        pinned = ("pinned" if self.pinned_layers == n_host and self.machine.kind == "cuda" else
+                  f"{self.pinned_layers} pinned, {n_host - self.pinned_layers} pageable" if self.pinned_layers else
+                  "pageable")
+        ram = f"host RAM ({pinned})"
         source = {"cpu": ram, "disk": "the disk store",
                   "cpu+disk": f"{ram} ({len(p.host_layers)} layers) and the disk store ({len(p.disk_layers)} layers, "
                               f"spread through the pass)"}[self.mode]
@@ -572,7 +590,8 @@ class MemoryPlan:
                           "slot_nbytes": self.placement.ring_slot_nbytes,
                           "resident_held": self.placement.resident_held,
                           "resident_nbytes": self.placement.resident_nbytes,
-                          "scratch_nbytes": self.placement.scratch_nbytes}
+                          "scratch_nbytes": self.placement.scratch_nbytes,
+                          "compact": self.placement.compact}
         d["device_total"], d["host_total"] = self.total("device"), self.total("host")
         d["layers_line"] = self.layers_line()
         return d
@@ -795,6 +814,7 @@ def _place(target: ModelSpec, offload: OffloadConfig, runtime: RuntimeConfig, ma
     else:
         all_layers = min(n_layers * L, n_layers * B + L)
     host_runtime = 0 if shared else RUNTIME_HOST_BYTES
+    host_fixed = host_runtime + sum(i.nbytes for i in fixed if i.where == "host")   # (a target global kept there)
     loading = max(L, target.cfg.vocab_size * target.cfg.hidden_size * s)   # one layer or the embedding, on the host
     arena = lambda streamed: streamed * arena_stride(B)                   # noqa: E731
     staging = N_STAGING * round_up(B, BLOCK_ALIGN)
@@ -814,7 +834,7 @@ def _place(target: ModelSpec, offload: OffloadConfig, runtime: RuntimeConfig, ma
 
     mode = offload.mode
     if mode == "auto":
-        mode = _auto_mode(shared, left, all_layers, arena(n_layers), loading + host_runtime, machine, offload,
+        mode = _auto_mode(shared, left, all_layers, arena(n_layers), loading + host_fixed, machine, offload,
                           pinned_budget - staging)
         notes.append(f"offload auto -> {mode}")
 
@@ -844,14 +864,18 @@ def _place(target: ModelSpec, offload: OffloadConfig, runtime: RuntimeConfig, ma
                                  slot_bytes=slot if quant != "none" else None, held_bytes=held,
                                  resident_quant=runtime.resident_quant)
     if placement.mode == "cpu+disk":
-        # The host tier holds what fits beside everything else on the host (the disk staging included), and on
-        # a GPU within the pinned budget too (a pageable arena copies at PAGEABLE_GB_PER_S, a sixth of the pinned
-        # rate on the GPU measured); the rest is read from the disk store.
-        room = machine.host_bytes - loading - host_runtime - staging
+        # The host tier holds what fits beside everything else on the host (the disk staging included); on a
+        # GPU its first layers are pinned, within the pinned budget, and the rest pageable, as many as make the
+        # pass shortest (best_host_layers); the others are read from the disk store.
+        room = machine.host_bytes - loading - host_fixed - staging
         room -= fixed_bytes + placement.device_bytes if shared else 0
-        if not shared or offload.host_budget is not None:     # (a CPU device pins nothing: a given budget caps it)
-            room = min(room, pinned_budget - staging)
-        placement = split_tiers(placement, max(room, 0) // arena_stride(B))
+        if shared and offload.host_budget is not None:        # (a CPU device pins nothing: a given budget caps it)
+            room = min(room, offload.host_budget - staging)
+        n_ram = max(room, 0) // arena_stride(B)
+        if not shared:
+            n_ram = best_host_layers(len(placement.streamed), min(n_ram, len(placement.streamed)), B,
+                                     pinned_budget - staging)
+        placement = split_tiers(placement, n_ram)
         mode = placement.mode
         notes.append(f"{len(placement.host_layers)} streamed layers in host RAM, {len(placement.disk_layers)} read "
                      f"from the disk store" if mode == "cpu+disk" else f"offload cpu+disk -> {mode}")
@@ -874,20 +898,22 @@ def _place(target: ModelSpec, offload: OffloadConfig, runtime: RuntimeConfig, ma
     if placement.resident and not placement.resident_held:
         items.append(PlanItem("device", f"resident target layers ({len(placement.resident)})",
                               len(placement.resident) * L))
-    host_pinned = False
     streamed = len(placement.streamed)
+    n_host = len(placement.host_layers)
+    arena_budget = pinned_budget - (staging if placement.disk_layers else 0)   # the staging buffers pin first
+    pinned_layers = 0 if shared else pinned_arena_layers(n_host, B, arena_budget)
+    host_pinned = not shared and pinned_layers == n_host and (bool(n_host) or bool(placement.disk_layers))
     if placement.host_layers:
-        nbytes = arena(len(placement.host_layers))
-        host_pinned = not shared and nbytes <= pinned_budget
-        note = ("pinned" if host_pinned else
+        nbytes = arena(n_host)
+        note = ("pinned" if pinned_layers == n_host else
                 "pageable: the CPU is the device" if shared else
-                f"pageable: over the pinned budget {fmt(pinned_budget)}; copies are slower")
-        items.append(PlanItem("host", f"host arena ({len(placement.host_layers)} layers)", nbytes, note))
-        if not shared and not host_pinned:
-            notes.append(f"the host arena ({fmt(nbytes)}) is over the pinned budget ({fmt(pinned_budget)}): "
-                         f"pageable, copies are slower (--host-budget sets the budget)")
+                f"{pinned_layers} layers pinned (the pinned budget {fmt(arena_budget)}), {n_host - pinned_layers} "
+                f"pageable, copied about {LINK_GBPS / PAGEABLE_GB_PER_S:.0f}x slower")
+        items.append(PlanItem("host", f"host arena ({n_host} layers)", nbytes, note))
+        if not shared and pinned_layers < n_host:
+            notes.append(f"the host arena ({fmt(nbytes)}) is over the pinned budget ({fmt(arena_budget)}): "
+                         f"{n_host - pinned_layers} of its layers are pageable (--host-budget sets the budget)")
     if placement.disk_layers:
-        host_pinned = not shared and arena(len(placement.host_layers)) + staging <= pinned_budget
         items.append(PlanItem("host", "disk staging buffers", staging, f"{N_STAGING} × {fmt(B)}"))
     items.append(PlanItem("host", "loading (transient)", loading, "one layer or the embedding at a time"))
     if not shared:
@@ -900,7 +926,7 @@ def _place(target: ModelSpec, offload: OffloadConfig, runtime: RuntimeConfig, ma
                "lower --context or --tree-budget")
         raise BudgetError(f"the run needs {fmt(host_total)} of host memory but {fmt(machine.host_bytes)} is available "
                           f"({machine.host_source}): {fix}")
-    layers = LayerPlan(placement, quant, offload.store_dir or store_dir, pinned_budget, offload.overlap,
+    layers = LayerPlan(placement, quant, offload.store_dir or store_dir, arena_budget, offload.overlap,
                        offload.drop_page_cache, offload.disk_io)
     if not layers.from_store:
         layers = replace(layers, store_dir=None)           # no store is read: name no folder
@@ -908,38 +934,36 @@ def _place(target: ModelSpec, offload: OffloadConfig, runtime: RuntimeConfig, ma
                       prefill_chunk=limits.prefill_chunk, concurrency=limits.concurrency, layers=layers,
                       layer_budget=left if offload.gpu_budget is None else offload.gpu_budget,
                       host_pinned=host_pinned, items=tuple(items), notes=tuple(notes),
-                      streamed_bytes=streamed * B, block_nbytes=B)
+                      streamed_bytes=streamed * B, block_nbytes=B, pinned_layers=pinned_layers,
+                      pinned_budget=pinned_budget)
 
 
 def _auto_mode(shared: bool, left: int, all_layers: int, full_arena: int, host_fixed: int, machine: Machine,
                offload: OffloadConfig, pinnable: int) -> str:
-    """none if every layer fits on the device; else cpu if the arena fits in host memory, unless it is over the
-    pinned budget and the predicted pass (LINK_GBPS, DISK_GBPS) of the pinnable part in RAM and the rest on disk
-    is shorter than a pageable arena's (copied at PAGEABLE_GB_PER_S); else cpu+disk (as many streamed layers
-    in host RAM as fit, the rest from the disk store; _place may find none fit: disk)."""
+    """none if every layer fits on the device; else cpu if the whole arena fits in the pinned budget; else
+    cpu+disk, whose host tier _place sizes for the shortest predicted pass (best_host_layers: pinned, then
+    pageable RAM, then the disk store; all in RAM resolves to cpu, none to disk)."""
     if shared:
         return "none"
     budget = offload.gpu_budget if offload.gpu_budget is not None else left
     if all_layers <= budget:
         return "none"
-    if full_arena + host_fixed <= machine.host_bytes:
-        if full_arena <= pinnable:
-            return "cpu"
-        pageable = full_arena / min(LINK_GBPS, PAGEABLE_GB_PER_S)
-        tiered = max(full_arena / LINK_GBPS, (full_arena - max(pinnable, 0)) / DISK_GBPS)
-        return "cpu" if pageable <= tiered else "cpu+disk"
+    if full_arena + host_fixed <= machine.host_bytes and full_arena <= pinnable:
+        return "cpu"
     return "cpu+disk"
 
 
 def predicted_pass_seconds(plan: MemoryPlan, link_gb_per_s: float, disk_gb_per_s: Optional[float] = None) -> float:
     """PREDICTION: the transfer time of one target pass (copies overlap compute, so this is its floor when
-    streaming dominates): every streamed byte crosses the link, and the disk layers' bytes are read from the
-    drive too, their reads overlapping the copies:  max(streamed / link, disk bytes / drive); plus an lm_head
-    kept in host memory, whose pageable chunks cross after the layers (not overlapped)."""
-    rate = link_gb_per_s
-    if plan.placement.host_layers and not plan.host_pinned and plan.machine.kind == "cuda":
-        rate = min(rate, PAGEABLE_GB_PER_S)      # pageable copies are staged by the driver through a bounce buffer
-    seconds = plan.streamed_bytes / (rate * GB)
+    streaming dominates): every streamed byte crosses the link, pinned ones at its rate and the arena's pageable
+    ones at PAGEABLE_GB_PER_S (the driver stages them through a bounce buffer), and the disk layers' bytes are
+    read from the drive too, their reads overlapping the copies:  max(copies, disk bytes / drive); plus an
+    lm_head kept in host memory, whose pageable chunks cross after the layers (not overlapped)."""
+    pageable = 0
+    if plan.machine.kind == "cuda":
+        pageable = (len(plan.placement.host_layers) - plan.pinned_layers) * plan.block_nbytes
+    seconds = ((plan.streamed_bytes - pageable) / link_gb_per_s
+               + pageable / min(link_gb_per_s, PAGEABLE_GB_PER_S)) / GB
     if disk_gb_per_s:
         seconds = max(seconds, len(plan.placement.disk_layers) * plan.block_nbytes / (disk_gb_per_s * GB))
     return seconds + plan.host_head_bytes / (min(link_gb_per_s, PAGEABLE_GB_PER_S) * GB)

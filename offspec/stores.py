@@ -1,7 +1,7 @@
 """Where the target's streamed layers live on the host: the weight stores and offspec's on-disk format.
 
   HostArenaStore   the streamed layers packed into ONE host arena (pinned on CUDA, exactly sized, in pieces of
-                   about PIN_CHUNK_BYTES; docs/streaming.md §4), one contiguous block per layer.
+                   about layout.PIN_CHUNK_BYTES; docs/streaming.md §4), one contiguous block per layer.
   DiskStore        offspec's packed store on disk, read into pinned staging buffers: O_DIRECT where the
                    filesystem allows it, each block in pieces read by several threads at once (§5).
   prepare_disk_store   builds a store once from a checkpoint's layer tensors (dense or quantized blocks).
@@ -28,7 +28,7 @@ import torch
 from tqdm import tqdm
 
 from .errors import CheckpointError, StoreError
-from .layout import BLOCK_ALIGN, N_STAGING, LayerLayout, arena_stride, round_up
+from .layout import BLOCK_ALIGN, N_STAGING, LayerLayout, arena_piece_layers, arena_stride, round_up
 from .quant import QuantizedLayout
 from .transfer import HostBuffer, TransferBackend, TransferEvent, format_bytes
 
@@ -40,7 +40,6 @@ STORE_FORMAT = "offspec-layer-store"
 STORE_VERSION = 1
 MANIFEST = "manifest.json"
 LAYERS_BIN = "layers.bin"
-PIN_CHUNK_BYTES = 1 << 30     # the host arena is pinned in pieces of about this size (whole layers each)
 
 def store_fingerprint(layout: BlockLayout, n_layers: int, source_id: str = "") -> str:
     """Identifies what a disk store holds: the model's layer shapes, dtype and quantization (the layout),
@@ -74,6 +73,7 @@ class StoreInfo:
     reason: str        # why not pinned ("" when pinned)
     path: str = ""     # disk store directory
     io: str = ""       # disk store: how layers.bin is read, e.g. "O_DIRECT, 4 reads in flight (≤ 22.3 MiB each)"
+    pinned_nbytes: int = 0   # an arena pinned in part (its first pieces, within the pinned budget): those bytes
 
 
 @dataclass
@@ -100,8 +100,8 @@ class HostArenaStore:
         self._block_of = {layer: i for i, layer in enumerate(layers)}   # layer index -> block index
         self._stride = arena_stride(layout.nbytes)                     # bytes from one block to the next
         nbytes = len(layers) * self._stride      # the memory plan has checked that the host can hold it
-        layers_per_piece = max(1, PIN_CHUNK_BYTES // self._stride)
-        self._arena = backend.host_buffer(nbytes, host_budget, chunk_bytes=layers_per_piece * self._stride)
+        self._arena = backend.host_buffer(nbytes, host_budget,
+                                          chunk_bytes=arena_piece_layers(layout.nbytes) * self._stride)
 
     @classmethod
     def build(cls, layer_tensors_fn: LayerTensorsFn, layout: BlockLayout, layers: Sequence[int],
@@ -131,11 +131,14 @@ class HostArenaStore:
         return self._arena.tensor[start: start + self.layout.nbytes]
 
     def acquire(self, layer: int, next_layer: Optional[int] = None) -> Staged:
-        # The arena is never rewritten, so its blocks need no reuse gate (and nothing is read ahead).
-        return Staged(self.block(layer), self._arena.pinned, gate=None, read_s=0.0)
+        # The arena is never rewritten, so its blocks need no reuse gate (and nothing is read ahead). A block is
+        # pinned where it lies in the pinned prefix (a budget pins the first pieces; the rest copy pageable).
+        pinned = self._arena.pinned_at(self._block_of[layer] * self._stride, self.layout.nbytes)
+        return Staged(self.block(layer), pinned, gate=None, read_s=0.0)
 
     def info(self) -> StoreInfo:
-        return StoreInfo("host arena", self._arena.nbytes, self._arena.pinned, self._arena.reason)
+        return StoreInfo("host arena", self._arena.nbytes, self._arena.pinned, self._arena.reason,
+                         pinned_nbytes=self._arena.pinned_nbytes)
 
     def close(self) -> None:
         self._arena.close()
@@ -469,7 +472,8 @@ class TieredStore:
         host, disk = self.host.info(), self.disk.info()
         pinned = host.pinned and disk.pinned
         return StoreInfo("host arena + disk store", host.nbytes + disk.nbytes, pinned,
-                         "" if pinned else (host.reason or disk.reason), path=disk.path, io=disk.io)
+                         "" if pinned else (host.reason or disk.reason), path=disk.path, io=disk.io,
+                         pinned_nbytes=host.pinned_nbytes)
 
     def close(self) -> None:
         self.disk.close()

@@ -89,13 +89,22 @@ class HostBuffer:
     def __init__(self, nbytes: int, pinned: bool, reason: str, mapping: mmap.mmap):
         self.tensor = torch.frombuffer(mapping, dtype=torch.uint8)  # (nbytes,) uint8 over the mapping
         self.nbytes = nbytes      # exact size in bytes
-        self.pinned = pinned      # page-locked and registered with CUDA: async H2D copies from it are allowed
-        self.reason = reason      # why it is not pinned ("" when it is)
+        self.pinned = pinned      # all of it page-locked and registered with CUDA: async H2D copies are allowed
+        self.pinned_nbytes = nbytes if pinned else 0   # the pinned prefix (a budget may pin the first pieces only)
+        self.reason = reason      # why it is not (all) pinned ("" when it is)
         self._mapping = mapping   # kept so the memory lives as long as this buffer
         self._unpin: Optional[Callable[[], None]] = None   # undoes the registration, once, on close
 
-    def mark_pinned(self, unpin: Callable[[], None]) -> None:
-        self.pinned, self.reason, self._unpin = True, "", unpin
+    def mark_pinned(self, unpin: Callable[[], None], nbytes: Optional[int] = None) -> None:
+        """Registered: all of it, or its first `nbytes` (whole pieces within a pinned budget)."""
+        self.pinned_nbytes = self.nbytes if nbytes is None else nbytes
+        self.pinned, self._unpin = self.pinned_nbytes == self.nbytes, unpin
+        self.reason = "" if self.pinned else (f"the first {format_bytes(self.pinned_nbytes)} of "
+                                              f"{format_bytes(self.nbytes)} pinned (the pinned budget)")
+
+    def pinned_at(self, offset: int, nbytes: int) -> bool:
+        """Bytes [offset, offset + nbytes) are pinned: an async copy from them is allowed."""
+        return offset + nbytes <= self.pinned_nbytes
 
     @staticmethod
     def map(nbytes: int) -> mmap.mmap:
@@ -111,7 +120,7 @@ class HostBuffer:
         if self._unpin is not None:
             unpin, self._unpin = self._unpin, None
             unpin()
-            self.pinned = False
+            self.pinned, self.pinned_nbytes = False, 0
         self.tensor = None
         self._mapping = None
 
@@ -385,16 +394,18 @@ class CudaBackend:
 
         chunk_bytes: register in pieces of this size (one piece when None), since one huge registration
         can fail (pytorch#152335). Pieces start on page boundaries, and the caller must never copy a range
-        that spans two of them."""
+        that spans two of them (CUDA refuses it). Over host_budget, only the first pieces that fit in it are
+        registered (pinned_nbytes; the rest stays pageable)."""
         buffer = HostBuffer(nbytes, pinned=False, reason="", mapping=HostBuffer.map(nbytes))
-        if host_budget is not None and nbytes > host_budget:
-            buffer.reason = f"{format_bytes(nbytes)} exceeds host_budget {format_bytes(host_budget)}"
-            return buffer
         chunk = chunk_bytes or nbytes
         if chunk < nbytes and chunk % PAGE_BYTES:
             raise ValueError(f"pinning pieces of {chunk} bytes do not start on {PAGE_BYTES}-byte pages")
         base = buffer.tensor.data_ptr()
-        pieces = [(base + offset, min(chunk, nbytes - offset)) for offset in range(0, nbytes, chunk)]
+        pieces = [(base + offset, min(chunk, nbytes - offset)) for offset in range(0, nbytes, chunk)
+                  if host_budget is None or offset + min(chunk, nbytes - offset) <= host_budget]
+        if not pieces:
+            buffer.reason = f"{format_bytes(nbytes)} exceeds host_budget {format_bytes(host_budget)}"
+            return buffer
 
         def register(cudart) -> str:
             for i, (ptr, size) in enumerate(pieces):
@@ -418,7 +429,7 @@ class CudaBackend:
         if failure:
             buffer.reason = f"cudaHostRegister failed: {failure}"
         else:
-            buffer.mark_pinned(unpin)
+            buffer.mark_pinned(unpin, sum(size for _, size in pieces))
         return buffer
 
     def _on_helper_thread(self, calls: Callable[[Any], str]) -> str:

@@ -108,6 +108,10 @@ def test_generate_streams_text_report_and_json(m, tmp_path):
     assert report["new_tokens"] == N and report["finish_reason"] == "length"
     assert report["passes"] >= 1 and report["tokens_per_pass"] == pytest.approx(N / report["passes"])
     assert report["seconds_per_token"] > 0 and report["tree_policy"] == "dyspec" and report["tree_budget"] is None
+    start = report["start"]                                                  # where the time before the first token went
+    assert set(start) == {"open", "plan", "draft", "target"} and all(v >= 0 for v in start.values())
+    assert sum(start.values()) == pytest.approx(report["load_seconds"])
+    assert f"first token at {report['load_seconds'] + report['prefill_seconds']:.2f} s" in result.stderr
     # the chat template was applied: more prompt tokens than the raw text, and exactly the templated ids
     raw_ids = encode_prompt(m.plain.tokenizer, PROMPT, raw=True)
     assert report["prompt_tokens"] == len(encode_prompt(m.plain.tokenizer, PROMPT)) > len(raw_ids)
@@ -400,6 +404,11 @@ def test_batch_with_no_valid_line_fails_and_a_finished_one_has_nothing_to_do(m, 
     assert result.exit_code == 2 and "Traceback" not in result.output
     assert "no valid prompt found" in result.stderr and "nothing to do" not in result.stderr
     assert not out.exists()
+    # Lines that parse, none of which can be encoded (chat messages with --raw): the same failure.
+    chat = write_jsonl(tmp_path / "chat.jsonl", [{"id": "c", "messages": [{"role": "user", "content": "hi"}]}])
+    result = cli("batch", chat, "-o", out, "--raw", *m.models, *FAST)
+    assert result.exit_code == 2 and "Traceback" not in result.output
+    assert "no prompt could be encoded (1 skipped)" in result.stderr
 
     prompts = write_jsonl(tmp_path / "p.txt", ["one"])
     ok(cli("batch", prompts, "-o", out, *m.models, *FAST, "--max-new-tokens", 2))

@@ -24,6 +24,8 @@ def test_doctor_cli_reports_every_section(pair, tmp_path):
                                   "--store-dir", str(tmp_path / "stores"), "--quick", "--json", str(out)])
     assert r.exit_code == 0, r.output
     report = json.loads(out.read_text())
+    assert report["models"] == {"target": str(pair[0]), "draft": str(pair[1])}        # provenance, as every report
+    assert report["offspec"]["command"].endswith("doctor") and report["options"]["quick"] is True
     assert report["devices"]["cuda"] is False and report["pinning"]["status"] == "skipped"
     assert report["host"]["usable_bytes"] > 0 and report["host"]["default_pinned_budget_bytes"] < report["host"]["usable_bytes"]
     assert report["link"]["pageable_gbps"] > 0
@@ -50,7 +52,8 @@ def test_a_failing_section_is_recorded_and_the_rest_still_run(pair, tmp_path, mo
         raise OSError(5, "Input/output error")
 
     monkeypatch.setattr(doctor_mod, "drive", broken)
-    report = check(str(pair[0]), None, torch.device("cpu"), str(tmp_path), quick=True)
+    from offspec.checkpoint import Checkpoint
+    report = check(Checkpoint(pair[0], headers_only=True), None, torch.device("cpu"), str(tmp_path), quick=True)
     assert report["drive"]["status"] == "failed" and "Input/output error" in report["drive"]["error"]
     assert report["link"]["status"] == "ok" and report["advice"]["status"] == "ok"
     r = CliRunner().invoke(main, ["doctor", "--target", str(pair[0]), "--device", "cpu", "--quick"])

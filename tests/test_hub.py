@@ -54,6 +54,7 @@ def cache(tmp_path, monkeypatch, folders):
     cache = tmp_path / "hf" / "hub"
     monkeypatch.setenv("HF_HUB_CACHE", str(cache))
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("OFFSPEC_HOME", str(tmp_path / "offspec-home"))     # kept hub headers go there
     cache_model(cache, "tiny-org/tiny-target", folders[0])
     cache_model(cache, "tiny-org/tiny-draft", folders[1])
     return cache
@@ -242,6 +243,25 @@ def test_models_info_plans_a_hub_id_from_its_headers_without_the_weights(cache, 
     headers = [c for c in calls if c[0] == "get_safetensors_metadata"]
     assert [c[1] for c in headers] == ["meta-llama/Llama-3.1-70B-Instruct", "meta-llama/Llama-3.2-1B-Instruct"]
     assert headers[0][2]["revision"] == COMMIT                # the headers of the config's revision
+
+    # The headers were kept: the same plan works offline, and asks the hub nothing.
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    calls.clear()
+    again = cli("models", "info", "meta-llama/Llama-3.1-70B-Instruct", "--draft", "meta-llama/Llama-3.2-1B-Instruct",
+                "--device-memory", "24GB", "--host-memory", "64GB", "--target-quant", "nf4")
+    assert again.exit_code == 0, again.output
+    assert again.stdout == result.stdout
+    assert not [c for c in calls if c[0] == "get_safetensors_metadata"]
+
+
+def test_doctor_plans_a_hub_id_from_its_headers_without_the_weights(cache, monkeypatch, tmp_path):
+    fake_hub(monkeypatch, {"meta-llama/Llama-3.2-1B-Instruct": "Llama-3.2-1B-Instruct"})
+    result = cli("doctor", "--target", "meta-llama/Llama-3.2-1B-Instruct", "--device", "cpu", "--quick",
+                 "--store-dir", str(tmp_path / "stores"))
+    assert result.exit_code == 0, (result.output, result.exception)
+    assert "memory plan: cpu" in result.stdout
+    assert "recommended: offspec generate --target meta-llama/Llama-3.2-1B-Instruct" in result.stdout
+    assert not list(cache.glob("models--meta-llama--*/**/*.safetensors"))    # no weight file came down
 
 
 def test_models_info_on_a_hub_id_offline_or_unreachable_is_one_line(cache, monkeypatch):

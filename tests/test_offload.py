@@ -364,10 +364,10 @@ def test_abandoned_pass_is_finished_before_the_next(tmp_path):
 
 def test_arena_pins_in_whole_layer_pieces(monkeypatch):
     """No layer may straddle two pinned registrations, and every piece starts on a page."""
-    import offspec.stores as stores
+    import offspec.layout as layout_module
     layout = LayerLayout.of(TINY, torch.float32)
     stride = arena_stride(layout.nbytes)
-    monkeypatch.setattr(stores, "PIN_CHUNK_BYTES", 3 * stride + 1)
+    monkeypatch.setattr(layout_module, "PIN_CHUNK_BYTES", 3 * stride + 1)
     asked = {}
 
     class Recording(CpuBackend):
@@ -386,6 +386,34 @@ def test_arena_pins_in_whole_layer_pieces(monkeypatch):
         assert torch.equal(layout.views(store.block(i)).k_proj, weights[i]["k_proj"])
     store.close()
     backend.close()
+
+
+def test_an_arena_pinned_in_part_stages_its_pinned_layers_as_pinned(monkeypatch):
+    """An arena over its pinned budget has its first pieces pinned (transfer.HostBuffer.pinned_nbytes): a layer in
+    them is staged pinned (its copy asynchronous), one past them pageable; the store says how much is pinned."""
+    import offspec.layout as layout_module
+    from offspec.transfer import HostBuffer
+    layout = LayerLayout.of(TINY, torch.float32)
+    stride = arena_stride(layout.nbytes)
+    monkeypatch.setattr(layout_module, "PIN_CHUNK_BYTES", stride)       # a piece a layer
+
+    class PinsWhatFits(CpuBackend):                                      # registers as CUDA would, but nothing
+        def host_buffer(self, nbytes, host_budget=None, chunk_bytes=None):
+            buffer = HostBuffer(nbytes, pinned=False, reason="", mapping=HostBuffer.map(nbytes))
+            fits = (host_budget // chunk_bytes) * chunk_bytes
+            buffer.mark_pinned(lambda: None, min(fits, nbytes))
+            return buffer
+    backend = PinsWhatFits()
+    weights = random_layers(TINY)
+    store = HostArenaStore.build(weights.__getitem__, layout, range(N_LAYERS), backend, host_budget=2 * stride + 1,
+                                 progress=False)
+    try:
+        assert [store.acquire(i).pinned for i in range(N_LAYERS)] == [True, True] + [False] * (N_LAYERS - 2)
+        info = store.info()
+        assert not info.pinned and info.pinned_nbytes == 2 * stride and "the first" in info.reason
+    finally:
+        store.close()
+        backend.close()
 
 
 def test_loader_errors_surface_and_close_is_clean():

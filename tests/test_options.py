@@ -75,7 +75,9 @@ def test_models_info_prints_the_options_and_shows_them_before_a_refusal(tmp_path
     r = CliRunner().invoke(main, ["models", "info", str(t), "--draft", str(d), *machine, "--json", str(out)])
     assert r.exit_code == 0, r.output
     assert "options (int8 / nf4 change the target" in r.output and "fastest" in r.output
-    rows = json.loads(out.read_text())["options"]["options"]
+    report = json.loads(out.read_text())
+    assert report["models"] == {"target": str(t), "draft": str(d)} and report["offspec"]["command"].endswith("models info")
+    rows = report["compared"]["options"]
     assert rows[0]["fastest"] and rows[0]["target_quant"] == "nf4"
     assert [row["mode"] for row in rows if row["auto"]] == ["cpu+disk"]
     r = CliRunner().invoke(main, ["models", "info", str(t), "--draft", str(d), *machine, "--offload", "cpu"])
@@ -94,3 +96,18 @@ def test_where_everything_fits_forced_offload_modes_are_not_rows_of_their_own(pa
 def pair_root(pair):
     from pathlib import Path
     return Path(pair[1].name).parent
+
+
+def test_the_draft_choices_are_named_for_the_fastest_row(pair):
+    """A draft held quantized leaves the device more room for resident target layers: the fastest row is planned
+    again with the draft dense, int8-held and nf4, and the table names each with its predicted pass."""
+    c = compared(pair, 24, 64)
+    assert [o.plan_draft_quant for o in c.drafts] == ["none", "int8-held", "nf4"]
+    resident = [len(o.plan.placement.resident) for o in c.drafts]
+    assert resident[0] < resident[2] and c.drafts[2].pass_seconds < c.drafts[0].pass_seconds
+    assert all(o.target_quant == c.options[0].target_quant for o in c.drafts)
+    assert "the draft, for the fastest row (nf4 cpu): as stored" in c.table()
+    assert [d["draft_quant"] for d in c.to_dict()["drafts"]] == ["none", "int8-held", "nf4"]
+    alone = compare(pair[0], None, OffloadConfig(mode="auto"), RuntimeConfig(dtype=torch.bfloat16),
+                    RunLimits(context=4096), Machine.given(24 * GB, 64 * GB), 24.0, 3.0)
+    assert alone.drafts == () and "the draft" not in alone.table()

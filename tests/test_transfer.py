@@ -250,3 +250,18 @@ def test_cuda_host_buffer_falls_back_to_pageable_and_says_why(fake_cuda):
     assert not over.pinned and "exceeds host_budget" in over.reason
     with pytest.raises(ValueError, match="pages"):
         cuda.host_buffer(4 * PAGE_BYTES, chunk_bytes=PAGE_BYTES + 256)
+
+
+def test_cuda_host_buffer_over_its_budget_pins_its_first_pieces(fake_cuda):
+    """A buffer over host_budget registers the whole pieces that fit in it, first ones first; the rest stays
+    pageable, and pinned_at says which bytes an async copy may start from."""
+    cuda, fake = fake_cuda
+    page = PAGE_BYTES
+    buffer = cuda.host_buffer(4 * page, host_budget=2 * page + 100, chunk_bytes=page)
+    base = buffer.tensor.data_ptr()
+    assert fake.registered == {base: page, base + page: page}
+    assert not buffer.pinned and buffer.pinned_nbytes == 2 * page and "the first" in buffer.reason
+    assert buffer.pinned_at(0, 2 * page) and buffer.pinned_at(page, page)
+    assert not buffer.pinned_at(page, page + 1) and not buffer.pinned_at(3 * page, page)
+    buffer.close()
+    assert fake.registered == {} and buffer.pinned_nbytes == 0

@@ -1,6 +1,8 @@
 """The draft: a small model resident on the compute device, run by the same forward as the target."""
 from __future__ import annotations
 
+import threading
+import time
 from dataclasses import replace
 from typing import Optional
 
@@ -33,3 +35,53 @@ def load_resident(ckpt: Checkpoint, device: torch.device, dtype: torch.dtype, qu
     if quant == "int8":
         globals_ = replace(globals_, lm_head=Int8Weight.quantize(globals_.lm_head))   # embed stays as it is
     return Model(ckpt.config, globals_, ResidentLayers(layers))
+
+
+class DraftBeside:
+    """The draft loading on its own thread while the target runs its first round, which needs no draft where
+    that round is a plain prefill (a CPU with the target resident: controller.Controller.for_run), so the first
+    token does not wait for it. Its config and dtype are there at once; forward(), and any other attribute of
+    the model, wait for the load (and raise its error, if any); `seconds` is what the load took. close() waits
+    for a load still running."""
+
+    def __init__(self, ckpt: Checkpoint, device: torch.device, dtype: torch.dtype, quant: str = "none"):
+        self.cfg, self.dtype, self.device = ckpt.config, dtype, device
+        self.seconds: Optional[float] = None
+        self._model: Optional[Model] = None
+        self._error: Optional[BaseException] = None
+        self._thread = threading.Thread(target=self._load, args=(ckpt, quant), name="offspec-draft-load", daemon=True)
+        self._thread.start()
+
+    def _load(self, ckpt: Checkpoint, quant: str) -> None:
+        start = time.perf_counter()
+        try:
+            self._model = load_resident(ckpt, self.device, self.dtype, quant)
+        except BaseException as err:     # handed to the first forward(), never swallowed
+            self._error = err
+        finally:
+            ckpt.close()                 # the weights now live in the model
+            self.seconds = time.perf_counter() - start
+
+    def model(self) -> Model:
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+        return self._model
+
+    def forward(self, *args, **kwargs) -> torch.Tensor:
+        return self.model().forward(*args, **kwargs)
+
+    def wait_loaded(self) -> float:
+        """Wait for the load; -> the seconds waited (0 once loaded)."""
+        start = time.perf_counter()
+        self.model()
+        return time.perf_counter() - start
+
+    def __getattr__(self, name: str):
+        """Anything else of the model (its layers, globals): once it is loaded."""
+        if name.startswith("_"):
+            raise AttributeError(name)
+        return getattr(self.model(), name)
+
+    def close(self) -> None:
+        self._thread.join()

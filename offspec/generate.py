@@ -13,7 +13,7 @@ token, and the bonus token becomes the next root.
 from __future__ import annotations
 
 import itertools
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Iterator, Optional, Sequence, Union
 
 import torch
@@ -188,6 +188,7 @@ class Engine:
                  draft_quant: str = "none"):
         self.target = target
         self.draft = draft
+        self.draft_waited = 0.0         # seconds runs waited for a draft loading beside the first round
         self.tokenizer = tokenizer
         self.eos_ids = tuple(eos_ids)
         self.device = target.device
@@ -222,10 +223,10 @@ class Engine:
         return f"{host.kind}, {pinned}" + (f"; reads: {host.io}" if host.io else "")
 
     def close(self) -> None:
-        """Stop the streamer's threads (a no-op for resident models)."""
-        close = getattr(self.target.layers, "close", None)
-        if close is not None:
-            close()
+        """Stop the streamer's threads and wait for a draft still loading (a no-op for resident models)."""
+        for close in (getattr(self.target.layers, "close", None), getattr(self.draft, "close", None)):
+            if close is not None:
+                close()
 
     def speculative(self, request: GenerationRequest) -> bool:
         return request.tree.policy != "none" and self.draft is not None and request.tree.budget != 0
@@ -358,6 +359,8 @@ class Engine:
         """The round's work on the devices: the draft's catch-up and every row's growth, then ONE target pass ->
         (trees, per row its (N_r, V) tree logits or None, tokens each row fed, the round's cost, the growth's
         calls, nodes and catch-up)."""
+        if any(row.round_budget > 0 for row in batch.rows):
+            self._wait_for_draft()
         with Timer(self.device) as draft_timer:
             with Timer(self.device) as catch_up_timer:
                 root_logits, caught_up = self._catch_up(batch.rows, batch.d_cache)
@@ -368,6 +371,13 @@ class Engine:
             q_logits, fed = self._verify_pass(batch.rows, trees, batch.t_cache)          # [(N_r, V)]
         cost = PassCost(draft_timer.seconds, target_timer.seconds, self._stream_delta(batch), len(batch.rows))
         return trees, q_logits, fed, cost, growth
+
+    def _wait_for_draft(self) -> None:
+        """A draft still loading beside the first round (draft.DraftBeside) is waited for here, before the round's
+        timers: the wait is part of the start (report_of), not of decoding."""
+        wait = getattr(self.draft, "wait_loaded", None)
+        if wait is not None:
+            self.draft_waited += wait()
 
     @staticmethod
     def _retire(batch: _Batch, finished: list["_Row"]) -> None:
@@ -655,4 +665,6 @@ def report_of(engine: Engine, request: GenerationRequest, steps: list[Step], *, 
                      memory_plan=engine.plan.to_dict() if engine.plan is not None else None)
     if text is None:
         text = IncrementalText(engine.tokenizer, request.stop_strings).text([t for s in steps for t in s.tokens])
+    if start is not None:       # a draft loaded beside the first round: what the run waited for it, counted here
+        start = replace(start, draft_beside=engine.draft_waited)
     return build_report(steps, prompt_tokens=len(request.prompt_ids), text=text, setup=setup, start=start)

@@ -23,7 +23,7 @@ from tqdm import tqdm
 
 from .checkpoint import Checkpoint, load_tokenizer, same_tokenizer_files
 from .config import ModelConfig, OffloadConfig, RunLimits, RuntimeConfig
-from .draft import load_resident
+from .draft import DraftBeside, load_resident
 from .errors import InputError
 from .generate import Engine
 from .hub import resolve_model
@@ -170,14 +170,19 @@ class Models:
         plan = self.plan(offload, runtime, limits, machine)
         t1 = time.perf_counter()
         draft = None
+        # A CPU with the target resident starts with a plain prefill round (controller.Controller.for_run): the
+        # draft then loads beside it, after the target, and the first token does not wait for it.
+        beside = self.draft is not None and runtime.device.type == "cpu" and not plan.placement.streamed
         if self.draft is not None:
             check_draft_quant(runtime.draft_quant, runtime.device, runtime.dtype)
-            draft = load_resident(self.draft, runtime.device, runtime.dtype, runtime.draft_quant)
+            if not beside:
+                draft = load_resident(self.draft, runtime.device, runtime.dtype, runtime.draft_quant)
+                self.draft.close()
         t2 = time.perf_counter()
         target = load_target(self.target, plan.layers, runtime, progress)
-        for ckpt in (self.target, self.draft):
-            if ckpt is not None:
-                ckpt.close()     # the weights now live in the models, the arena or the store
+        self.target.close()      # the weights now live in the model, the arena or the store
+        if beside:
+            draft = DraftBeside(self.draft, runtime.device, runtime.dtype, runtime.draft_quant)
         engine = Engine(target, draft, self.tokenizer, self.eos_ids, n_shared=self.n_shared, context=plan.context,
                         max_tree_budget=plan.tree_budget, prefill_chunk=plan.prefill_chunk,
                         max_concurrency=plan.concurrency, plan=plan, target_quant=runtime.target_quant,

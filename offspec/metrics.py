@@ -61,15 +61,22 @@ class Step:
 @dataclass(frozen=True)
 class StartTimes:
     """The start of a run, seconds: opening the models (configs, headers, tokenizers), the memory plan, loading
-    the draft (its quantized copies included) and the target (globals, resident layers, arena or store)."""
+    the draft (its quantized copies included) and the target (globals, resident layers, arena or store), all
+    before the first round; and draft_beside, what the run waited after its first round for a draft that loaded
+    beside it (draft.DraftBeside: 0 for a draft loaded before)."""
     open: float = 0.0
     plan: float = 0.0
     draft: float = 0.0
     target: float = 0.0
+    draft_beside: float = 0.0
 
     @property
     def total(self) -> float:
-        return self.open + self.plan + self.draft + self.target
+        return self.open + self.plan + self.draft + self.target + self.draft_beside
+
+    @property
+    def before_first_round(self) -> float:
+        return self.total - self.draft_beside
 
 
 @dataclass
@@ -118,10 +125,11 @@ class RunReport:
 
     def start_line(self) -> str:
         """Where the time before the first token went: the load's parts, then the first round."""
-        parts = (": " + ", ".join(f"{name} {seconds:.2f} s" for name, seconds in self.start.items())
+        start = StartTimes(**self.start) if self.start else StartTimes(target=self.load_seconds)
+        parts = (": " + ", ".join(f"{name.replace('_', ' ')} {seconds:.2f} s" for name, seconds in self.start.items())
                  if self.start else "")
         return (f"load {self.load_seconds:.2f} s{parts}; first round {self.prefill_seconds:.2f} s; first token "
-                f"at {self.load_seconds + self.prefill_seconds:.2f} s")
+                f"at {start.before_first_round + self.prefill_seconds:.2f} s")
 
     def summary(self) -> str:
         dev = f", device peak {self.peak_device_gb:.2f} GB" if self.peak_device_gb is not None else ""

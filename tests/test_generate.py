@@ -460,3 +460,40 @@ def test_every_copy_is_counted_once_even_when_it_ends_during_the_draft(tmp_path,
         assert report.passes - 1 <= moved // (2 * layer_bytes) <= report.passes + 1
     finally:
         eng.close()
+
+
+def test_on_a_cpu_the_draft_loads_beside_the_first_round(pair):
+    """A CPU run with the target resident starts with a plain prefill round, so the draft loads on a thread
+    beside it (draft.DraftBeside): the first token does not wait for it, the tokens are plain greedy's, and
+    what the run waited for the draft after that round is counted in the start, not in decoding."""
+    from offspec.draft import DraftBeside
+    eng = engine(pair)
+    try:
+        assert isinstance(eng.draft, DraftBeside)
+        report, steps = tokens_of(eng, TreeConfig(policy="dyspec"), n=30)
+        plain, _ = tokens_of(eng, TreeConfig(policy="none"), n=30)
+        assert report.tokens == plain.tokens and report.tokens_per_pass > 1
+        assert steps[0].tree_size == 0 and eng.draft.seconds is not None
+        assert report.start is None                # run() was given no start: nothing to add the wait to
+    finally:
+        eng.close()
+    streamed = engine(pair, OffloadConfig(mode="cpu", n_slots=2))
+    try:
+        assert not isinstance(streamed.draft, DraftBeside)     # a streamed target's first round grows a tree
+    finally:
+        streamed.close()
+
+
+def test_a_draft_that_fails_to_load_beside_says_so_at_its_first_use(pair, monkeypatch):
+    import offspec.draft as draft_module
+    from offspec.errors import CheckpointError
+
+    def broken(*args, **kwargs):
+        raise CheckpointError("draft: cannot read tensor model.layers.0.q_proj.weight")
+    monkeypatch.setattr(draft_module, "load_resident", broken)
+    eng = engine(pair)
+    try:
+        with pytest.raises(CheckpointError, match="cannot read tensor"):
+            tokens_of(eng, TreeConfig(policy="dyspec"), n=10)
+    finally:
+        eng.close()

@@ -610,15 +610,36 @@ def make_plan(target: ModelSpec, draft: Optional[ModelSpec], offload: OffloadCon
     from there until it fits, down to 1 (whose refusal is the answer). The plan records the number and that it
     was auto (concurrency_auto).
 
-    A refusal that a shorter context would cure says which (the longest that fits, in steps of
-    CONTEXT_STEP tokens)."""
+    A refusal says what would fit, where something does: the longest shorter context (in steps of CONTEXT_STEP
+    tokens), else the target or the draft held in nf4 (_what_fits)."""
     try:
         return _plan_concurrency(target, draft, offload, runtime, limits, machine, store_dir)
     except BudgetError as refused:
-        fits = _longest_context(target, draft, offload, runtime, limits, machine, store_dir)
+        fits = _what_fits(target, draft, offload, runtime, limits, machine, store_dir)
         if fits is None:
             raise
-        raise BudgetError(f"{refused}; --context {fits} fits") from None
+        raise BudgetError(f"{refused}; {fits}") from None
+
+
+def _what_fits(target: ModelSpec, draft: Optional[ModelSpec], offload: OffloadConfig, runtime: RuntimeConfig,
+               limits: RunLimits, machine: Machine, store_dir: Optional[str]) -> Optional[str]:
+    """For a refused run: the one change that fits, as the words to add to the refusal, or None."""
+    context = _longest_context(target, draft, offload, runtime, limits, machine, store_dir)
+    if context is not None:
+        return f"--context {context} fits"
+    changes = [("--target-quant nf4 fits (that quantized model's output)", replace(runtime, target_quant="nf4")),
+               ("--draft-quant nf4 fits", replace(runtime, draft_quant="nf4")),
+               ("--target-quant nf4 --draft-quant nf4 fits (that quantized model's output)",
+                replace(runtime, target_quant="nf4", draft_quant="nf4"))]
+    for words, changed in changes:
+        if changed == runtime or (draft is None and changed.draft_quant != runtime.draft_quant):
+            continue
+        try:
+            _plan_concurrency(target, draft, offload, changed, limits, machine, store_dir)
+            return words
+        except (BudgetError, InputError):
+            continue
+    return None
 
 
 def _longest_context(target: ModelSpec, draft: Optional[ModelSpec], offload: OffloadConfig, runtime: RuntimeConfig,

@@ -155,7 +155,9 @@ class LayerStreamer:
                 assert self.streamed[n % len(self.streamed)] == layer, (n, layer)
                 k = self._take(n, comp_q)
                 if self._scratch is not None:          # compact: dequantize at use, then the slot is free
+                    held = n
                     weights = self._dequantize_at_use(k, comp_q)
+                    held = None
                     self._release(n, comp_q)
                     yield layer, weights
                     continue

@@ -760,6 +760,28 @@ def test_cuda_streamed_equals_checkpoint(tmp_path, mode):
         assert target.stats().passes == 3
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_arena_pinned_in_part_equals_checkpoint(monkeypatch):
+    """An arena over its pinned budget on CUDA: its first pieces registered (a piece a layer here), the others
+    copied pageable (synchronously, from the loader thread), every layer as the checkpoint has it."""
+    import offspec.layout as layout_module
+    from offspec.quant import target_layout
+    device = torch.device("cuda")
+    weights = random_layers(TINY)
+    stride = arena_stride(target_layout(TINY, torch.float32, "none").nbytes)
+    monkeypatch.setattr(layout_module, "PIN_CHUNK_BYTES", stride)
+    offload = OffloadConfig(mode="cpu", n_slots=3, host_budget=3 * stride)
+    with open_target_layers(weights.__getitem__, TINY, LayerPlan.of(TINY, offload, torch.float32), device,
+                            torch.float32, progress=False) as target:
+        assert not target.host.pinned and target.host.pinned_nbytes == 3 * stride
+        for _ in range(3):
+            for i, w in target.source.pass_layers():
+                for name in layer_shapes(TINY):
+                    assert torch.equal(getattr(w, name), weights[i][name].to(device)), (i, name)
+        assert target.stats().passes == 3
+
+
 def test_the_next_pass_prefetched_while_the_consumer_was_away_is_counted():
     """The wrap-around prefetch at work: layers of the next pass copied while the consumer did other things
     (drafting) are already in their slots when the pass begins, and StreamStats counts them."""

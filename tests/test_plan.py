@@ -456,7 +456,7 @@ def test_the_goals_for_small_gpus_and_long_contexts(specs):
     assert roomy.mode == "none" and not roomy.layers.embed_on_host
 
 
-def test_a_refusal_names_the_longest_context_that_fits(specs):
+def test_a_refusal_names_what_would_fit(specs):
     import re
     from offspec.plan import CONTEXT_STEP
     args = (specs, "Llama-3.1-70B-Instruct", "Llama-3.2-1B-Instruct", 24, 64)
@@ -466,7 +466,10 @@ def test_a_refusal_names_the_longest_context_that_fits(specs):
     assert fits % CONTEXT_STEP == 0 and plan_for(*args, limits=RunLimits(context=fits)).context == fits
     with pytest.raises(BudgetError):
         plan_for(*args, limits=RunLimits(context=fits + CONTEXT_STEP))
-    # Where no context would fit, the refusal is as it was.
+    # Where no shorter context fits, the target and draft held in nf4 may: that is named instead.
+    with pytest.raises(BudgetError, match=r"; --target-quant nf4 --draft-quant nf4 fits \(that quantized"):
+        plan_for(specs, "Llama-3.1-70B-Instruct", "Llama-3.2-1B-Instruct", 6, 64, limits=RunLimits(context=2048))
+    # Where nothing would fit, the refusal is as it was.
     with pytest.raises(BudgetError) as hopeless:
         plan_for(specs, "Llama-3.1-70B-Instruct", "Llama-3.2-1B-Instruct", 4, 64)
     assert "fits" not in str(hopeless.value)

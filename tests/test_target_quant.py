@@ -516,6 +516,35 @@ def test_cuda_streamed_quantized_equals_resident_quantized(tmp_path, quant, mode
         assert stats.passes == 3 and stats.dequant_s > 0
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("quant", GPU_QUANTS)
+def test_cuda_compact_ring_equals_resident_quantized(tmp_path, quant):
+    """A compact ring on CUDA: blocks only in the slots, each dequantized into the shared scratch on the compute
+    stream at its use, the slot released right after; no hidden synchronization, the same layers bit for bit."""
+    from offspec.load import open_target_layers
+    from offspec.plan import LayerPlan, Placement
+    cfg = replace(CFG, n_layers=7)
+    device = torch.device("cuda")
+    weights, _, expected = layers_and_their_dequantization(cfg, quant, device)
+    dense = LayerLayout.of(cfg, torch.float32).nbytes
+    block = QuantizedLayout.of(cfg, torch.float32, quant).nbytes
+    placement = Placement("cpu", 7, dense, resident=(), n_slots=2, slot_nbytes=block, compact=True)
+    plan = LayerPlan.of(cfg, OffloadConfig(mode="cpu", n_slots=2), torch.float32, quant=quant, placement=placement,
+                        store_dir=str(tmp_path / "s"))
+    with open_target_layers(weights.__getitem__, cfg, plan, device, torch.float32, progress=False) as target:
+        mismatches = torch.zeros((), dtype=torch.int64, device=device)
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            for _ in range(3):
+                for i, w in target.source.pass_layers():
+                    for name in layer_shapes(cfg):
+                        mismatches += (getattr(w, name) != getattr(expected[i], name)).sum()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        assert int(mismatches) == 0 and target.stats().passes == 3
+
+
 # ---------------------------------------------------------------- scripts/bench_quant.py (its model-free parts)
 
 def test_bench_quant_report_from_rows(tmp_path):

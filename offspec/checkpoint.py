@@ -303,8 +303,9 @@ class Checkpoint:
         if self.has_lm_head:
             lm_head = self.tensor(GLOBAL_NAMES["lm_head"]).to(device=lm_head_device or device, dtype=dtype,
                                                                copy=True)
-        elif embed.device != torch.device(device):
-            raise ValueError("an embedding tied to the lm_head stays with it on the compute device")
+        elif embed_device is not None and torch.device(embed_device) != torch.device(device):
+            raise CheckpointError(f"{self.path}: its embedding is tied to the lm_head, so it stays with it on the "
+                                  f"compute device")
         else:
             lm_head = embed
         final_norm = self.tensor(GLOBAL_NAMES["final_norm"]).to(device=device, dtype=dtype, copy=True)

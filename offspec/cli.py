@@ -673,8 +673,13 @@ def doctor(target, draft, device, store_dir, quick, json_path):
         target = str(demo_model_dir(DEFAULT_TARGET))
         if draft is None and is_complete(demo_model_dir(DEFAULT_DRAFT)):
             draft = str(demo_model_dir(DEFAULT_DRAFT))
-    checkpoints = [headers_checkpoint(m) if m else None for m in (target, draft)]   # a hub id: no weights fetched
+    try:                           # a hub id: planned from its headers, no weights fetched
+        checkpoints, unreadable = [headers_checkpoint(m) if m else None for m in (target, draft)], None
+    except OffspecError as err:    # the machine's checks still run; the advice says why there is none
+        checkpoints, unreadable = [None, None], str(err)
     report = check(*checkpoints, dev, store_dir, quick, progress=lambda line: click.echo(line, err=True))
+    if unreadable:
+        report["advice"] = {"status": "failed", "error": unreadable}
     report.update(target=target, draft=draft)
     click.echo(summary(report))
     if json_path:

@@ -265,21 +265,22 @@ def advice(target, draft, device: torch.device, report: dict) -> dict:
     almost whatever it computes, so the largest tree whose verification compute stays under that time
     (from a measured matmul rate) is free; on a compute-bound run, `auto` measures it."""
     from .config import OffloadConfig, RunLimits, RuntimeConfig
-    from .plan import Machine, ModelSpec, make_plan, predicted_pass_seconds
+    from .plan import LINK_GBPS, PAGEABLE_GB_PER_S, Machine, ModelSpec, make_plan, predicted_pass_seconds
 
     runtime = RuntimeConfig(device=device, dtype=torch.bfloat16, draft_quant="int8" if device.type == "cpu" else "none")
     plan = make_plan(ModelSpec.of(target), ModelSpec.of(draft) if draft else None, OffloadConfig(mode="auto"), runtime,
                      RunLimits(context=4096), Machine.measure(device))
-    link_gbps = report.get("link", {}).get("pinned_gbps" if plan.host_pinned else "pageable_gbps")
+    link_gbps = report.get("link", {}).get("pinned_gbps")
+    pageable_gbps = report.get("link", {}).get("pageable_gbps") or PAGEABLE_GB_PER_S
     disk_gbps = report.get("drive", {}).get("read_gbps")
     out = {"plan": plan.to_dict(), "plan_text": plan.describe()}
     flags = [f"--offload {plan.mode}"]
     if plan.placement.disk_layers and report.get("drive", {}).get("disk_io"):
         flags.append(f"--disk-io {report['drive']['disk_io']}")
     if plan.placement.streamed:
-        pass_s = predicted_pass_seconds(plan, link_gbps or 24.0, disk_gbps)
+        pass_s = predicted_pass_seconds(plan, link_gbps or LINK_GBPS, disk_gbps, pageable_gbps)
         out["predicted_pass_seconds"] = pass_s
-        out["prediction_inputs"] = {"link_gbps": link_gbps, "disk_gbps": disk_gbps,
+        out["prediction_inputs"] = {"link_gbps": link_gbps, "pageable_gbps": pageable_gbps, "disk_gbps": disk_gbps,
                                     "streamed_bytes": plan.streamed_bytes}
         if device.type == "cuda":
             flags.append(f"--gpu-budget {int(plan.placement.device_bytes / 1e8) / 10:g}GB")
@@ -301,7 +302,7 @@ def advice(target, draft, device: torch.device, report: dict) -> dict:
         from .options import compare
         out["options"] = compare(ModelSpec.of(target), ModelSpec.of(draft) if draft else None, OffloadConfig(mode="auto"),
                                  runtime, RunLimits(context=4096), plan.machine,
-                                 report.get("link", {}).get("pinned_gbps") or 24.0,
+                                 link_gbps or LINK_GBPS,
                                  disk_gbps or 3.0).table()
     return out
 

@@ -116,9 +116,9 @@ def resolve_headers(name: str | Path) -> tuple[Path, Optional[dict[str, dict[str
         raise CheckpointError(f"{repo_id}: no such folder, and reading its config and safetensors headers from the "
                               f"Hugging Face hub failed ({reason}); check the id and the network, or pass a model "
                               "folder") from None
-    headers = {file: {tensor: {"dtype": info.dtype, "shape": tuple(info.shape), "data_offsets": tuple(info.data_offsets)}
-                      for tensor, info in meta.tensors.items()}
-               for file, meta in metadata.files_metadata.items()}
+    headers = _headers_of({file: {tensor: {"dtype": info.dtype, "shape": info.shape, "data_offsets": info.data_offsets}
+                                  for tensor, info in meta.tensors.items()}
+                           for file, meta in metadata.files_metadata.items()})
     path = headers_file(repo_id, folder.name)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -144,14 +144,18 @@ def planned_snapshot(repo_id: str, cache: Path) -> Optional[tuple[Path, dict]]:
     try:
         folder = Path(snapshot_download(repo_id, cache_dir=cache, local_files_only=True, allow_patterns=PLAN_FILES,
                                         ignore_patterns=HUB_SKIP))
-        kept = json.loads(headers_file(repo_id, folder.name).read_text())
-    except (OSError, ValueError):        # not cached, no headers kept, or a damaged file: ask the hub
+        headers = _headers_of(json.loads(headers_file(repo_id, folder.name).read_text()))
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):   # not cached, none kept, or damaged: ask
         return None
-    if not (folder / "config.json").is_file():
-        return None
-    return folder, {file: {tensor: {"dtype": t["dtype"], "shape": tuple(t["shape"]),
-                                    "data_offsets": tuple(t["data_offsets"])} for tensor, t in tensors.items()}
-                    for file, tensors in kept.items()}
+    return (folder, headers) if (folder / "config.json").is_file() else None
+
+
+def _headers_of(files: dict) -> dict[str, dict[str, dict]]:
+    """{file: {tensor: {"dtype", "shape", "data_offsets"}}} with shapes and offsets as tuples, as Checkpoint reads
+    them (from the hub's answer, or from the JSON kept of it)."""
+    return {file: {tensor: {"dtype": t["dtype"], "shape": tuple(t["shape"]), "data_offsets": tuple(t["data_offsets"])}
+                   for tensor, t in tensors.items()}
+            for file, tensors in files.items()}
 
 
 def cached_snapshot(repo_id: str, cache: Path) -> Optional[Path]:

@@ -52,7 +52,8 @@ class Step:
     transfer_seconds: float      # time the weight copies of this pass took (overlapped with compute)
     bytes_streamed: int          # weight bytes moved into the compute device this pass
     prefetched_bytes: int = 0    # of those, already in their slots when the pass began (copied while drafting)
-    dequant_seconds: float = 0.0  # quantized target: time dequantizing this pass's streamed layers (overlapped)
+    dequant_seconds: float = 0.0  # quantized target: time dequantizing this pass's streamed layers (on the copy
+                                  # queue, overlapped; a compact ring's at their use, in line with compute)
     rows_in_pass: int = 1        # requests that shared this pass (its times and bytes are the whole pass's)
     finish_reason: Optional[str] = None   # "eos" | "stop" | "length" | "context" when this round ends generation
     acceptance_counts: Optional[AcceptanceCounts] = None   # what this round's tree said about acceptance (calibrate.py)
@@ -93,7 +94,8 @@ class RunReport:
     passes: int
     prefill_seconds: float              # the first target pass (prompt + first tree)
     decode_seconds: float
-    load_seconds: float                 # the start before the first pass: StartTimes.total
+    load_seconds: float                 # StartTimes.total: the load, plus any wait for a draft loading beside the
+                                        # first round
     draft_seconds: float
     target_seconds: float
     wait_seconds: float
@@ -102,7 +104,8 @@ class RunReport:
     gb_streamed: float
     gb_per_second: float                # streamed bytes / transfer seconds
     prefetch_gb: float                  # streamed bytes already in their slots when their pass began (moved while drafting)
-    dequant_seconds: float              # quantized target: dequantizing streamed layers on the copy queue (overlapped)
+    dequant_seconds: float              # quantized target: dequantizing streamed layers (copy queue, overlapped; a
+                                        # compact ring's on the compute queue, in line)
     peak_host_gb: float
     peak_device_gb: Optional[float]
     tree_policy: str
@@ -117,7 +120,7 @@ class RunReport:
     tree_sizes: list[int] = field(default_factory=list)   # tree nodes proposed per round
     memory_plan: Optional[dict] = None  # plan.MemoryPlan.to_dict(): where every byte was planned to live
     calibration: Optional[dict] = None  # predicted vs observed acceptance of tree nodes (calibrate.AcceptanceCounts.report)
-    start: Optional[dict] = None        # the load split (StartTimes: open, plan, draft, target), where it was timed
+    start: Optional[dict] = None        # the load split (StartTimes: open, plan, draft, target, draft_beside)
 
     def to_dict(self) -> dict:
         return {**asdict(self), "tokens_per_second": tokens_per_second(self.seconds_per_token),

@@ -27,7 +27,7 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from typing import Optional, Union
+from typing import Callable, Optional, Union
 
 import psutil
 import torch
@@ -50,7 +50,7 @@ PINNED_FRACTION = 0.8           # default pinned budget: this share of the host 
 CUDA_RESERVE_MIN = 512 << 20    # allocator fragmentation, cuBLAS / attention workspaces, CUDA graphs: at least
 CUDA_RESERVE_FRACTION = 0.04    # ... or this share of the device, whichever is larger
 RUNTIME_HOST_BYTES = 1 << 30    # the process itself: Python, torch, tokenizer, page tables
-DISK_GBPS = 3.0                 # ... and a PCIe 4.0 NVMe drive's lower end, GB/s
+DISK_GBPS = 3.0                 # a PREDICTION input: a PCIe 4.0 NVMe drive's lower end, GB/s (the link: costmodel)
 AUTO_CONCURRENCY = 16           # auto concurrency (--concurrency auto): at most this many requests in flight
 CONTEXT_STEP = 256              # a refusal's advice names a context that fits in steps of this many tokens
 
@@ -355,20 +355,28 @@ def place_layers(n_layers: int, layer_bytes: int, offload: OffloadConfig,
                      slot_nbytes=slot_bytes, held_nbytes=held_bytes if n_resident else None, compact=compact)
 
 
-def best_host_layers(n_streamed: int, n_ram: int, block_nbytes: int, pin_budget: int) -> int:
+def best_host_layers(n_streamed: int, n_ram: int, block_nbytes: int, pinned_budget: int, staging: int) -> int:
     """How many of n_streamed layers to hold in host RAM (at most n_ram fit), the rest read from the disk store,
-    for the shortest PREDICTED pass on a GPU. The arena's first layers are pinned (pinned_arena_layers within
-    pin_budget) and copy at LINK_GBPS; its others are pageable and copy at PAGEABLE_GB_PER_S; a disk layer is
-    read at DISK_GBPS, overlapping the copies, then copied from pinned staging at LINK_GBPS:
-        pass(n) = max(copies, reads),  copies = (pinned + disk) / link + pageable / pageable,  reads = disk / drive
-    So a pageable RAM layer is not always better than a disk one: past the point where the reads hide under
-    the copies, the drive is the cheaper place for a layer that cannot be pinned. Ties keep more in RAM."""
+    for the shortest PREDICTED pass on a GPU (transfer_seconds at LINK_GBPS, PAGEABLE_GB_PER_S, DISK_GBPS). The
+    arena's first layers are pinned (pinned_arena_layers, within the pinned budget less the disk staging while
+    any layer is read from disk), its others pageable. A pageable RAM layer is not always better than a disk
+    one: past the point where the reads hide under the copies, the drive is the cheaper place for a layer that
+    cannot be pinned. Ties keep more in RAM."""
     def seconds(n_host: int) -> float:
-        pageable = n_host - pinned_arena_layers(n_host, block_nbytes, pin_budget)
         disk = n_streamed - n_host
-        copies = ((n_streamed - pageable) / LINK_GBPS + pageable / PAGEABLE_GB_PER_S) * block_nbytes / GB
-        return max(copies, disk * block_nbytes / (DISK_GBPS * GB))
+        pinned = pinned_arena_layers(n_host, block_nbytes, pinned_budget - (staging if disk else 0))
+        return transfer_seconds(pinned * block_nbytes, (n_host - pinned) * block_nbytes, disk * block_nbytes,
+                                LINK_GBPS, PAGEABLE_GB_PER_S, DISK_GBPS)
     return min(range(n_ram + 1), key=lambda n: (seconds(n), -n))
+
+
+def transfer_seconds(pinned: int, pageable: int, disk: int, link_gb_per_s: float, pageable_gb_per_s: float,
+                     disk_gb_per_s: Optional[float]) -> float:
+    """PREDICTION: a pass's transfer from its bytes by tier. Pinned and disk-staged bytes cross the link at its
+    rate and pageable ones at pageable_gb_per_s, one after another on the copy stream; the disk bytes are also
+    read from the drive, the reads overlapping the copies:  max(copies, disk / drive)."""
+    copies = (pinned + disk) / link_gb_per_s + pageable / min(link_gb_per_s, pageable_gb_per_s)
+    return max(copies, disk / disk_gb_per_s if disk_gb_per_s else 0.0) / GB
 
 
 def split_tiers(placement: Placement, n_host: int) -> Placement:
@@ -509,7 +517,8 @@ class MemoryPlan:
                                     # measured costs may keep fewer (Engine.run_batch's adapt_rows)
     host_head_bytes: int = 0        # an lm_head kept in host memory: bytes crossing (pageable) every pass
     pinned_layers: int = 0          # of the host arena's layers, the first this many are pinned (the rest pageable)
-    pinned_budget: int = 0          # host bytes that may be pinned (the arena's share: layers.host_budget)
+    pinned_budget: int = 0          # host bytes that may be pinned (the arena's share of it, less any disk
+                                    # staging, is layers.host_budget)
 
     @property
     def placement(self) -> Placement:
@@ -624,36 +633,31 @@ def make_plan(target: ModelSpec, draft: Optional[ModelSpec], offload: OffloadCon
 def _what_fits(target: ModelSpec, draft: Optional[ModelSpec], offload: OffloadConfig, runtime: RuntimeConfig,
                limits: RunLimits, machine: Machine, store_dir: Optional[str]) -> Optional[str]:
     """For a refused run: the one change that fits, as the words to add to the refusal, or None."""
-    context = _longest_context(target, draft, offload, runtime, limits, machine, store_dir)
+    def fits(changed_runtime: RuntimeConfig, changed_limits: RunLimits) -> bool:
+        try:
+            _plan_concurrency(target, draft, offload, changed_runtime, changed_limits, machine, store_dir)
+            return True
+        except (BudgetError, InputError):
+            return False
+    context = _longest_context(target, draft, limits, lambda n: fits(runtime, replace(limits, context=n)))
     if context is not None:
-        return f"--context {context} fits"
+        return f"a context of {context} tokens (prompt, output and a tree) fits: --context {context}"
     changes = [("--target-quant nf4 fits (that quantized model's output)", replace(runtime, target_quant="nf4")),
                ("--draft-quant nf4 fits", replace(runtime, draft_quant="nf4")),
                ("--target-quant nf4 --draft-quant nf4 fits (that quantized model's output)",
                 replace(runtime, target_quant="nf4", draft_quant="nf4"))]
     for words, changed in changes:
-        if changed == runtime or (draft is None and changed.draft_quant != runtime.draft_quant):
-            continue
-        try:
-            _plan_concurrency(target, draft, offload, changed, limits, machine, store_dir)
+        if changed != runtime and (draft is not None or changed.draft_quant == runtime.draft_quant) \
+                and fits(changed, limits):
             return words
-        except (BudgetError, InputError):
-            continue
     return None
 
 
-def _longest_context(target: ModelSpec, draft: Optional[ModelSpec], offload: OffloadConfig, runtime: RuntimeConfig,
-                     limits: RunLimits, machine: Machine, store_dir: Optional[str]) -> Optional[int]:
-    """The longest context, a multiple of CONTEXT_STEP below the run's, whose plan fits; None if none does."""
+def _longest_context(target: ModelSpec, draft: Optional[ModelSpec], limits: RunLimits,
+                     fits: Callable[[int], bool]) -> Optional[int]:
+    """The longest context, a multiple of CONTEXT_STEP below the run's, that fits(context); None if none does."""
     model_context = min([target.cfg.max_position_embeddings] + ([draft.cfg.max_position_embeddings] if draft else []))
     asked = min(limits.context or model_context, model_context)
-
-    def fits(context: int) -> bool:
-        try:
-            _plan_concurrency(target, draft, offload, runtime, replace(limits, context=context), machine, store_dir)
-            return True
-        except (BudgetError, InputError):
-            return False
     lo, hi = 0, (asked - 1) // CONTEXT_STEP            # in steps: the longest k with fits(k * CONTEXT_STEP)
     if hi < 1 or not fits(CONTEXT_STEP):
         return None
@@ -692,18 +696,22 @@ def _plan_rows(target: ModelSpec, draft: Optional[ModelSpec], offload: OffloadCo
     args = (target, draft, offload, runtime, limits, machine, store_dir)
     if machine.kind == "cpu" or not target.lm_head_stored:
         return _plan_with(*args, on_host=())
-    try:
-        on_device = _plan_with(*args, on_host=())
-        if not on_device.placement.streamed:
-            return on_device
-    except BudgetError:
-        on_device = None
-    try:
-        return _plan_with(*args, on_host=("embed",))
-    except BudgetError:
-        if on_device is not None:           # (the host had no room for the embedding)
-            return on_device
-    return _plan_with(*args, on_host=("embed", "lm_head"))
+    plans, refusal = [], None
+    for on_host in ((), ("embed",), ("embed", "lm_head")):
+        try:
+            plan = _plan_with(*args, on_host=on_host)
+        except BudgetError as err:
+            refusal = refusal or err        # the on-device plan's refusal is the one to show
+            continue
+        if not plan.placement.streamed:
+            return plan                     # every layer on the device: nothing to gain by moving more
+        plans.append(plan)
+        if on_host == ("embed",):
+            break                           # the lm_head moves only where nothing else fits
+    if not plans:
+        raise refusal
+    # The first of the fastest (predicted): the embedding stays where moving it gains nothing (a --gpu-budget).
+    return min(plans, key=lambda p: (round(predicted_pass_seconds(p, LINK_GBPS, DISK_GBPS), 6), -p.tree_budget))
 
 
 def _plan_with(target: ModelSpec, draft: Optional[ModelSpec], offload: OffloadConfig, runtime: RuntimeConfig,
@@ -818,7 +826,6 @@ def _place(target: ModelSpec, offload: OffloadConfig, runtime: RuntimeConfig, ma
            store_dir: Optional[str] = None) -> MemoryPlan:
     """Given the fixed device items, place the target's layers and the host side, or refuse."""
     shared = machine.kind == "cpu"
-    s = itemsize(runtime.dtype)
     fixed_bytes = _device_bytes(fixed)
 
     # ---- the target's layers
@@ -836,7 +843,7 @@ def _place(target: ModelSpec, offload: OffloadConfig, runtime: RuntimeConfig, ma
         all_layers = min(n_layers * L, n_layers * B + L)
     host_runtime = 0 if shared else RUNTIME_HOST_BYTES
     host_fixed = host_runtime + sum(i.nbytes for i in fixed if i.where == "host")   # (a target global kept there)
-    loading = max(L, target.cfg.vocab_size * target.cfg.hidden_size * s)   # one layer or the embedding, on the host
+    loading = max(L, embed_nbytes(target, runtime.dtype))                 # one layer or the embedding, on the host
     arena = lambda streamed: streamed * arena_stride(B)                   # noqa: E731
     staging = N_STAGING * round_up(B, BLOCK_ALIGN)
     pool = machine.host_bytes if shared else machine.device_bytes
@@ -895,7 +902,7 @@ def _place(target: ModelSpec, offload: OffloadConfig, runtime: RuntimeConfig, ma
         n_ram = max(room, 0) // arena_stride(B)
         if not shared:
             n_ram = best_host_layers(len(placement.streamed), min(n_ram, len(placement.streamed)), B,
-                                     pinned_budget - staging)
+                                     pinned_budget, staging)
         placement = split_tiers(placement, n_ram)
         mode = placement.mode
         notes.append(f"{len(placement.host_layers)} streamed layers in host RAM, {len(placement.disk_layers)} read "
@@ -974,20 +981,18 @@ def _auto_mode(shared: bool, left: int, all_layers: int, full_arena: int, host_f
     return "cpu+disk"
 
 
-def predicted_pass_seconds(plan: MemoryPlan, link_gb_per_s: float, disk_gb_per_s: Optional[float] = None) -> float:
+def predicted_pass_seconds(plan: MemoryPlan, link_gb_per_s: float, disk_gb_per_s: Optional[float] = None,
+                           pageable_gb_per_s: float = PAGEABLE_GB_PER_S) -> float:
     """PREDICTION: the transfer time of one target pass (copies overlap compute, so this is its floor when
-    streaming dominates): every streamed byte crosses the link, pinned ones at its rate and the arena's pageable
-    ones at PAGEABLE_GB_PER_S (the driver stages them through a bounce buffer), and the disk layers' bytes are
-    read from the drive too, their reads overlapping the copies:  max(copies, disk bytes / drive); plus an
-    lm_head kept in host memory, whose pageable chunks cross after the layers (not overlapped)."""
-    pageable = 0
-    if plan.machine.kind == "cuda":
-        pageable = (len(plan.placement.host_layers) - plan.pinned_layers) * plan.block_nbytes
-    seconds = ((plan.streamed_bytes - pageable) / link_gb_per_s
-               + pageable / min(link_gb_per_s, PAGEABLE_GB_PER_S)) / GB
-    if disk_gb_per_s:
-        seconds = max(seconds, len(plan.placement.disk_layers) * plan.block_nbytes / (disk_gb_per_s * GB))
-    return seconds + plan.host_head_bytes / (min(link_gb_per_s, PAGEABLE_GB_PER_S) * GB)
+    streaming dominates): transfer_seconds of its bytes by tier (on a GPU the arena's layers past its pinned ones
+    are pageable: the driver stages them through a bounce buffer), plus an lm_head kept in host memory, whose
+    pageable chunks cross after the layers (not overlapped)."""
+    p, B = plan.placement, plan.block_nbytes
+    pageable = (len(p.host_layers) - plan.pinned_layers) * B if plan.machine.kind == "cuda" else 0
+    disk = len(p.disk_layers) * B
+    return (transfer_seconds(plan.streamed_bytes - pageable - disk, pageable, disk, link_gb_per_s, pageable_gb_per_s,
+                             disk_gb_per_s)
+            + plan.host_head_bytes / (min(link_gb_per_s, pageable_gb_per_s) * GB))
 
 
 # ---------------------------------------------------------------- formatting

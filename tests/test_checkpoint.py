@@ -155,3 +155,15 @@ def test_a_folder_without_tokenizer_files_says_so(arch, tmp_path):
     with pytest.raises(CheckpointError, match="no tokenizer files") as e:
         load_tokenizer(path)
     assert str(path) in str(e.value) and all(name in str(e.value) for name in TOKENIZER_FILES)
+
+
+def test_a_tied_embedding_stays_with_its_lm_head(tmp_path):
+    """global_weights: a tied lm_head is the embedding's tensor, on the compute device as given (any spelling of
+    it); asked to put a tied embedding elsewhere, one line."""
+    from offspec.errors import CheckpointError
+    ckpt = Checkpoint(save_checkpoint(make_model(hf_config(tie=True)), tmp_path / "tied"))
+    g = ckpt.global_weights(torch.device("meta"), torch.float32)
+    assert g.lm_head is g.embed and g.embed.device.type == "meta"
+    assert ckpt.global_weights("cpu", torch.float32, embed_device=torch.device("cpu")).lm_head is not None
+    with pytest.raises(CheckpointError, match="tied to the lm_head"):
+        ckpt.global_weights(torch.device("meta"), torch.float32, embed_device=torch.device("cpu"))

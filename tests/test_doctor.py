@@ -63,3 +63,10 @@ def test_a_failing_section_is_recorded_and_the_rest_still_run(pair, tmp_path, mo
 def test_link_probe_runs_through_the_transfer_backend():
     rates = link(torch.device("cpu"), quick=True)
     assert rates["pageable_gbps"] > 0.1 and "pinned_gbps" not in rates
+
+
+def test_a_target_that_cannot_be_read_fails_the_advice_not_the_checks(tmp_path):
+    r = CliRunner().invoke(main, ["doctor", "--target", str(tmp_path / "nowhere"), "--device", "cpu", "--quick",
+                                  "--store-dir", str(tmp_path / "stores")])
+    assert r.exit_code == 1 and "Traceback" not in r.output
+    assert "link: host -> device" in r.output and "advice: failed" in r.output and "advice failed" in r.output

@@ -502,16 +502,7 @@ def test_cuda_streamed_quantized_equals_resident_quantized(tmp_path, quant, mode
                             LayerPlan.of(cfg, offload, torch.float32, store_dir=str(tmp_path / "s"), quant=quant),
                             device, torch.float32, progress=False) as target:
         assert target.host.pinned, target.host.reason
-        mismatches = torch.zeros((), dtype=torch.int64, device=device)
-        torch.cuda.set_sync_debug_mode("error")
-        try:
-            for _ in range(3):
-                for i, w in target.source.pass_layers():
-                    for name in layer_shapes(cfg):
-                        mismatches += (getattr(w, name) != getattr(expected[i], name)).sum()
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
-        assert int(mismatches) == 0
+        assert cuda_mismatches(target.source, expected, cfg) == 0
         stats = target.stats()
         assert stats.passes == 3 and stats.dequant_s > 0
 
@@ -533,16 +524,22 @@ def test_cuda_compact_ring_equals_resident_quantized(tmp_path, quant):
     plan = LayerPlan.of(cfg, OffloadConfig(mode="cpu", n_slots=2), torch.float32, quant=quant, placement=placement,
                         store_dir=str(tmp_path / "s"))
     with open_target_layers(weights.__getitem__, cfg, plan, device, torch.float32, progress=False) as target:
-        mismatches = torch.zeros((), dtype=torch.int64, device=device)
-        torch.cuda.set_sync_debug_mode("error")
-        try:
-            for _ in range(3):
-                for i, w in target.source.pass_layers():
-                    for name in layer_shapes(cfg):
-                        mismatches += (getattr(w, name) != getattr(expected[i], name)).sum()
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
-        assert int(mismatches) == 0 and target.stats().passes == 3
+        assert cuda_mismatches(target.source, expected, cfg) == 0 and target.stats().passes == 3
+
+
+def cuda_mismatches(source, expected, cfg, passes: int = 3) -> int:
+    """Elements of `passes` streamed passes that differ from the expected layers, counted on the device under
+    sync-debug mode "error" (no hidden synchronization inside a pass)."""
+    mismatches = torch.zeros((), dtype=torch.int64, device=torch.device("cuda"))
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for _ in range(passes):
+            for i, w in source.pass_layers():
+                for name in layer_shapes(cfg):
+                    mismatches += (getattr(w, name) != getattr(expected[i], name)).sum()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    return int(mismatches)
 
 
 # ---------------------------------------------------------------- scripts/bench_quant.py (its model-free parts)

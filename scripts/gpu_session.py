@@ -17,8 +17,13 @@ Parts, in order, each in its own process with its own time limit (a hang or a cr
 OUT/gpu_70b.json holds the parts' results (rewritten after every row); OUT/gpu_70b.md renders them.
 
 Examples:
-  PYTHONUNBUFFERED=1 python3 scripts/gpu_session.py --out $OUT           # ~7 min on an H100
+  PYTHONUNBUFFERED=1 python3 scripts/gpu_session.py --out $OUT           # ~3.5 min on an H100
   python scripts/gpu_session.py --tiny --device cpu --out /tmp/s         # a smoke test of the code, any machine
+
+nf4 (the dequant part, and the nf4 GPU tests of the check) needs bitsandbytes, which a machine with no package
+registry lacks: carry it, e.g. its manylinux wheel unzipped into a git-ignored folder of the checkout with only
+the libbitsandbytes_cuda1*.so matching the machine's CUDA kept (about 8 MB), that folder on PYTHONPATH. Without
+it those are skipped, with the reason. $OFFSPEC_COMMIT names the commit where the copied tree has no .git.
 """
 from __future__ import annotations
 

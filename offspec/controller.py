@@ -123,6 +123,12 @@ class RoundRecord:
     finished: tuple = ()               # rows that finished this round: forgotten once the round is counted
 
 
+def plain_first_round(gpu: bool, streamed: bool) -> bool:
+    """A run starts with a plain prefill round, no tree and no draft call, on a CPU with the target resident
+    (Controller.for_run's probe_first); so there the draft may load beside that round (draft.DraftBeside)."""
+    return not gpu and not streamed
+
+
 class Controller:
     """Picks each round's tree budgets ("auto") from measured draft and target costs, for the rows in flight,
     the chunk a joining prompt feeds, and (auto concurrency) how many rows are worth having in flight."""
@@ -175,7 +181,7 @@ class Controller:
         docs/benchmarks.md, "Reading the batch numbers"."""
         B = run.rows
         return cls(start=128 if run.gpu else max(1, 32 // B), max_budget=run.max_budget, max_depth=0,
-                   probe_first=None if run.gpu or run.streamed else max(8, 32 // B),
+                   probe_first=max(8, 32 // B) if plain_first_round(run.gpu, run.streamed) else None,
                    prefill_per_pass=run.prefill_per_pass, most_rows=B if run.adapt_rows else None)
 
     def plan(self, rows: Sequence[RowView]) -> RoundPlan:

@@ -10,7 +10,7 @@ import bisect
 from dataclasses import dataclass
 
 LINK_GB_PER_S = 24.0    # a PREDICTION input: pinned host->device copies over PCIe 4.0 x16, a gaming PC's link
-PAGEABLE_GB_PER_S = 9.0  # pageable copies (the driver stages them), measured: 8.8-10.2 GB/s on the H100 below
+PAGEABLE_GB_PER_S = 9.0  # pageable copies (the driver stages them), as measured on REFERENCE_GPU (docs/benchmarks.md)
 
 
 @dataclass(frozen=True)

@@ -59,13 +59,10 @@ def hub_offline() -> bool:
 
 def resolve_model(name: str | Path) -> Path:
     """A model folder or a hub id -> the folder to load (see the module docstring for the rules)."""
-    path = Path(name).expanduser()
-    if path.exists() or not HUB_ID.fullmatch(str(name)):
-        return path
-    repo_id, cache = str(name), hub_cache_dir()
-    folder = cached_snapshot(repo_id, cache)
+    folder = _as_given_or_cached(name)
     if folder is not None:
         return folder
+    repo_id, cache = str(name), hub_cache_dir()
     if hub_offline():
         raise CheckpointError(
             f"{repo_id}: no such folder, and no complete copy of this hub model in the Hugging Face cache {cache} "
@@ -76,10 +73,24 @@ def resolve_model(name: str | Path) -> Path:
     try:
         folder = Path(snapshot_download(repo_id, cache_dir=cache, allow_patterns=HUB_FILES, ignore_patterns=HUB_SKIP))
     except (OSError, ValueError) as e:   # hub errors are OSErrors (HTTP, not found, offline); bad ids ValueErrors
-        reason = (str(e).strip().splitlines() or [type(e).__name__])[0]
         raise CheckpointError(f"{repo_id}: no such folder, and downloading it from the Hugging Face hub into {cache} "
-                              f"failed ({reason}); check the id and the network, or pass a model folder") from None
+                              f"failed ({_first_line(e)}); check the id and the network, or pass a model "
+                              "folder") from None
     return folder
+
+
+def _as_given_or_cached(name: str | Path) -> Optional[Path]:
+    """Rules 1, 2 and 4 of the module docstring: the path as given (one that exists, or a name that is no hub
+    id), or a hub id's complete snapshot in the local cache; None for a hub id not cached whole. No network."""
+    path = Path(name).expanduser()
+    if path.exists() or not HUB_ID.fullmatch(str(name)):
+        return path
+    return cached_snapshot(str(name), hub_cache_dir())
+
+
+def _first_line(err: Exception) -> str:
+    """A hub error's first line (its messages run on over several), or its type where it has none."""
+    return (str(err).strip().splitlines() or [type(err).__name__])[0]
 
 
 def resolve_headers(name: str | Path) -> tuple[Path, Optional[dict[str, dict[str, dict]]]]:
@@ -90,13 +101,10 @@ def resolve_headers(name: str | Path) -> tuple[Path, Optional[dict[str, dict[str
     snapshot of the hub's small files only (PLAN_FILES: config, tokenizer) and headers are the weight files'
     safetensors headers as the hub serves them, {file: {tensor: {"dtype", "shape", "data_offsets"}}}: a few
     KB a file, read by range requests. HF_HUB_OFFLINE set: one-line CheckpointError."""
-    path = Path(name).expanduser()
-    if path.exists() or not HUB_ID.fullmatch(str(name)):
-        return path, None
-    repo_id, cache = str(name), hub_cache_dir()
-    folder = cached_snapshot(repo_id, cache)
+    folder = _as_given_or_cached(name)
     if folder is not None:
         return folder, None
+    repo_id, cache = str(name), hub_cache_dir()
     planned = planned_snapshot(repo_id, cache)
     if planned is not None:
         return planned
@@ -112,10 +120,9 @@ def resolve_headers(name: str | Path) -> tuple[Path, Optional[dict[str, dict[str
         # the headers of the revision whose config was fetched (the snapshot folder is named for its commit)
         metadata = get_safetensors_metadata(repo_id, revision=folder.name)
     except (OSError, ValueError, NotASafetensorsRepoError, SafetensorsParsingError) as e:   # HTTP, offline; bad ids
-        reason = (str(e).strip().splitlines() or [type(e).__name__])[0]
         raise CheckpointError(f"{repo_id}: no such folder, and reading its config and safetensors headers from the "
-                              f"Hugging Face hub failed ({reason}); check the id and the network, or pass a model "
-                              "folder") from None
+                              f"Hugging Face hub failed ({_first_line(e)}); check the id and the network, or pass a "
+                              "model folder") from None
     headers = _headers_of({file: {tensor: {"dtype": info.dtype, "shape": info.shape, "data_offsets": info.data_offsets}
                                   for tensor, info in meta.tensors.items()}
                            for file, meta in metadata.files_metadata.items()})

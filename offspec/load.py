@@ -23,6 +23,7 @@ from tqdm import tqdm
 
 from .checkpoint import Checkpoint, load_tokenizer, same_tokenizer_files
 from .config import ModelConfig, OffloadConfig, RunLimits, RuntimeConfig
+from .controller import plain_first_round
 from .draft import DraftBeside, load_resident
 from .errors import InputError
 from .generate import Engine
@@ -170,9 +171,10 @@ class Models:
         plan = self.plan(offload, runtime, limits, machine)
         t1 = time.perf_counter()
         draft = None
-        # A CPU with the target resident starts with a plain prefill round (controller.Controller.for_run): the
-        # draft then loads beside it, after the target, and the first token does not wait for it.
-        beside = self.draft is not None and runtime.device.type == "cpu" and not plan.placement.streamed
+        # A run whose first round is a plain prefill loads the draft beside it, after the target, and the first
+        # token does not wait for it.
+        beside = self.draft is not None and plain_first_round(runtime.device.type == "cuda",
+                                                              bool(plan.placement.streamed))
         if self.draft is not None:
             check_draft_quant(runtime.draft_quant, runtime.device, runtime.dtype)
             if not beside:

@@ -15,15 +15,15 @@ from typing import Optional
 
 import torch
 
-from .plan import Machine, MemoryPlan, predicted_pass_seconds
+from .plan import DISK_GBPS, LINK_GBPS, Machine, MemoryPlan, predicted_pass_seconds
 
 
 @dataclass(frozen=True)
 class Rates:
     """What the PREDICTED lines assume: given, not measured."""
     tokens_per_pass: float = 8.0    # tokens one target pass yields (the bonus token included, so >= 1)
-    link_gbps: float = 24.0         # host-to-device GB/s of the streamed layers' copies (PCIe 4.0 x16, pinned)
-    disk_gbps: float = 3.0          # read GB/s of the disk store's drive, for disk offload (a PCIe 4.0 NVMe: 3-7)
+    link_gbps: float = LINK_GBPS    # host-to-device GB/s of the streamed layers' copies (PCIe 4.0 x16, pinned)
+    disk_gbps: float = DISK_GBPS    # read GB/s of the disk store's drive, for disk offload (a PCIe 4.0 NVMe: 3-7)
 
 
 def machine_for(device_bytes: Optional[int], host_bytes: Optional[int]) -> Machine:

@@ -591,7 +591,7 @@ class MemoryPlan:
     def to_dict(self) -> dict:
         d = asdict(self)
         d["layers"].pop("placement")                     # given below, with its derived fields
-        d.update(mode=self.mode, pinned_budget=self.pinned_budget, target_quant=self.target_quant)
+        d.update(mode=self.mode, target_quant=self.target_quant)
         d["placement"] = {"mode": self.placement.mode, "resident": list(self.placement.resident),
                           "streamed": list(self.placement.streamed), "n_slots": self.placement.n_slots,
                           "host": list(self.placement.host_layers), "disk": list(self.placement.disk_layers),
@@ -656,9 +656,9 @@ def _what_fits(target: ModelSpec, draft: Optional[ModelSpec], offload: OffloadCo
 def _longest_context(target: ModelSpec, draft: Optional[ModelSpec], limits: RunLimits,
                      fits: Callable[[int], bool]) -> Optional[int]:
     """The longest context, a multiple of CONTEXT_STEP below the run's, that fits(context); None if none does."""
-    model_context = min([target.cfg.max_position_embeddings] + ([draft.cfg.max_position_embeddings] if draft else []))
+    model_context = _model_context(target, draft)
     asked = min(limits.context or model_context, model_context)
-    lo, hi = 0, (asked - 1) // CONTEXT_STEP            # in steps: the longest k with fits(k * CONTEXT_STEP)
+    hi = (asked - 1) // CONTEXT_STEP                   # in steps: the longest k with fits(k * CONTEXT_STEP)
     if hi < 1 or not fits(CONTEXT_STEP):
         return None
     lo = 1
@@ -666,6 +666,11 @@ def _longest_context(target: ModelSpec, draft: Optional[ModelSpec], limits: RunL
         mid = (lo + hi + 1) // 2
         lo, hi = (mid, hi) if fits(mid * CONTEXT_STEP) else (lo, mid - 1)
     return lo * CONTEXT_STEP
+
+
+def _model_context(target: ModelSpec, draft: Optional[ModelSpec]) -> int:
+    """The longest context both models take."""
+    return min([target.cfg.max_position_embeddings] + ([draft.cfg.max_position_embeddings] if draft else []))
 
 
 def _plan_concurrency(target: ModelSpec, draft: Optional[ModelSpec], offload: OffloadConfig, runtime: RuntimeConfig,
@@ -723,7 +728,7 @@ def _plan_with(target: ModelSpec, draft: Optional[ModelSpec], offload: OffloadCo
         raise InputError("--concurrency must be at least 1")
     if limits.tree_budget is not None and limits.tree_budget < 0:
         raise InputError("the tree budget must be >= 0")
-    model_context = min([target.cfg.max_position_embeddings] + ([draft.cfg.max_position_embeddings] if draft else []))
+    model_context = _model_context(target, draft)
     context = model_context if limits.context is None else min(limits.context, model_context)
     if context < 2:
         raise InputError(f"a context of {context} tokens leaves no room to generate")

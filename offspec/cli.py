@@ -131,7 +131,8 @@ def model_options(f):
                      "leaves after the draft, globals, KV caches, logits and activations. Default: all of that "
                      "on a GPU; on the CPU, nothing resident beyond the streaming ring."),
         click.option("--slots", "n_slots", type=int, default=2, show_default=True,
-                     help="Device slots in the streaming ring (>= 2; 1 only with --no-overlap)."),
+                     help="Device slots in the streaming ring, in layers (>= 2; 1 only with --no-overlap); a ring "
+                     "split into layers' parts, where two whole layers do not fit, asks for this many layers' parts."),
         click.option("--store-dir", default=None, help="Disk-mode packed store folder. Default: under $OFFSPEC_HOME/stores."),
         click.option("--host-budget", default=None, help="Host RAM that may be pinned (the arena, the disk staging; "
                      "e.g. 64GB); an arena above it has its first layers pinned and the rest pageable (slower "
@@ -721,7 +722,8 @@ def models_demo():
               help="As for generate: device bytes for the target's layers. Default: what the plan leaves.")
 @click.option("--host-budget", default=None,
               help=f"As for generate: host bytes that may be pinned. Default: {PINNED_FRACTION:.0%} of the host memory.")
-@click.option("--slots", "n_slots", type=int, default=2, show_default=True, help="Streaming ring slots.")
+@click.option("--slots", "n_slots", type=int, default=2, show_default=True,
+              help="Streaming ring slots, in layers (a split ring: this many layers' parts).")
 @click.option("--context", default="4096", show_default=True,
               help="Tokens per sequence the KV caches hold (capped at the models' context), or 'auto' = the models' context.")
 @click.option("--tree-budget", default="auto", show_default=True, help=f"Largest tree per pass, or auto (up to {AUTO_MAX_TREE_BUDGET}).")

@@ -45,6 +45,21 @@ class LayerWeights:
     v_bias: Optional[torch.Tensor] = None    # (H_kv*hd,)
     q_norm: Optional[torch.Tensor] = None    # (hd,)     Qwen3 only
     k_norm: Optional[torch.Tensor] = None    # (hd,)
+    part: str = "layer"                      # WHOLE: every tensor above; or a key of LAYER_PARTS: only that
+                                             # part's tensors, the others None (a split ring's slot, PartLayout)
+
+
+WHOLE = "layer"
+# A layer split into parts that stream through slots smaller than it, in the order the forward uses them
+# (model.run_part): each part's LayerWeights fields. A 70B layer's largest part (gate, up or down) is 470 MB of
+# its 1.71 GB.
+LAYER_PARTS = {
+    "attention": ("input_norm", "q_proj", "k_proj", "v_proj", "o_proj", "q_bias", "k_bias", "v_bias", "q_norm",
+                  "k_norm"),
+    "gate": ("post_norm", "gate_proj"),
+    "up": ("up_proj",),
+    "down": ("down_proj",),
+}
 
 
 def layer_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -96,14 +111,15 @@ class LayerLayout:
 
     def views(self, block: torch.Tensor) -> LayerWeights:
         """LayerWeights whose tensors are views into `block` (uint8, (nbytes,)); nothing is copied."""
-        assert block.dtype == torch.uint8 and block.numel() >= self.nbytes
-        typed = block[: self.nbytes].view(self.dtype)
-        itemsize = typed.element_size()
-        tensors = {}
-        for name, shape, offset in self.entries:
-            start = offset // itemsize
-            tensors[name] = typed[start: start + math.prod(shape)].view(shape)
-        return LayerWeights(**tensors)
+        return LayerWeights(**_views(block, self.dtype, self.entries, self.nbytes))
+
+    def parts(self, split: bool) -> tuple["PartLayout", ...]:
+        """How a ring slot holds this layer: whole (one part, the block as it is), or split into LAYER_PARTS,
+        each its tensors' byte runs of the block packed one after another from the slot's start."""
+        if not split:
+            return (PartLayout(WHOLE, self.dtype, ((0, 0, self.nbytes),), self.entries, self.nbytes),)
+        return tuple(PartLayout(part, self.dtype, runs, entries, nbytes)
+                     for part, (runs, entries, nbytes) in split_entries(self.entries, self.nbytes).items())
 
     def pack(self, weights: dict[str, torch.Tensor], block: torch.Tensor) -> None:
         """Copy named tensors (any dtype, cast here) into their places in `block`; padding is zeroed."""
@@ -114,6 +130,66 @@ class LayerLayout:
             if tuple(src.shape) != shape:
                 raise ValueError(f"{name}: expected shape {shape}, got {tuple(src.shape)}")
             getattr(views, name).copy_(src)
+
+
+def split_entries(entries: tuple, nbytes: int) -> dict[str, tuple[tuple, tuple, int]]:
+    """A block's entries ((name, shape, byte offset, ...), in block order; a name's field is what comes before
+    any "."), grouped by LAYER_PARTS -> {part: (runs, entries, nbytes)}: the byte runs to copy into a slot
+    ((block offset, slot offset, nbytes), adjacent entries merged into one), the part's entries with their slot
+    offsets, and the slot bytes they take."""
+    ends = [entry[2] for entry in entries[1:]] + [nbytes]          # each entry runs up to the next one
+    parts = {}
+    for part, names in LAYER_PARTS.items():
+        runs: list[list[int]] = []
+        moved, at = [], 0
+        for entry, end in zip(entries, ends):
+            if entry[0].split(".")[0] not in names:
+                continue
+            start = entry[2]
+            if runs and runs[-1][0] + runs[-1][2] == start:
+                runs[-1][2] += end - start
+            else:
+                runs.append([start, at, end - start])
+            moved.append((entry[0], entry[1], at, *entry[3:]))
+            at += end - start
+        parts[part] = (tuple(map(tuple, runs)), tuple(moved), at)
+    return parts
+
+
+def _views(block: torch.Tensor, dtype: torch.dtype, entries, nbytes: int) -> dict[str, torch.Tensor]:
+    """{name: view of `block` ((nbytes,) uint8) as that entry's shape and dtype} for (name, shape, offset) entries."""
+    assert block.dtype == torch.uint8 and block.numel() >= nbytes
+    typed = block[:nbytes].view(dtype)
+    itemsize = typed.element_size()
+    return {name: typed[offset // itemsize: offset // itemsize + math.prod(shape)].view(shape)
+            for name, shape, offset in entries}
+
+
+@dataclass(frozen=True)
+class PartLayout:
+    """One part of a layer as a ring slot holds it (LayerLayout.parts): some of the block's tensors, copied run
+    by run into the slot, whose views give a LayerWeights carrying that part only."""
+    part: str                                        # WHOLE, or a key of LAYER_PARTS
+    dtype: torch.dtype
+    runs: tuple[tuple[int, int, int], ...]           # (block offset, slot offset, nbytes): one copy each
+    entries: tuple[tuple[str, tuple[int, ...], int], ...]   # (name, shape, byte offset in the slot)
+    nbytes: int                                      # bytes of the slot it fills
+
+    @property
+    def dense(self) -> "PartLayout":
+        """What the consumer reads: this part itself (a quantized part dequantizes into its `dense`)."""
+        return self
+
+    def views(self, slot: torch.Tensor) -> LayerWeights:
+        """The part's tensors as views into `slot` ((≥ nbytes,) uint8); the layer's other tensors None."""
+        tensors = _views(slot, self.dtype, self.entries, self.nbytes)
+        absent = {name: None for name in layer_fields() if name not in tensors}
+        return LayerWeights(**tensors, **absent, part=self.part)
+
+
+def layer_fields() -> tuple[str, ...]:
+    """The tensor fields of LayerWeights."""
+    return tuple(name for names in LAYER_PARTS.values() for name in names)
 
 
 def round_up(n: int, multiple: int) -> int:

@@ -289,9 +289,11 @@ def open_target_layers(layer_tensors_fn: LayerTensorsFn, cfg: ModelConfig, layer
             return block
 
         # Held quantized resident layers and a compact ring share one scratch layer: the plan counted it once
-        # (scratch_nbytes).
-        scratch = (torch.empty(layout.dense.nbytes, dtype=torch.uint8, device=device)   # (dense nbytes,)
-                   if placement.scratch_nbytes else None)
+        # (scratch_nbytes); a split compact ring's is its largest dense part (counted in split_nbytes).
+        scratch_nbytes = (max(part.dense.nbytes for part in layout.parts(split=True))
+                          if placement.compact and placement.split else placement.scratch_nbytes)
+        scratch = (torch.empty(scratch_nbytes, dtype=torch.uint8, device=device)   # (scratch_nbytes,)
+                   if scratch_nbytes else None)
         resident = {i: _resident_layer(host_block(i), layout, device, scratch if placement.resident_held else None)
                     for i in tqdm(placement.resident, desc="loading resident layers", unit="layer",
                                   disable=not progress or not placement.resident)}
@@ -316,6 +318,6 @@ def open_target_layers(layer_tensors_fn: LayerTensorsFn, cfg: ModelConfig, layer
         else:
             store = disk
         streamer = LayerStreamer(store, backend, cfg.n_layers, resident, placement.n_slots, overlap=layers.overlap,
-                                 scratch=scratch if placement.compact else None)
+                                 scratch=scratch if placement.compact else None, split=placement.split)
         on_error.pop_all()
     return TargetLayers(streamer, placement, store.info())

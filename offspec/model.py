@@ -1,8 +1,8 @@
 """The Llama-family forward, written once as functions of explicit weights.
 
 Llama 1/2/3 (incl. llama3 / linear rope scaling), Mistral, Qwen2 (qkv bias) and SmolLM share this code.
-The resident draft and the streamed target both run `layer_forward`; they differ only in where a layer's
-weights come from (a list of resident layers, or a slot of the streaming ring).
+The resident draft and the streamed target both run `run_layer`; they differ only in where a layer's
+weights come from (a list of resident layers, or a slot of the streaming ring, which may hold a layer in parts).
 
 One forward computes the new tokens of several sequences at once, PACKED: their tokens are rows of one
 (N, D) batch, each sequence a RowSpan [start, end) of it, so the matmuls run over exactly N rows (no
@@ -34,7 +34,7 @@ import torch.nn.functional as F
 
 from .config import LM_HEAD_CHUNK_BYTES, ModelConfig, attention_rows
 from .kv_cache import KVCache
-from .layout import GlobalWeights, LayerWeights
+from .layout import WHOLE, GlobalWeights, LayerWeights
 from .quant import QuantizedResident, layer_weights, linear, narrow_rows
 
 
@@ -138,26 +138,50 @@ def head_norm(x: torch.Tensor, weight: Optional[torch.Tensor], cfg: ModelConfig)
     return x if weight is None else rms_norm(x, weight, cfg.rms_norm_eps)
 
 
-def layer_forward(
-    x: torch.Tensor,            # (N, D) hidden states of the new tokens, packed
-    w: LayerWeights,
-    cfg: ModelConfig,
-    cache: KVCache,
-    layer: int,                 # index of this layer in `cache`
-    rows: Sequence[RowSpan],    # the sequences, spans of rows of x (start 0)
-    cos: torch.Tensor,          # (N, hd)
-    sin: torch.Tensor,          # (N, hd)
-    narrow: Optional[torch.Tensor] = None,   # (N,) bool: rows that read int8 matrices straight (quant.narrow_rows)
-) -> torch.Tensor:
-    """One decoder layer over x: its keys and values into the cache, then attention and the MLP."""
-    write_keys(x, w, cfg, cache, layer, rows, cos, sin, narrow)
-    return attend(x, w, cfg, cache, layer, rows, cos, sin, narrow)
+@dataclass
+class PassRows:
+    """One forward's rows as every layer runs over them: its chunks, and what they share across layers."""
+    cfg: ModelConfig
+    cache: KVCache
+    pieces: list[tuple[int, int, list[RowSpan]]]   # (a, b, the spans cut to packed rows [a, b), renumbered from 0)
+    cos: torch.Tensor                               # (N, hd)
+    sin: torch.Tensor                               # (N, hd)
+    narrow: Optional[torch.Tensor]                  # (N,) bool: rows that read int8 matrices straight, or None
+    h: Optional[torch.Tensor] = None                # (N, D) a split layer's post-attention norm, between its parts
+    act: Optional[torch.Tensor] = None              # (N, F) silu(gate(h)), then times up(h), between its parts
+
+    def cut(self, a: int, b: int) -> Optional[torch.Tensor]:
+        return None if self.narrow is None else self.narrow[a:b]
+
+
+def run_layer(x: torch.Tensor, w: LayerWeights, layer: int, p: PassRows) -> None:
+    """Layer `layer` over x (N, D), in place, chunk by chunk: everything w carries, a whole layer or one of its
+    LAYER_PARTS (given in order). Every chunk's keys are written before any chunk attends: a row's mask reaches
+    (masked off) slots that later chunks write. A split layer computes exactly what the whole one does, the
+    MLP's intermediates kept in p between its parts."""
+    cfg, cache = p.cfg, p.cache
+    if w.part in (WHOLE, "attention"):
+        for a, b, spans in p.pieces:
+            write_keys(x[a:b], w, cfg, cache, layer, spans, p.cos[a:b], p.sin[a:b], p.cut(a, b))
+        for a, b, spans in p.pieces:
+            y = attend(x[a:b], w, cfg, cache, layer, spans, p.cos[a:b], p.sin[a:b], p.cut(a, b))
+            x[a:b] = mlp(y, w, cfg, p.cut(a, b)) if w.part == WHOLE else y
+        return
+    if p.act is None:
+        p.h, p.act = x.new_empty(x.shape), x.new_empty(x.shape[0], cfg.intermediate_size)   # (N, D), (N, F)
+    for a, b, _ in p.pieces:
+        if w.part == "gate":
+            p.h[a:b], p.act[a:b] = mlp_gate(x[a:b], w, cfg, p.cut(a, b))
+        elif w.part == "up":
+            p.act[a:b] = mlp_up(p.h[a:b], p.act[a:b], w, p.cut(a, b))
+        else:
+            x[a:b] = mlp_down(x[a:b], p.act[a:b], w, p.cut(a, b))
 
 
 def write_keys(x: torch.Tensor, w: LayerWeights, cfg: ModelConfig, cache: KVCache, layer: int,
                rows: Sequence[RowSpan], cos: torch.Tensor, sin: torch.Tensor,
                narrow: Optional[torch.Tensor] = None) -> None:
-    """The first half of layer_forward: x's keys and values, written to each sequence's cache slots."""
+    """A layer's first step (run_layer): x's keys and values, written to each sequence's cache slots."""
     N, H_kv, hd = x.shape[0], cfg.n_kv_heads, cfg.head_dim
     h = rms_norm(x, w.input_norm, cfg.rms_norm_eps)
     k = linear(h, w.k_proj, w.k_bias, narrow).view(N, H_kv, hd)
@@ -171,8 +195,8 @@ def write_keys(x: torch.Tensor, w: LayerWeights, cfg: ModelConfig, cache: KVCach
 def attend(x: torch.Tensor, w: LayerWeights, cfg: ModelConfig, cache: KVCache, layer: int,
            rows: Sequence[RowSpan], cos: torch.Tensor, sin: torch.Tensor,
            narrow: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """The second half of layer_forward: x's queries attend to each sequence's cache row (every slot its mask
-    covers already written), then the MLP. -> (N, D)."""
+    """Attention, after write_keys: x's queries attend to each sequence's cache row (every slot its mask
+    covers already written). -> x + o_proj(attention) (N, D)."""
     N, H, H_kv, hd = x.shape[0], cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
     h = rms_norm(x, w.input_norm, cfg.rms_norm_eps)      # again: cheaper to recompute than to keep for a pass
     q = head_norm(linear(h, w.q_proj, w.q_bias, narrow).view(N, H, hd), w.q_norm, cfg).transpose(0, 1)     # (H, N, hd)
@@ -188,11 +212,32 @@ def attend(x: torch.Tensor, w: LayerWeights, cfg: ModelConfig, cache: KVCache, l
             attn[:, span] = F.scaled_dot_product_attention(q[None, :, span], keys[None], values[None],
                                                            attn_mask=mask[None, None, a:a + step],
                                                            enable_gqa=H != H_kv)[0]
-    x = x + linear(attn.transpose(0, 1).reshape(N, H * hd), w.o_proj, narrow=narrow)            # (N, D)
+    return x + linear(attn.transpose(0, 1).reshape(N, H * hd), w.o_proj, narrow=narrow)         # (N, D)
 
+
+# The MLP in the three steps a split ring's parts take (gate, up, down), composed by mlp for a whole layer:
+#   x + down(silu(gate(h)) * up(h)),  h = rms_norm(x)
+def mlp_gate(x: torch.Tensor, w: LayerWeights, cfg: ModelConfig,
+             narrow: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """x (N, D) -> h (N, D) its post-attention norm, silu(gate(h)) (N, F)."""
     h = rms_norm(x, w.post_norm, cfg.rms_norm_eps)
-    return x + linear(F.silu(linear(h, w.gate_proj, narrow=narrow)) * linear(h, w.up_proj, narrow=narrow),
-                      w.down_proj, narrow=narrow)
+    return h, F.silu(linear(h, w.gate_proj, narrow=narrow))
+
+
+def mlp_up(h: torch.Tensor, act: torch.Tensor, w: LayerWeights, narrow: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """h (N, D), act = silu(gate(h)) (N, F) -> act * up(h) (N, F)."""
+    return act * linear(h, w.up_proj, narrow=narrow)
+
+
+def mlp_down(x: torch.Tensor, act: torch.Tensor, w: LayerWeights, narrow: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """x (N, D), act (N, F) -> x + down(act) (N, D)."""
+    return x + linear(act, w.down_proj, narrow=narrow)
+
+
+def mlp(x: torch.Tensor, w: LayerWeights, cfg: ModelConfig, narrow: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """The MLP block with its residual: (N, D) -> (N, D)."""
+    h, act = mlp_gate(x, w, cfg, narrow)
+    return mlp_down(x, mlp_up(h, act, w, narrow), w, narrow)
 
 
 def chunked_logits(x: torch.Tensor, head: torch.Tensor) -> torch.Tensor:
@@ -250,16 +295,9 @@ class Model:
         x = self.embed(tokens)                                                       # (N, D)
         cos, sin = rope_cos_sin(self.inv_freq, positions, self.dtype)                # (N, hd) each
         narrow = narrow_rows([r.end - r.start for r in rows], self.device)           # (N,) bool, or None
-        cut = (lambda a, b: None) if narrow is None else (lambda a, b: narrow[a:b])
+        pass_rows = PassRows(self.cfg, cache, pieces, cos, sin, narrow)
         for i, w in self.layers.pass_layers():
-            if len(pieces) == 1:
-                x = layer_forward(x, w, self.cfg, cache, i, pieces[0][2], cos, sin, narrow)
-                continue
-            # Every chunk's keys first: a row's mask reaches (masked off) slots that later chunks write.
-            for a, b, spans in pieces:
-                write_keys(x[a:b], w, self.cfg, cache, i, spans, cos[a:b], sin[a:b], cut(a, b))
-            for a, b, spans in pieces:
-                x[a:b] = attend(x[a:b], w, self.cfg, cache, i, spans, cos[a:b], sin[a:b], cut(a, b))
+            run_layer(x, w, i, pass_rows)
         if logit_rows is not None:
             x = x[logit_rows]
             narrow = None if narrow is None else narrow[logit_rows.cpu()]

@@ -36,7 +36,7 @@ from .config import (AUTO_MAX_TREE_BUDGET, LM_HEAD_CHUNK_BYTES, ModelConfig, Off
                      attention_rows)
 from .costmodel import LINK_GB_PER_S as LINK_GBPS, PAGEABLE_GB_PER_S
 from .errors import BudgetError, InputError
-from .layout import (BLOCK_ALIGN, N_STAGING, LayerLayout, arena_stride, layer_shapes, pinned_arena_layers,
+from .layout import (BLOCK_ALIGN, LAYER_PARTS, N_STAGING, LayerLayout, arena_stride, layer_shapes, pinned_arena_layers,
                      round_up)
 from .layout import format_bytes as fmt
 from .quant import HELD_DRAFT_QUANTS, QuantizedLayout, held_matrix_nbytes, target_layout
@@ -156,17 +156,33 @@ class TargetLayerSizes:
     resident: int     # a layer on the device for good: dense, in the compute dtype
     block: int        # a layer as stored, pinned, read and moved each pass (quantized or dense)
     slot: int         # a ring slot: the block, plus the dense layer it dequantizes into when quantized
+    part: int = 0           # a split ring's slot: the largest part (layout.LAYER_PARTS) of the block
+    part_scratch: int = 0   # quantized: the largest dense part, the split ring's parts dequantize into (dense: 0)
 
-    def ring_min(self, min_slots: int) -> int:
-        """The least device memory a ring takes: min_slots slots, or for a quantized target, where that is
-        less, a compact ring (min_slots blocks and the one shared scratch layer; Placement.compact)."""
+    def ring_min(self, min_slots: int, split_extra: int = 0) -> int:
+        """The least device memory a ring takes: min_slots whole slots; a quantized target's compact ring
+        (min_slots blocks and the one shared scratch layer; Placement.compact); or a split ring (min_slots part
+        slots, the part scratch and split_extra, the MLP's intermediates it keeps; Placement.split)."""
         whole = min_slots * self.slot
-        return whole if self.block == self.slot else min(whole, min_slots * self.block + self.resident)
+        compact = min_slots * self.block + self.resident if self.block != self.slot else whole
+        return min(whole, compact, self.split_min(min_slots, split_extra))
+
+    def split_min(self, min_slots: int, split_extra: int) -> int:
+        return min_slots * self.part + self.part_scratch + split_extra
 
     @staticmethod
     def of(cfg: ModelConfig, dtype: torch.dtype, quant: str) -> "TargetLayerSizes":
         layout = target_layout(cfg, dtype, quant)
-        return TargetLayerSizes(layout.dense.nbytes, layout.nbytes, ring_slot_nbytes(layout) or layout.nbytes)
+        parts = layout.parts(split=True)
+        return TargetLayerSizes(layout.dense.nbytes, layout.nbytes, ring_slot_nbytes(layout) or layout.nbytes,
+                                part=max(p.nbytes for p in parts),
+                                part_scratch=max(p.dense.nbytes for p in parts) if quant != "none" else 0)
+
+
+def split_activation_nbytes(cfg: ModelConfig, dtype: torch.dtype, rows: int) -> int:
+    """What a split ring keeps between a layer's parts over a pass of `rows` rows (model.PassRows): the
+    post-attention norm h (rows, D) and the MLP's intermediate (rows, F)."""
+    return rows * (cfg.hidden_size + cfg.intermediate_size) * itemsize(dtype)
 
 
 def embed_nbytes(spec: ModelSpec, dtype: torch.dtype) -> int:
@@ -259,6 +275,14 @@ class Placement:
     compact: bool = False               # quantized: slots hold blocks only (slot_nbytes = the block), each
                                         # dequantized at its use into the shared scratch layer on the compute
                                         # queue; chosen only where whole slots do not fit
+    split_nbytes: Optional[int] = None  # a split ring (slots of a layer's largest part, slot_nbytes, each layer
+                                        # streamed in its parts; quantized: compact too), paying these bytes once:
+                                        # the MLP's intermediates kept between parts (+ quantized: the dense part
+                                        # its parts dequantize into); chosen only where no whole-layer ring fits
+
+    @property
+    def split(self) -> bool:
+        return self.split_nbytes is not None
 
     @property
     def host_layers(self) -> tuple[int, ...]:
@@ -298,18 +322,21 @@ class Placement:
     @property
     def scratch_nbytes(self) -> int:
         """The dense layer that held quantized resident layers and a compact ring's layers dequantize into, one
-        for them all (else 0)."""
-        return self.layer_nbytes if self.resident_held or self.compact else 0
+        for them all (else 0; a split ring's part scratch is in split_nbytes)."""
+        return self.layer_nbytes if self.resident_held or (self.compact and not self.split) else 0
 
     @property
     def device_bytes(self) -> int:
-        """Device memory the target's decoder layers take: resident layers (+ their scratch) + ring."""
-        return len(self.resident) * self.resident_nbytes + self.scratch_nbytes + self.n_slots * self.ring_slot_nbytes
+        """Device memory the target's decoder layers take: resident layers (+ their scratch) + ring (+ what a split
+        ring keeps between parts)."""
+        return (len(self.resident) * self.resident_nbytes + self.scratch_nbytes + self.n_slots * self.ring_slot_nbytes
+                + (self.split_nbytes or 0))
 
 
 def place_layers(n_layers: int, layer_bytes: int, offload: OffloadConfig,
                  layer_budget: Optional[int], slot_bytes: Optional[int] = None,
-                 held_bytes: Optional[int] = None, compact: bool = False) -> Placement:
+                 held_bytes: Optional[int] = None, compact: bool = False,
+                 split_nbytes: Optional[int] = None) -> Placement:
     """Spend `layer_budget` device bytes on the target's layers: the ring first (n_slots slots of slot_bytes,
     default layer_bytes), then resident layers, first layers first. layer_budget None: nothing resident
     beyond the ring (a CPU device, where cpu/disk offload should really stream).
@@ -319,7 +346,11 @@ def place_layers(n_layers: int, layer_bytes: int, offload: OffloadConfig,
     2-slot nf4 ring (slots of 1.28 layers) holds 7 dense or (10 - 2.56 - 1) / 0.28 = 23 held nf4 layers.
 
     compact (a quantized target; slot_bytes = its block): the slots hold blocks only and the one dense scratch
-    layer is paid whether or not a resident layer is held."""
+    layer is paid whether or not a resident layer is held.
+
+    split_nbytes (a dense target; slot_bytes = its largest part): a split ring, paying split_nbytes once, whose
+    offload.n_slots counts layers: it gets as many part slots as hold that many layers (n_slots × parts), or
+    the most that fit, at least the minimum."""
     mode = offload.mode
     if mode not in MODES:
         raise InputError(f"unknown offload mode {mode!r} (expected one of {', '.join(MODES)})")
@@ -328,8 +359,11 @@ def place_layers(n_layers: int, layer_bytes: int, offload: OffloadConfig,
         raise InputError(f"n_slots={offload.n_slots}: streaming needs at least 2 slots (1 only with overlap off)")
     each, scratch = (layer_bytes, 0) if held_bytes is None else (held_bytes, layer_bytes)
     all_layers = n_layers * each + scratch
-    scratch = layer_bytes if compact else scratch
+    if split_nbytes is not None or compact:                             # what the ring itself pays once
+        scratch = split_nbytes if split_nbytes is not None else layer_bytes
+    paid = compact or split_nbytes is not None
     slot = layer_bytes if slot_bytes is None else slot_bytes
+    wanted = offload.n_slots * (len(LAYER_PARTS) if split_nbytes is not None else 1)
     everything = Placement(mode, n_layers, layer_bytes, resident=tuple(range(n_layers)), n_slots=0,
                            held_nbytes=held_bytes)
     if mode == "none":
@@ -339,20 +373,25 @@ def place_layers(n_layers: int, layer_bytes: int, offload: OffloadConfig,
                               f"({fmt(all_layers)}): use --offload cpu or disk")
         return everything
     if layer_budget is None:
-        return Placement(mode, n_layers, layer_bytes, resident=(), n_slots=offload.n_slots, slot_nbytes=slot_bytes,
-                         compact=compact)
+        return Placement(mode, n_layers, layer_bytes, resident=(), n_slots=wanted, slot_nbytes=slot_bytes,
+                         compact=compact, split_nbytes=split_nbytes)
     if layer_budget >= all_layers:     # held quantized, every layer may fit in less than a ring would take
         return everything
-    ring_min = min_slots * slot + (scratch if compact else 0)
+    ring_min = min_slots * slot + (scratch if paid else 0)
     if layer_budget < ring_min:
+        kept = ("" if not paid or not scratch else
+                f" + {fmt(scratch)} kept between parts" if split_nbytes is not None else
+                f" + the {fmt(scratch)} dequantization scratch")
+        what = "slots of a layer's largest part" if split_nbytes is not None else "slots"
         raise BudgetError(f"{fmt(layer_budget)} for target layers is too small to stream: it needs at least "
-                          f"{fmt(ring_min)} ({min_slots} slots × {fmt(slot)} per slot"
-                          + (f" + the {fmt(scratch)} dequantization scratch)" if compact else ")"))
-    n_slots = min(offload.n_slots, (layer_budget - (scratch if compact else 0)) // slot)
+                          f"{fmt(ring_min)} ({min_slots} {what} × {fmt(slot)}{kept})")
+    n_slots = min(wanted, (layer_budget - (scratch if paid else 0)) // slot)
     room = layer_budget - n_slots * slot - scratch       # the scratch is paid once, by the first held layer
-    n_resident = max(0, min(room // each, n_layers - n_slots))
+    ring_layers = -(-n_slots // len(LAYER_PARTS)) if split_nbytes is not None else n_slots   # layers the ring holds
+    n_resident = max(0, min(room // each, n_layers - ring_layers))
     return Placement(mode, n_layers, layer_bytes, resident=tuple(range(n_resident)), n_slots=n_slots,
-                     slot_nbytes=slot_bytes, held_nbytes=held_bytes if n_resident else None, compact=compact)
+                     slot_nbytes=slot_bytes, held_nbytes=held_bytes if n_resident else None, compact=compact,
+                     split_nbytes=split_nbytes)
 
 
 def best_host_layers(n_streamed: int, n_ram: int, block_nbytes: int, pinned_budget: int, staging: int) -> int:
@@ -405,21 +444,34 @@ def check_resident_quant(resident_quant: str, quantized: bool) -> None:
 
 def choose_placement(n_layers: int, layer_bytes: int, offload: OffloadConfig, layer_budget: Optional[int],
                      slot_bytes: Optional[int] = None, held_bytes: Optional[int] = None,
-                     resident_quant: str = "auto") -> Placement:
+                     resident_quant: str = "auto", split: Optional[tuple[int, int]] = None) -> Placement:
     """place_layers, with a quantized target's resident layers dense or held quantized (held_bytes: its block;
     None for a dense target) as resident_quant says: "on" held, "off" dense, "auto" held only where that keeps
     MORE layers resident (a tie stays dense: a held layer costs a dequantization every pass, a dense one
-    nothing). A budget no placement fits raises the BudgetError of the held one."""
+    nothing). A budget no placement fits raises the BudgetError of the held one.
+
+    Where whole slots do not fit: a quantized target's compact ring; where nothing whole fits, a split ring, as
+    `split` gives it: (the slot, its largest part; what it pays once: TargetLayerSizes.split_min's part scratch
+    and MLP intermediates)."""
     check_resident_quant(resident_quant, quantized=held_bytes is not None)
     try:
         return _choose_held(n_layers, layer_bytes, offload, layer_budget, slot_bytes, held_bytes, resident_quant)
     except BudgetError:
-        if held_bytes is None or offload.mode == "none":
+        if offload.mode == "none" or (held_bytes is None and split is None):
             raise
-    # Whole slots do not fit: a compact ring (blocks only, each dequantized at its use into the shared scratch;
-    # its dequantization no longer overlaps compute, the copies still do).
-    return _choose_held(n_layers, layer_bytes, offload, layer_budget, held_bytes, held_bytes, resident_quant,
-                        compact=True)
+    # Whole slots do not fit: a quantized target's compact ring (blocks only, each dequantized at its use into
+    # the shared scratch; its dequantization no longer overlaps compute, the copies still do).
+    if held_bytes is not None:
+        try:
+            return _choose_held(n_layers, layer_bytes, offload, layer_budget, held_bytes, held_bytes, resident_quant,
+                                compact=True)
+        except BudgetError:
+            if split is None:
+                raise
+    # Nor that: a split ring, each layer streamed in its parts through slots of the largest part (a quantized
+    # one compact as well, dequantized at its use into a part-sized scratch).
+    return place_layers(n_layers, layer_bytes, offload, layer_budget, split[0], compact=held_bytes is not None,
+                        split_nbytes=split[1])
 
 
 def _choose_held(n_layers: int, layer_bytes: int, offload: OffloadConfig, layer_budget: Optional[int],
@@ -467,14 +519,17 @@ class LayerPlan:
            resident_quant: str = "auto", store_dir: Optional[str] = None,
            placement: Optional[Placement] = None) -> "LayerPlan":
         """The layer plan of `offload` alone: its mode, and resident layers within its gpu_budget (no budget:
-        nothing resident beyond the ring), unless `placement` is given. For tools and tests that load layers
-        without a memory plan; a run's plan comes from make_plan."""
+        nothing resident beyond the ring; a budget too small for whole slots: a split or compact ring), unless
+        `placement` is given. For tools and tests that load layers without a memory plan (so a split ring's
+        intermediates are not counted); a run's plan comes from make_plan."""
         if placement is None:
             layout = target_layout(cfg, dtype, quant)
+            sizes = TargetLayerSizes.of(cfg, dtype, quant)
             placement = choose_placement(cfg.n_layers, layout.dense.nbytes, offload, offload.gpu_budget,
                                          slot_bytes=ring_slot_nbytes(layout),
                                          held_bytes=None if quant == "none" else layout.nbytes,
-                                         resident_quant=resident_quant)
+                                         resident_quant=resident_quant,
+                                         split=(sizes.part, sizes.part_scratch))
             if placement.mode == "cpu+disk":     # the host tier: the streamed layers offload.host_budget holds
                 stride = arena_stride(target_layout(cfg, dtype, quant).nbytes)
                 fits = len(placement.streamed) if offload.host_budget is None else offload.host_budget // stride
@@ -556,7 +611,8 @@ class MemoryPlan:
         resident = f"layers {_ranges(p.resident)} resident{held}, " if p.resident else "no layer resident, "
         per_layer = (f"{self.target_quant}: {fmt(self.block_nbytes)} moved per layer, {fmt(p.layer_nbytes)} dequantized"
                      if quantized else f"{fmt(p.layer_nbytes)} per layer")
-        return f"{resident}layers {_ranges(p.streamed)} streamed from {source} through {p.n_slots} slots ({per_layer})"
+        slots = f"{p.n_slots} slots of a layer's parts" if p.split else f"{p.n_slots} slots"
+        return f"{resident}layers {_ranges(p.streamed)} streamed from {source} through {slots} ({per_layer})"
 
     def describe(self) -> str:
         """The plan as a table: every item with its size, the totals against what the machine has."""
@@ -600,7 +656,7 @@ class MemoryPlan:
                           "resident_held": self.placement.resident_held,
                           "resident_nbytes": self.placement.resident_nbytes,
                           "scratch_nbytes": self.placement.scratch_nbytes,
-                          "compact": self.placement.compact}
+                          "compact": self.placement.compact, "split": self.placement.split}
         d["device_total"], d["host_total"] = self.total("device"), self.total("host")
         d["layers_line"] = self.layers_line()
         return d
@@ -734,7 +790,8 @@ def _plan_with(target: ModelSpec, draft: Optional[ModelSpec], offload: OffloadCo
         raise InputError(f"a context of {context} tokens leaves no room to generate")
     shared = machine.kind == "cpu"
     min_slots = 2 if offload.overlap else 1
-    ring = TargetLayerSizes.of(target.cfg, runtime.dtype, runtime.target_quant).ring_min(min_slots)
+    ring = TargetLayerSizes.of(target.cfg, runtime.dtype, runtime.target_quant).ring_min(
+        min_slots, split_activation_nbytes(target.cfg, runtime.dtype, limits.concurrency * context))
     pool = machine.host_bytes if shared else machine.device_bytes
     notes: list[str] = []
     if draft is None or limits.tree_budget is not None:
@@ -836,6 +893,7 @@ def _place(target: ModelSpec, offload: OffloadConfig, runtime: RuntimeConfig, ma
     # ---- the target's layers
     sizes = TargetLayerSizes.of(target.cfg, runtime.dtype, runtime.target_quant)
     L, B, slot = sizes.resident, sizes.block, sizes.slot
+    split_extra = split_activation_nbytes(target.cfg, runtime.dtype, limits.concurrency * context)
     quant = runtime.target_quant
     n_layers = target.cfg.n_layers
     held = B if quant != "none" else None     # a resident layer held quantized: its block (+ one scratch layer)
@@ -884,9 +942,9 @@ def _place(target: ModelSpec, offload: OffloadConfig, runtime: RuntimeConfig, ma
                               f"{'disk' if shared else 'cpu or disk'}")
     else:
         min_slots = 2 if offload.overlap else 1
-        ring = sizes.ring_min(min_slots)
+        ring = sizes.ring_min(min_slots, split_extra)
         if left < min(ring, all_layers):     # (held quantized, all layers may take less than a ring)
-            compact = "" if ring == min_slots * slot else f" or a compact ring of {fmt(ring)}"
+            compact = "" if ring == min_slots * slot else f" or a {'split' if ring == sizes.split_min(min_slots, split_extra) else 'compact'} ring of {fmt(ring)}"
             raise BudgetError(f"{fmt(left)} is all the {'machine' if shared else 'device'} leaves for target layers "
                               f"(of {fmt(pool)}: {fmt(fixed_bytes)} go to the draft, globals, caches, logits, "
                               f"activations and reserve), too little for {min_slots} streaming slots of {fmt(slot)}"
@@ -895,7 +953,8 @@ def _place(target: ModelSpec, offload: OffloadConfig, runtime: RuntimeConfig, ma
         budget = offload.gpu_budget if offload.gpu_budget is not None else (None if shared else left)
     placement = choose_placement(n_layers, L, replace(offload, mode=mode), budget,
                                  slot_bytes=slot if quant != "none" else None, held_bytes=held,
-                                 resident_quant=runtime.resident_quant)
+                                 resident_quant=runtime.resident_quant,
+                                 split=(sizes.part, sizes.part_scratch + split_extra))
     if placement.mode == "cpu+disk":
         # The host tier holds what fits beside everything else on the host (the disk staging included); on a
         # GPU its first layers are pinned, within the pinned budget, and the rest pageable, as many as make the
@@ -917,9 +976,17 @@ def _place(target: ModelSpec, offload: OffloadConfig, runtime: RuntimeConfig, ma
     if placement.n_slots:
         ring_slot = placement.ring_slot_nbytes
         items.append(PlanItem("device", f"ring: {placement.n_slots} slots", placement.n_slots * ring_slot,
+                              f"split: a layer's parts in turn, {fmt(ring_slot)} the largest"
+                              + (f", {quant}, dequantized at its use" if quant != "none" else "") if placement.split else
                               f"{fmt(L)} per layer" if quant == "none" else
                               f"{quant} block {fmt(B)} per slot, compact: dequantized at its use" if placement.compact
                               else f"{quant} block {fmt(B)} + dense layer {fmt(L)} per slot"))
+    if placement.split:
+        items.append(PlanItem("device", "MLP intermediates between parts", split_extra,
+                              f"{limits.concurrency * context} rows × (hidden + intermediate)"))
+        if sizes.part_scratch:
+            items.append(PlanItem("device", "dequantization scratch", sizes.part_scratch,
+                                  "the largest dense part, the ring's parts dequantize into"))
     if placement.resident_held:
         items.append(PlanItem("device", f"resident target layers ({len(placement.resident)}, {quant})",
                               len(placement.resident) * B, f"held quantized, {fmt(B)} each"))

@@ -54,7 +54,7 @@ import torch.nn.functional as F
 
 from .config import ModelConfig
 from .errors import InputError
-from .layout import TENSOR_ALIGN, LayerLayout, LayerWeights, round_up
+from .layout import TENSOR_ALIGN, LayerLayout, LayerWeights, PartLayout, round_up, split_entries
 
 QUANT_MODES = ("none", "int8", "int8-held", "nf4")   # the draft's: dense | + int8 copies | held quantized
 HELD_DRAFT_QUANTS = {"int8-held": "int8", "nf4": "nf4"}  # --draft-quant held quantized -> the matrices' quantization
@@ -310,9 +310,7 @@ class QuantizedLayout:
 
     def pieces(self, block: torch.Tensor) -> dict[str, torch.Tensor]:
         """Every piece as a typed view into `block` (uint8, (≥ nbytes,)); nothing is copied."""
-        assert block.dtype == torch.uint8 and block.numel() >= self.nbytes
-        return {name: block[offset: offset + math.prod(shape) * dtype.itemsize].view(dtype).view(shape)
-                for name, shape, offset, dtype in self.entries}
+        return _pieces(block, self.entries, self.nbytes)
 
     def pack(self, weights: dict[str, torch.Tensor], block: torch.Tensor) -> None:
         """Quantize named tensors (any float dtype) into their places in `block`; padding is zeroed."""
@@ -331,13 +329,51 @@ class QuantizedLayout:
     def dequantize(self, block: torch.Tensor, dense_block: torch.Tensor) -> None:
         """dense_block ((≥ dense.nbytes,) uint8, on the compute device) <- the layer in `block` (same device),
         in the compute dtype: the bytes dense.views() reads as LayerWeights."""
-        pieces, out = self.pieces(block), self.dense.views(dense_block)
-        for name, shape, _ in self.dense.entries:
-            if len(shape) != 2:
-                getattr(out, name).copy_(pieces[name])
-                continue
-            _dequantize_matrix(self.quant, {suffix: pieces[f"{name}.{suffix}"] for suffix, _, _ in
-                                            _matrix_pieces(self.quant, shape, self.dtype)}, getattr(out, name))
+        _dequantize_entries(self.quant, _pieces(block, self.entries, self.nbytes), self.dense.views(dense_block),
+                            self.dense.entries)
+
+    def parts(self, split: bool) -> tuple["QuantizedPart", ...]:
+        """How a ring slot holds this layer: whole (the block as it is), or split into LAYER_PARTS as the dense
+        layout is, each part's pieces packed one after another from the slot's start."""
+        dense_parts = self.dense.parts(split)
+        if not split:
+            return (QuantizedPart(self.quant, ((0, 0, self.nbytes),), self.entries, self.nbytes, dense_parts[0]),)
+        return tuple(QuantizedPart(self.quant, runs, entries, nbytes, dense)
+                     for (runs, entries, nbytes), dense in zip(split_entries(self.entries, self.nbytes).values(),
+                                                               dense_parts))
+
+
+@dataclass(frozen=True)
+class QuantizedPart:
+    """One part of a quantized layer as a ring slot holds it (QuantizedLayout.parts): its pieces, copied run by
+    run into the slot, dequantized from there into a buffer that `dense` (a layout.PartLayout) reads."""
+    quant: str
+    runs: tuple[tuple[int, int, int], ...]                              # (block offset, slot offset, nbytes)
+    entries: tuple[tuple[str, tuple[int, ...], int, torch.dtype], ...]  # (piece, shape, slot offset, dtype)
+    nbytes: int                                                         # bytes of the slot it fills
+    dense: PartLayout                                                   # what it dequantizes into
+
+    def dequantize(self, slot: torch.Tensor, dense_buffer: torch.Tensor) -> None:
+        """dense_buffer ((≥ dense.nbytes,) uint8) <- this part of the layer in `slot` (same device)."""
+        _dequantize_entries(self.quant, _pieces(slot, self.entries, self.nbytes), self.dense.views(dense_buffer),
+                            self.dense.entries)
+
+
+def _pieces(block: torch.Tensor, entries, nbytes: int) -> dict[str, torch.Tensor]:
+    """Every (piece, shape, byte offset, dtype) entry as a typed view into `block` ((≥ nbytes,) uint8)."""
+    assert block.dtype == torch.uint8 and block.numel() >= nbytes
+    return {name: block[offset: offset + math.prod(shape) * dtype.itemsize].view(dtype).view(shape)
+            for name, shape, offset, dtype in entries}
+
+
+def _dequantize_entries(quant: str, pieces: dict[str, torch.Tensor], out: LayerWeights, dense_entries) -> None:
+    """Each dense entry (name, shape, offset) of `out` <- its pieces: a matrix dequantized, a norm or bias copied."""
+    for name, shape, _ in dense_entries:
+        if len(shape) != 2:
+            getattr(out, name).copy_(pieces[name])
+            continue
+        _dequantize_matrix(quant, {suffix: pieces[f"{name}.{suffix}"] for suffix, _, _ in
+                                   _matrix_pieces(quant, shape, getattr(out, name).dtype)}, getattr(out, name))
 
 
 def target_layout(cfg: ModelConfig, dtype: torch.dtype, quant: str = "none"):

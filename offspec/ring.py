@@ -7,11 +7,15 @@
 Every stream, event and pinned-memory call goes through a transfer backend (transfer.py), so the CPU
 backend runs this exact code in the tests; docs/streaming.md is the contract the ring protocol follows.
 
-The ring protocol, for the n-th layer copy ever issued (n counts across passes; slot k = n % n_slots):
+A load is one layer, or in a split ring one part of a layer (layout.LAYER_PARTS: attention, gate, up, down, each
+a slot a quarter of a layer or less), the parts of a layer loaded in turn and each released once read.
+
+The ring protocol, for the n-th load ever issued (n counts across passes; slot k = n % n_slots):
   loader thread    [disk: wait for the layer's read into staging (started one load earlier, each piece
                     once that staging buffer's gate completed); start the next layer's read likewise]
                    free[k].wait(copy_q)     WAR: compute has finished reading slot k's previous layer
-                   copy host block -> slot k on copy_q
+                   copy host block -> slot k on copy_q  (split: the part's byte runs of the block; a layer
+                    is acquired from the store at its first part, its staging gate recorded after its last)
                    [disk: gate.record(copy_q): the staging buffer may be refilled once this completes]
                    [quantized: dequantize slot k into its dense buffer on copy_q, so it overlaps compute
                     as the copy does and the same two events guard it]
@@ -34,8 +38,8 @@ from typing import Iterator, Optional, Union
 import torch
 
 from .layout import LayerLayout, LayerWeights
-from .quant import QuantizedLayout, QuantizedResident, layer_weights
-from .stores import WeightStore
+from .quant import QuantizedLayout, QuantizedPart, QuantizedResident, layer_weights
+from .stores import Staged, WeightStore
 from .transfer import TransferBackend, TransferEvent, raise_from_worker
 
 
@@ -44,7 +48,7 @@ class StreamStats:
     """Streaming counters. Copy and wait times are read from timing events once per pass, and only for
     work that has completed by then, so a pass's last copies may be counted in the next snapshot."""
     passes: int = 0            # pass_layers() iterations run to their end
-    layers: int = 0            # layer copies counted in bytes and transfer_s
+    layers: int = 0            # copies counted in bytes and transfer_s: layers, or a split ring's parts of layers
     bytes: int = 0             # bytes those copies moved host -> device
     transfer_s: float = 0.0    # seconds those copies took on the copy queue (device-timed on CUDA)
     wait_s: float = 0.0        # seconds compute stood still waiting for a layer (device-timed on CUDA)
@@ -71,6 +75,11 @@ class LayerStreamer:
     A yielded LayerWeights is a set of views into a slot: valid only until the consumer asks for the next
     layer (docs/streaming.md, review #4: keep nothing derived from it, e.g. a cached w.T).
 
+    split (plan.Placement.split): the slots are the size of a layer's largest part, and a streamed layer is
+    yielded as its LAYER_PARTS in order, each a LayerWeights carrying that part (LayerWeights.part);
+    model.run_layer keeps what the MLP needs between them. Quantized parts dequantize as whole blocks do (on
+    the copy queue into their slot's dense part, or compact: at use into the scratch, a part's size).
+
     A store of quantized layers (QuantizedLayout): slot k receives the quantized block, and the copy queue
     dequantizes it into slot k's dense buffer, which is what the consumer reads; ready[k] / free[k] cover
     both, so the protocol is unchanged and dequantization overlaps compute like the copy.
@@ -86,7 +95,7 @@ class LayerStreamer:
 
     def __init__(self, store: WeightStore, backend: TransferBackend, n_layers: int,
                  resident: dict[int, Union[LayerWeights, QuantizedResident]], n_slots: int, overlap: bool = True,
-                 scratch: Optional[torch.Tensor] = None):
+                 scratch: Optional[torch.Tensor] = None, split: bool = False):
         if n_slots < (2 if overlap else 1):
             raise ValueError(f"n_slots={n_slots}: streaming needs at least 2 slots (1 only with overlap off)")
         self.store, self.backend = store, backend
@@ -97,17 +106,24 @@ class LayerStreamer:
         if not self.streamed:
             raise ValueError("nothing to stream: every layer is resident (use ResidentLayers)")
 
-        # Allocated once, never freed or reallocated (docs/streaming.md §3), so no record_stream is needed.
-        self._slots = [backend.device_buffer(self.layout.nbytes) for _ in range(n_slots)]   # each (nbytes,) uint8
         self.quantized = isinstance(self.layout, QuantizedLayout)
-        self._scratch = scratch                # (dense nbytes,) uint8: a compact ring's one dense layer
         if scratch is not None and not self.quantized:
             raise ValueError("a compact ring is for quantized layers")
-        # What the consumer reads: the slot itself, or the dense layer its quantized block dequantizes into.
-        self._dense = ([backend.device_buffer(self.layout.dense.nbytes) for _ in range(n_slots)]
-                       if self.quantized and scratch is None else self._slots)            # each (dense nbytes,) uint8
-        self._views = ([self.layout.dense.views(dense) for dense in self._dense] if scratch is None
-                       else [])                                                     # compact: the scratch's views
+        # What one load copies: the whole block, or one part's byte runs of it; and what it reads (part.dense).
+        self._parts = self.layout.parts(split)
+        self._per_pass = len(self.streamed) * len(self._parts)     # loads a pass
+        # Allocated once, never freed or reallocated (docs/streaming.md §3), so no record_stream is needed.
+        slot_nbytes = max(part.nbytes for part in self._parts)
+        self._slots = [backend.device_buffer(slot_nbytes) for _ in range(n_slots)]   # each (slot_nbytes,) uint8
+        self._scratch = scratch    # (≥ the largest part's dense nbytes,) uint8: a compact ring's one dense layer
+        # What the consumer reads, per slot and part: the slot itself, or the dense layer (part) its quantized
+        # block dequantizes into; a compact ring reads its scratch instead.
+        dense_nbytes = max(part.dense.nbytes for part in self._parts)
+        self._dense = ([backend.device_buffer(dense_nbytes) for _ in range(n_slots)]
+                       if self.quantized and scratch is None else self._slots)            # each (dense_nbytes,) uint8
+        self._views = ([] if scratch is not None else
+                       [[part.dense.views(dense) for part in self._parts] for dense in self._dense])
+        self._staged: Optional[Staged] = None   # loader thread: the layer whose parts it is copying
         self._ready = [backend.new_event() for _ in range(n_slots)]   # copy into slot k done (RAW)
         self._free = [backend.new_event() for _ in range(n_slots)]    # compute done reading slot k (WAR)
         backend.synchronize()
@@ -151,20 +167,21 @@ class LayerStreamer:
                 if layer in self.resident:
                     yield layer, layer_weights(self.resident[layer])   # a held quantized layer: dequantized now
                     continue
-                n = self._released
-                assert self.streamed[n % len(self.streamed)] == layer, (n, layer)
-                k = self._take(n, comp_q)
-                if self._scratch is not None:          # compact: dequantize at use, then the slot is free
+                for part in range(len(self._parts)):
+                    n = self._released
+                    assert self._piece(n) == (layer, part), (n, layer, part)
+                    k = self._take(n, comp_q)
+                    if self._scratch is not None:          # compact: dequantize at use, then the slot is free
+                        held = n
+                        weights = self._dequantize_at_use(k, self._parts[part], comp_q)
+                        held = None
+                        self._release(n, comp_q)
+                        yield layer, weights
+                        continue
                     held = n
-                    weights = self._dequantize_at_use(k, comp_q)
+                    yield layer, self._views[k][part]
                     held = None
                     self._release(n, comp_q)
-                    yield layer, weights
-                    continue
-                held = n
-                yield layer, self._views[k]
-                held = None
-                self._release(n, comp_q)
             with self._lock:
                 self._stats.passes += 1
             self._harvest()
@@ -172,6 +189,11 @@ class LayerStreamer:
             if held is not None:   # the consumer left mid-pass (exception, break): its kernels are issued
                 self._release(held, comp_q)
             self._in_pass = False
+
+    def _piece(self, n: int) -> tuple[int, int]:
+        """Load n -> (layer, part) it carries: the wrap-around counts loads across passes (docs/streaming.md §1)."""
+        q = n % self._per_pass
+        return self.streamed[q // len(self._parts)], q % len(self._parts)
 
     def _take(self, n: int, comp_q) -> int:
         """Make compute wait until load n is in its slot; -> the slot."""
@@ -185,11 +207,12 @@ class LayerStreamer:
             self._pending_waits.append((stall_start, stall_end))
         return k
 
-    def _dequantize_at_use(self, k: int, comp_q) -> LayerWeights:
-        """A compact ring: slot k's block -> the shared scratch, on the compute queue, timed."""
+    def _dequantize_at_use(self, k: int, part: QuantizedPart, comp_q) -> LayerWeights:
+        """A compact ring: slot k's block (or part of one) -> the shared scratch, on the compute queue, timed."""
         start, end = self._timing_event(), self._timing_event()
         start.record(comp_q)
-        weights = QuantizedResident(self.layout, self._slots[k], self._scratch).weights()
+        part.dequantize(self._slots[k], self._scratch)
+        weights = part.dense.views(self._scratch)
         end.record(comp_q)
         with self._lock:
             self._pending_dequants.append((start, end))
@@ -217,11 +240,11 @@ class LayerStreamer:
         completed ready event of an issued load means that load is done."""
         first = self._released
         with self._cv:
-            issued = min(self._issued, first + len(self.streamed))
-        done = sum(1 for n in range(first, issued) if self._ready[n % self.n_slots].query())
+            issued = min(self._issued, first + self._per_pass)
+        done = [n for n in range(first, issued) if self._ready[n % self.n_slots].query()]
         with self._lock:
-            self._stats.prefetched_layers += done
-            self._stats.prefetched_bytes += done * self.layout.nbytes
+            self._stats.prefetched_layers += len(done)
+            self._stats.prefetched_bytes += sum(self._parts[self._piece(n)[1]].nbytes for n in done)
 
     def _wait_issued(self, n: int) -> None:
         with self._cv:
@@ -235,7 +258,7 @@ class LayerStreamer:
     def _finish_abandoned_pass(self, comp_q) -> None:
         """A consumer that left a pass early leaves that pass's loads in the ring; take them out in order
         (waiting for each, computing nothing) so this pass starts at its first layer."""
-        while self._released % len(self.streamed):
+        while self._released % self._per_pass:
             n = self._released
             self._take(n, comp_q)
             self._release(n, comp_q)
@@ -260,29 +283,34 @@ class LayerStreamer:
                 self._cv.notify_all()
 
     def _load(self, n: int) -> None:
-        layer, k = self.streamed[n % len(self.streamed)], n % self.n_slots   # the wrap-around (docs/streaming.md §1)
-        next_layer = self.streamed[(n + 1) % len(self.streamed)]
-        staged = self.store.acquire(layer, next_layer=next_layer)   # disk: waits for its read
+        (layer, p), k = self._piece(n), n % self.n_slots
+        part = self._parts[p]
+        if p == 0:                             # a layer's first load: its bytes from the store
+            next_layer = self._piece(n + len(self._parts))[0]
+            self._staged = self.store.acquire(layer, next_layer=next_layer)   # disk: waits for its read
+        staged = self._staged
         copy_q = self.backend.copy_queue
         copy_start, copy_end = self._timing_event(), self._timing_event()
-        self._free[k].wait(copy_q)             # WAR: slot k's previous layer has been read
+        self._free[k].wait(copy_q)             # WAR: slot k's previous load has been read
         copy_start.record(copy_q)
-        self.backend.copy_async(self._slots[k], staged.block, src_pinned=staged.pinned)
+        for src, dst, nbytes in part.runs:
+            self.backend.copy_async(self._slots[k][dst:dst + nbytes], staged.block[src:src + nbytes],
+                                    src_pinned=staged.pinned)
         copy_end.record(copy_q)
-        if staged.gate is not None:
-            staged.gate.record(copy_q)         # the staging buffer may be refilled once the copy is done
+        if staged.gate is not None and p == len(self._parts) - 1:
+            staged.gate.record(copy_q)         # the staging buffer may be refilled once its last copy is done
         if self.quantized and self._scratch is None:
             dequant_start, dequant_end = self._timing_event(), self._timing_event()
             dequant_start.record(copy_q)
-            self.backend.on_copy_queue(lambda block=self._slots[k], dense=self._dense[k]:
-                                       self.layout.dequantize(block, dense))
+            self.backend.on_copy_queue(lambda block=self._slots[k], dense=self._dense[k], part=part:
+                                       part.dequantize(block, dense))
             dequant_end.record(copy_q)
         self._ready[k].record(copy_q)          # RAW: slot k holds `layer` once this completes
         with self._lock:
-            self._pending_copies.append((copy_start, copy_end, staged.block.numel()))
+            self._pending_copies.append((copy_start, copy_end, part.nbytes))
             if self.quantized and self._scratch is None:
                 self._pending_dequants.append((dequant_start, dequant_end))
-            self._stats.read_s += staged.read_s
+            self._stats.read_s += staged.read_s if p == 0 else 0.0
 
     # ---- timing
     def _timing_event(self) -> TransferEvent:

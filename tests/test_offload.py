@@ -13,7 +13,7 @@ import torch
 from offspec.config import ModelConfig, OffloadConfig
 from offspec.errors import BudgetError, InputError, StoreError
 from offspec.kv_cache import KVCache
-from offspec.layout import GlobalWeights, LayerLayout, arena_stride, layer_shapes
+from offspec.layout import LAYER_PARTS, GlobalWeights, LayerLayout, arena_stride, layer_shapes
 from offspec.model import Model, ResidentLayers
 from offspec.layout import BLOCK_ALIGN
 from offspec.load import open_target_layers
@@ -134,9 +134,10 @@ class FreeBeforeRead(LayerStreamer):
 
 
 def run_protocol(store, backend, n_slots, n_passes, kernel_sleep, resident=(), streamer_cls=LayerStreamer,
-                 overlap=True, seed=1):
-    """Stream `n_passes` passes; each "kernel" reads its layer in two halves with a sleep between, on the
-    compute queue. -> [(pass, layer, values seen)] for every read that was not uniformly layer + 1."""
+                 overlap=True, seed=1, split=False):
+    """Stream `n_passes` passes; each "kernel" reads its layer (split: each part of it) in two halves with a
+    sleep between, on the compute queue. -> [(pass, layer, values seen)] for every read that was not uniformly
+    layer + 1."""
     layout = store.layout
     names = [name for name, _, _ in layout.entries]
     rng = random.Random(seed)
@@ -144,15 +145,16 @@ def run_protocol(store, backend, n_slots, n_passes, kernel_sleep, resident=(), s
     resident_layers = {i: layout.views(torch.full((layout.nbytes,), i + 1, dtype=torch.uint8)) for i in resident}
 
     def kernel(pass_no, layer, weights):
-        first = torch.cat([getattr(weights, n).flatten() for n in names[: len(names) // 2]]).clone()
+        tensors = [getattr(weights, n).flatten() for n in names if getattr(weights, n) is not None]
+        first = torch.cat([t[: t.numel() // 2] for t in tensors]).clone()
         time.sleep(rng.uniform(*kernel_sleep))
-        second = torch.cat([getattr(weights, n).flatten() for n in names[len(names) // 2:]])
+        second = torch.cat([t[t.numel() // 2:] for t in tensors])
         values = torch.cat([first, second]).unique().tolist()
         seen.append((pass_no, layer))
         if values != [layer + 1]:
             bad.append((pass_no, layer, values))
 
-    streamer = streamer_cls(store, backend, N_LAYERS, resident_layers, n_slots, overlap=overlap)
+    streamer = streamer_cls(store, backend, N_LAYERS, resident_layers, n_slots, overlap=overlap, split=split)
     try:
         for pass_no in range(n_passes):
             for layer, weights in streamer.pass_layers():
@@ -163,7 +165,8 @@ def run_protocol(store, backend, n_slots, n_passes, kernel_sleep, resident=(), s
         assert streamer.stats().passes == n_passes
     finally:
         streamer.close()
-    assert seen == [(p, i) for p in range(n_passes) for i in range(N_LAYERS)]
+    loads = {i: 1 if i in resident or not split else len(LAYER_PARTS) for i in range(N_LAYERS)}
+    assert seen == [(p, i) for p in range(n_passes) for i in range(N_LAYERS) for _ in range(loads[i])]
     return bad
 
 
@@ -673,9 +676,10 @@ def test_disk_mode_host_memory_follows_the_ring_not_the_model(tmp_path):
 # ---------------------------------------------------------------- budget and placement
 
 def test_budget_below_two_slots_is_refused():
-    one_layer = layer_nbytes(TINY, torch.float32)
-    offload = OffloadConfig(mode="cpu", gpu_budget=one_layer + 100)
-    with pytest.raises(BudgetError, match=r"too small to stream: it needs at least 83 kB \(2 slots"):
+    """Under two whole slots the ring splits each layer into parts; under two of its largest part, nothing streams."""
+    part = max(p.nbytes for p in LayerLayout.of(TINY, torch.float32).parts(split=True))
+    offload = OffloadConfig(mode="cpu", gpu_budget=2 * part - 1)
+    with pytest.raises(BudgetError, match=r"too small to stream: it needs at least 33 kB \(2 slots of a layer's largest part × 17 kB\)"):
         open_target_layers(random_layers(TINY).__getitem__, TINY,
                            LayerPlan.of(TINY, offload, torch.float32), CPU, torch.float32, progress=False)
 
@@ -732,17 +736,25 @@ def test_overlap_off_single_slot_streams_correctly():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("mode", ["cpu", "disk", "cpu+disk"])
-def test_cuda_streamed_equals_checkpoint(tmp_path, mode):
+@pytest.mark.parametrize("mode,split", [("cpu", False), ("disk", False), ("cpu+disk", False), ("cpu", True),
+                                        ("disk", True)])
+def test_cuda_streamed_equals_checkpoint(tmp_path, mode, split):
     """The CUDA path, under sync-debug mode "error": no hidden synchronization inside a pass (cpu+disk: three
-    layers in the pinned arena, the rest read from the store through the same ring)."""
+    layers in the pinned arena, the rest read from the store through the same ring; split: each layer's parts
+    copied run by run into slots the size of the largest)."""
     from offspec.quant import target_layout
     device = torch.device("cuda")
     weights = random_layers(TINY)
     stride = arena_stride(target_layout(TINY, torch.float32, "none").nbytes)
     offload = OffloadConfig(mode=mode, n_slots=3, gpu_budget=budget_for(1, 3),
                             host_budget=3 * stride if mode == "cpu+disk" else None)
-    plan = LayerPlan.of(TINY, offload, torch.float32, store_dir=str(tmp_path))
+    placement = None
+    if split:   # one resident layer beside 3 layers' parts (what the plan makes only where whole slots do not fit)
+        part = max(p.nbytes for p in LayerLayout.of(TINY, torch.float32).parts(split=True))
+        placement = place_layers(N_LAYERS, layer_nbytes(TINY, torch.float32), offload,
+                                 budget_for(1, 0) + 3 * len(LAYER_PARTS) * part, part, split_nbytes=0)
+        assert placement.split and placement.resident == (0,)
+    plan = LayerPlan.of(TINY, offload, torch.float32, store_dir=str(tmp_path), placement=placement)
     assert mode != "cpu+disk" or (len(plan.placement.host_layers) == 3 and plan.placement.disk_layers)
     with open_target_layers(weights.__getitem__, TINY, plan, device, torch.float32, progress=False) as target:
         assert target.host.pinned, target.host.reason
@@ -753,7 +765,8 @@ def test_cuda_streamed_equals_checkpoint(tmp_path, mode):
             for _ in range(3):
                 for i, w in target.source.pass_layers():
                     for name in layer_shapes(TINY):
-                        mismatches += (getattr(w, name) != expected[i][name]).sum()
+                        if getattr(w, name) is not None:      # (a part carries some of them)
+                            mismatches += (getattr(w, name) != expected[i][name]).sum()
         finally:
             torch.cuda.set_sync_debug_mode("default")
         assert int(mismatches) == 0

@@ -18,6 +18,7 @@ from typing import Optional
 import torch
 
 from .config import ModelConfig, RopeScaling
+from . import published
 from .errors import CheckpointError
 from .layout import GlobalWeights, LayerWeights, layer_shapes
 
@@ -53,6 +54,7 @@ LAYER_NAMES = {
 }
 
 _FLOAT_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
+_SAFETENSORS_DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.int32: "I32"}
 MAX_HEADER_BYTES = 100 << 20     # safetensors' own limit on the JSON header
 
 
@@ -176,6 +178,7 @@ class Checkpoint:
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise CheckpointError(f"{config_file}: not valid JSON ({e})") from None
         self.config = parse_config(self.raw_config, str(self.path))
+        self.quant = published.quant_of_config(self.raw_config, str(self.path))   # "none", or as published
 
         self._handles = {}
         self._where: dict[str, str] = {}       # tensor name -> file name
@@ -243,31 +246,48 @@ class Checkpoint:
             raise CheckpointError(f"{self.path}: no *.safetensors weights (pytorch .bin checkpoints are not supported)")
         return {f: f for f in files}
 
-    def _expected_shapes(self) -> dict[str, tuple[int, ...]]:
+    def _expected_tensors(self) -> dict[str, tuple[tuple[int, ...], tuple[str, ...]]]:
+        """Every tensor the folder must hold: name -> (shape, the safetensors dtypes it may have). A published
+        quantization's matrices are their pieces (published.py), named '<matrix>.qweight' etc."""
         cfg = self.config
         expected = {GLOBAL_NAMES["embed"]: (cfg.vocab_size, cfg.hidden_size),
                     GLOBAL_NAMES["final_norm"]: (cfg.hidden_size,)}
         if not cfg.tie_word_embeddings or self.has_lm_head:
             expected[GLOBAL_NAMES["lm_head"]] = (cfg.vocab_size, cfg.hidden_size)
+        floats = tuple(_FLOAT_DTYPES)
+        tensors = {name: (shape, floats) for name, shape in expected.items()}
         for i in range(cfg.n_layers):
             for field, shape in layer_shapes(cfg).items():
-                expected[f"model.layers.{i}.{LAYER_NAMES[field]}"] = shape
-        return expected
+                name = f"model.layers.{i}.{LAYER_NAMES[field]}"
+                if self.quant == "none" or len(shape) != 2:
+                    tensors[name] = (shape, floats)
+                    continue
+                base = name.removesuffix(".weight")
+                problem = published.check_matrix(self.quant, shape, base)
+                if problem:
+                    raise CheckpointError(f"{self.path}: {problem}")
+                for suffix, piece_shape, dtype in published.matrix_pieces(self.quant, shape):
+                    tensors[f"{base}.{suffix}"] = (piece_shape, (_SAFETENSORS_DTYPES[dtype],))
+        return tensors
 
     def _check_tensors(self) -> None:
-        for name, shape in self._expected_shapes().items():
+        for name, (shape, dtypes) in self._expected_tensors().items():
             if name not in self._where:
-                raise CheckpointError(f"{self.path}: tensor {name} is missing")
+                raise CheckpointError(f"{self.path}: tensor {name} is missing"
+                                      + (f" (a {published.describe(self.quant)} checkpoint)" if self.quant != "none"
+                                         else ""))
             entry = self._header[name]
             if entry["shape"] != shape:
                 raise CheckpointError(f"{self.path}: tensor {name} has shape {entry['shape']}, config implies {shape}")
-            if entry["dtype"] not in _FLOAT_DTYPES:
-                raise CheckpointError(f"{self.path}: tensor {name} has dtype {entry['dtype']}, expected a float type")
+            if entry["dtype"] not in dtypes:
+                want = "a float type" if len(dtypes) > 1 else dtypes[0]
+                raise CheckpointError(f"{self.path}: tensor {name} has dtype {entry['dtype']}, expected {want}")
 
     @property
     def dtype(self) -> torch.dtype:
-        """The dtype the layer weights are stored in."""
-        return _FLOAT_DTYPES[self._header[f"model.layers.0.{LAYER_NAMES['q_proj']}"]["dtype"]]
+        """The dtype the weights are stored in (a published quantization's: its embedding's)."""
+        name = f"model.layers.0.{LAYER_NAMES['q_proj']}" if self.quant == "none" else GLOBAL_NAMES["embed"]
+        return _FLOAT_DTYPES[self._header[name]["dtype"]]
 
     @property
     def has_lm_head(self) -> bool:
@@ -280,19 +300,36 @@ class Checkpoint:
         except Exception as e:  # safetensors raises its own error types for truncated data
             raise CheckpointError(f"{self.path}: cannot read tensor {name} ({type(e).__name__}: {e})") from None
 
-    def layer_tensors(self, i: int) -> dict[str, torch.Tensor]:
-        """Layer i's tensors keyed by LayerWeights field names, in the stored dtype, on the CPU.
+    def layer_tensors(self, i: int, dense: bool = False) -> dict[str, torch.Tensor]:
+        """Layer i's tensors keyed by LayerWeights field names, in the stored dtype, on the CPU. A published
+        quantization's matrices come as their pieces, keyed '<field>.<piece>' (quant.QuantizedLayout.pack
+        takes them as they are), or with dense=True dequantized (float16, the format's own arithmetic).
 
         Loading reads layer after layer and copies each one out; the maps are reopened per layer so that
         the pages of layers already copied are unmapped (tensors still held keep their own map alive),
         and loading never holds the whole file mapped on top of the copies."""
         self.close()
-        return {field: self.tensor(f"model.layers.{i}.{LAYER_NAMES[field]}") for field in layer_shapes(self.config)}
+        tensors = {}
+        for field, shape in layer_shapes(self.config).items():
+            name = f"model.layers.{i}.{LAYER_NAMES[field]}"
+            if self.quant == "none" or len(shape) != 2:
+                tensors[field] = self.tensor(name)
+                continue
+            pieces = {suffix: self.tensor(f"{name.removesuffix('.weight')}.{suffix}")
+                      for suffix, _, _ in published.matrix_pieces(self.quant, shape)}
+            if dense:
+                tensors[field] = torch.empty(shape, dtype=torch.float16)
+                published.dequantize(self.quant, pieces, tensors[field])
+            else:
+                tensors.update({f"{field}.{suffix}": piece for suffix, piece in pieces.items()})
+        return tensors
 
     # Weights kept for good are copied out of the memory map (copy=True): a tensor that aliases the map
     # keeps the whole file mapped, and with it every page ever read through it (see close()).
     def layer_weights(self, i: int, device: torch.device, dtype: torch.dtype) -> LayerWeights:
-        return LayerWeights(**{k: v.to(device=device, dtype=dtype, copy=True) for k, v in self.layer_tensors(i).items()})
+        """Layer i dense on `device` in `dtype` (a published quantization's dequantized)."""
+        return LayerWeights(**{k: v.to(device=device, dtype=dtype, copy=True)
+                               for k, v in self.layer_tensors(i, dense=True).items()})
 
     def global_weights(self, device: torch.device, dtype: torch.dtype, embed_device: Optional[torch.device] = None,
                        lm_head_device: Optional[torch.device] = None) -> GlobalWeights:
@@ -312,7 +349,9 @@ class Checkpoint:
         return GlobalWeights(embed=embed, final_norm=final_norm, lm_head=lm_head)
 
     def parameter_count(self) -> int:
-        return sum(math.prod(s) for s in self._expected_shapes().values())
+        cfg = self.config
+        globals_ = cfg.vocab_size * cfg.hidden_size * (1 if GLOBAL_NAMES["lm_head"] not in self._where else 2)
+        return globals_ + cfg.hidden_size + cfg.n_layers * sum(math.prod(s) for s in layer_shapes(cfg).values())
 
     def fingerprint(self) -> str:
         """Identifies the weights for caches derived from them (the disk store): files, sizes, mtimes."""

@@ -818,8 +818,13 @@ def models_prepare(model_dir, dtype, target_quant, store_dir):
     from .stores import prepare_disk_store
     from .quant import check_target_quant, target_layout
 
+    from .config import RuntimeConfig
+    from .plan import ModelSpec, published_runtime
     ckpt = Checkpoint(resolve_model(model_dir))
     dt = parse_dtype(dtype)
+    # A published checkpoint's store holds its layers as published (its own quantization, no flag).
+    target_quant = published_runtime(ModelSpec.of(ckpt), RuntimeConfig(torch.device("cpu"), dt,
+                                                                        target_quant=target_quant)).target_quant
     check_target_quant(target_quant, torch.device("cpu"), dt)    # the store is quantized on this CPU
     target = Path(store_dir) if store_dir else store_dir_for(ckpt, dt, offspec_home(), target_quant)
     prepare_disk_store(ckpt.layer_tensors, ckpt.config.n_layers, target_layout(ckpt.config, dt, target_quant),

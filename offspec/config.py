@@ -51,7 +51,7 @@ class ModelConfig:
 class OffloadConfig:
     mode: str = "none"                          # "none": all resident | "cpu": layers in (pinned) host RAM | "disk": packed store on disk | "cpu+disk": what fits in host RAM, the rest on disk
     gpu_budget: Optional[int] = None            # bytes the target may use on the compute device for weights; None = as many layers resident as fit (all on CPU)
-    n_slots: int = 2                            # ring size: device slots that streamed layers rotate through (>= 2)
+    n_slots: int = 2                            # ring size in layers: device slots that streamed layers rotate through (>= 2); a split ring takes n_slots layers' parts
     store_dir: Optional[str] = None             # where the disk-mode packed store lives; None = next to the checkpoint cache
     host_budget: Optional[int] = None           # bytes of host RAM the pinned arena may take; over it -> pageable fallback
     overlap: bool = True                        # prefetch the next layers while computing; False = copy then compute (debug)
@@ -101,5 +101,5 @@ class RuntimeConfig:
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))  # compute device for both models
     dtype: torch.dtype = torch.float32         # compute and weight dtype
     draft_quant: str = "none"                  # "none" | "int8": the draft's matrices get a per-row int8 copy for narrow calls (changes p only)
-    target_quant: str = "none"                 # "none" | "int8" | "nf4": the target's layers stored, moved and dequantized so (changes the target)
+    target_quant: str = "none"                 # "none" | "int8" | "nf4": the target's layers stored, moved and dequantized so (changes the target); a published checkpoint's own ("awq-g128", plan.published_runtime)
     resident_quant: str = "auto"               # a quantized target's resident layers: "on" held quantized (dequantized every pass into one scratch layer) | "off" dense | "auto" held where that keeps more resident

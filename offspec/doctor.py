@@ -284,7 +284,9 @@ def advice(target, draft, device: torch.device, report: dict) -> dict:
                                     "streamed_bytes": plan.streamed_bytes}
         if device.type == "cuda":
             flags.append(f"--gpu-budget {int(plan.placement.device_bytes / 1e8) / 10:g}GB")
-        flags.append(f"--slots {plan.placement.n_slots}")
+        from .layout import LAYER_PARTS
+        p = plan.placement           # --slots counts layers: a split ring's slots hold parts of them
+        flags.append(f"--slots {-(-p.n_slots // len(LAYER_PARTS)) if p.split else p.n_slots}")
         flops = matmul_flops(device)
         params = plan.streamed_bytes / runtime.dtype.itemsize
         free_tokens = int(pass_s * flops / (2 * params))            # tokens whose compute hides under the transfer

@@ -207,7 +207,7 @@ class Engine:
         self.prefill_chunk = prefill_chunk
         self.max_concurrency = max_concurrency   # requests in flight the plan counted (None: not planned)
         self.plan = plan            # plan.MemoryPlan the engine was loaded by, for reports (None: built by hand)
-        self.target_quant = target_quant   # "none" | "int8" | "nf4": which target runs (the output is ITS output)
+        self.target_quant = target_quant   # "none" | "int8" | "nf4" | published ("awq-g128"): which target runs (the output is ITS output)
         self.draft_quant = draft_quant if draft is not None else "none"   # how the draft is held (quant.QUANT_MODES)
 
     # ------------------------------------------------------------ the loop

@@ -51,7 +51,7 @@ class LayerWeights:
 
 WHOLE = "layer"
 # A layer split into parts that stream through slots smaller than it, in the order the forward uses them
-# (model.run_part): each part's LayerWeights fields. A 70B layer's largest part (gate, up or down) is 470 MB of
+# (model.run_layer): each part's LayerWeights fields. A 70B layer's largest part (gate, up or down) is 470 MB of
 # its 1.71 GB.
 LAYER_PARTS = {
     "attention": ("input_norm", "q_proj", "k_proj", "v_proj", "o_proj", "q_bias", "k_bias", "v_bias", "q_norm",

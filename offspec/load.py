@@ -14,7 +14,7 @@ import contextlib
 import hashlib
 import json
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Iterator, Optional, Union
 
@@ -31,7 +31,8 @@ from .hub import resolve_model
 from .layout import LayerWeights
 from .metrics import StartTimes
 from .model import Model, ResidentLayers
-from .plan import LayerPlan, Machine, MemoryPlan, ModelSpec, Placement, check_resident_quant, make_plan
+from .plan import (LayerPlan, Machine, MemoryPlan, ModelSpec, Placement, check_resident_quant, make_plan,
+                   published_runtime)
 from .prompt import stop_token_ids
 from .quant import (QuantizedResident, auto_draft_quant, check_draft_quant, check_target_quant, dequantized,
                     target_layout)
@@ -158,7 +159,8 @@ class Models:
         """The memory plan for this machine now (or `machine`), before anything is allocated: every "auto"
         resolved (plan.make_plan)."""
         from .demo import offspec_home
-        store_dir = str(store_dir_for(self.target, runtime.dtype, offspec_home(), runtime.target_quant))
+        quant = published_runtime(ModelSpec.of(self.target), runtime).target_quant
+        store_dir = str(store_dir_for(self.target, runtime.dtype, offspec_home(), quant))
         return make_plan(ModelSpec.of(self.target), ModelSpec.of(self.draft) if self.draft else None, offload,
                          runtime, limits, machine or Machine.measure(runtime.device), store_dir=store_dir)
 
@@ -169,6 +171,7 @@ class Models:
         (limits.concurrency None: the most the plan fits, recorded in plan.concurrency_auto)."""
         t0 = time.perf_counter()
         plan = self.plan(offload, runtime, limits, machine)
+        runtime = replace(runtime, target_quant=plan.target_quant)     # a published checkpoint's own
         t1 = time.perf_counter()
         draft = None
         # A run whose first round is a plain prefill loads the draft beside it, after the target, and the first
@@ -292,6 +295,7 @@ def open_target_layers(layer_tensors_fn: LayerTensorsFn, cfg: ModelConfig, layer
         # (scratch_nbytes); a split compact ring's is its largest dense part (counted in split_nbytes).
         scratch_nbytes = (max(part.dense.nbytes for part in layout.parts(split=True))
                           if placement.compact and placement.split else placement.scratch_nbytes)
+        assert not (placement.split and placement.resident_held), "held layers need a whole-layer scratch"
         scratch = (torch.empty(scratch_nbytes, dtype=torch.uint8, device=device)   # (scratch_nbytes,)
                    if scratch_nbytes else None)
         resident = {i: _resident_layer(host_block(i), layout, device, scratch if placement.resident_held else None)

@@ -9,6 +9,7 @@ import psutil
 import torch
 
 from .calibrate import AcceptanceCounts
+from .published import describe as describe_quant, is_published
 
 
 def synchronize(device: torch.device) -> None:
@@ -114,7 +115,7 @@ class RunReport:
     weights_source: str                 # "resident", or where streamed layers live and whether pinned (and why not)
     device: str
     dtype: str
-    target_quant: str                   # "none" | "int8" | "nf4": the target that ran (output is exactly ITS output)
+    target_quant: str                   # "none" | "int8" | "nf4" | a published one ("awq-g128"): the target that ran (output is exactly ITS output)
     draft_quant: str = "none"           # "none" | "int8" (copy) | "int8-held" | "nf4": the draft that ran (changes acceptance only)
     acceptance: list[int] = field(default_factory=list)   # accepted draft tokens per round
     tree_sizes: list[int] = field(default_factory=list)   # tree nodes proposed per round
@@ -146,7 +147,9 @@ class RunReport:
                 plan += (f"; n-gram nodes {cal['ngram_observed']:.3f} observed vs {cal['ngram_estimate']:.3f} "
                          f"estimated ({cal['ngram_nodes']})")
         dequant = f", dequantized in {self.dequant_seconds:.2f} s" if self.target_quant != "none" else ""
-        quant = f", target quantized {self.target_quant} (output is that quantized target's)" if self.target_quant != "none" else ""
+        quant = ("" if self.target_quant == "none" else
+                 f", target {describe_quant(self.target_quant)} as published" if is_published(self.target_quant) else
+                 f", target quantized {self.target_quant} (output is that quantized target's)")
         quant += f", draft {self.draft_quant}" if self.draft_quant != "none" else ""
         return (
             f"{self.new_tokens} tokens in {self.passes} target passes ({self.tokens_per_pass:.2f} tokens/pass), "

@@ -16,6 +16,7 @@ from typing import Optional
 import torch
 
 from .plan import DISK_GBPS, LINK_GBPS, Machine, MemoryPlan, predicted_pass_seconds
+from .published import describe as describe_quant
 
 
 @dataclass(frozen=True)
@@ -77,6 +78,8 @@ def model_info(target, draft, plan: MemoryPlan, dtype: torch.dtype, rates: Rates
         f"mlp {cfg.intermediate_size}, vocab {cfg.vocab_size}, context {cfg.max_position_embeddings})",
         f"bytes per layer: {layer_bytes / 1e6:.1f} MB in {dtype_name}; all layers {cfg.n_layers * layer_bytes / 1e9:.2f} GB",
     ]
+    if target.quant != "none":
+        lines.append(f"quantization:    {describe_quant(target.quant)}, read as published ({quant})")
     if quant != "none":
         lines.append(f"{quant} layer:       {block / 1e6:.1f} MB stored and moved ({block / layer_bytes:.2f}x); "
                      f"all layers {cfg.n_layers * block / 1e9:.2f} GB")

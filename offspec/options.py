@@ -20,7 +20,7 @@ from .costmodel import dequant_seconds
 from .errors import BudgetError
 from .layout import arena_stride
 from .layout import format_bytes as fmt
-from .plan import PINNED_FRACTION, Machine, MemoryPlan, ModelSpec, make_plan, predicted_pass_seconds
+from .plan import PINNED_FRACTION, Machine, MemoryPlan, ModelSpec, make_plan, predicted_pass_seconds, published_runtime
 
 QUANTS = ("none", "int8", "nf4")
 MODES = ("none", "cpu", "cpu+disk", "disk")
@@ -95,19 +95,21 @@ class Comparison:
 
 
 def _quant_name(o: Option) -> str:
-    return "as stored" if o.target_quant == "none" else o.target_quant
+    return "as stored" if o.target_quant == "none" else o.target_quant   # (a published one: e.g. awq-g128)
 
 
 def compare(target: ModelSpec, draft: Optional[ModelSpec], offload: OffloadConfig, runtime: RuntimeConfig,
             limits: RunLimits, machine: Machine, link_gbps: float, disk_gbps: float) -> Comparison:
-    """Plan every target quantization and offload mode on `machine` with the run's other settings."""
+    """Plan every target quantization and offload mode on `machine` with the run's other settings (a published
+    checkpoint: its own quantization only)."""
+    runtime = published_runtime(target, runtime)
     def option(quant: str, mode: str, draft_quant: str = runtime.draft_quant) -> Option:
         plan = make_plan(target, draft, replace(offload, mode=mode),
                          replace(runtime, target_quant=quant, draft_quant=draft_quant), limits, machine)
         return Option(quant, mode, plan, _pass_seconds(plan, link_gbps, disk_gbps), draft_quant)
 
     found, refused = {}, []
-    for quant in QUANTS:
+    for quant in (QUANTS if target.quant == "none" else (target.quant,)):   # a published checkpoint: as it is
         for mode in MODES:
             try:
                 o = option(quant, mode)

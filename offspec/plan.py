@@ -39,7 +39,8 @@ from .errors import BudgetError, InputError
 from .layout import (BLOCK_ALIGN, LAYER_PARTS, N_STAGING, LayerLayout, arena_stride, layer_shapes, pinned_arena_layers,
                      round_up)
 from .layout import format_bytes as fmt
-from .quant import HELD_DRAFT_QUANTS, QuantizedLayout, held_matrix_nbytes, target_layout
+from .published import describe as describe_quant
+from .quant import HELD_DRAFT_QUANTS, TARGET_QUANTS, QuantizedLayout, held_matrix_nbytes, target_layout
 
 GB = 10**9
 GIB = 2**30
@@ -61,11 +62,23 @@ class ModelSpec:
     cfg: ModelConfig
     lm_head_stored: bool   # lm_head is its own tensor (untied, or saved anyway); else it shares the embedding
     name: str              # for messages: the folder
+    quant: str = "none"    # a published quantization its layers are stored in (published.py), else "none"
 
     @staticmethod
     def of(ckpt) -> "ModelSpec":
         """From a checkpoint.Checkpoint (headers only is enough)."""
-        return ModelSpec(ckpt.config, ckpt.has_lm_head, str(ckpt.path))
+        return ModelSpec(ckpt.config, ckpt.has_lm_head, str(ckpt.path), ckpt.quant)
+
+
+def published_runtime(target: ModelSpec, runtime: RuntimeConfig) -> RuntimeConfig:
+    """The run's target quantization: a published checkpoint's own (no flag needed); --target-quant int8 | nf4
+    quantizes a full-precision one only."""
+    if target.quant == "none" or runtime.target_quant == target.quant:
+        return runtime
+    if runtime.target_quant != "none":
+        raise InputError(f"{target.name} is already quantized ({describe_quant(target.quant)}): --target-quant "
+                         f"{runtime.target_quant} applies to full-precision checkpoints; leave it out")
+    return replace(runtime, target_quant=target.quant)
 
 
 @dataclass(frozen=True)
@@ -159,11 +172,14 @@ class TargetLayerSizes:
     part: int = 0           # a split ring's slot: the largest part (layout.LAYER_PARTS) of the block
     part_scratch: int = 0   # quantized: the largest dense part, the split ring's parts dequantize into (dense: 0)
 
-    def ring_min(self, min_slots: int, split_extra: int = 0) -> int:
+    def ring_min(self, min_slots: int, split_extra: Optional[int] = 0) -> int:
         """The least device memory a ring takes: min_slots whole slots; a quantized target's compact ring
         (min_slots blocks and the one shared scratch layer; Placement.compact); or a split ring (min_slots part
-        slots, the part scratch and split_extra, the MLP's intermediates it keeps; Placement.split)."""
+        slots, the part scratch and split_extra, the MLP's intermediates it keeps; Placement.split). split_extra
+        None: whole slots only (a run with no layer budget, whose ring is never made smaller: _split_extra)."""
         whole = min_slots * self.slot
+        if split_extra is None:
+            return whole
         compact = min_slots * self.block + self.resident if self.block != self.slot else whole
         return min(whole, compact, self.split_min(min_slots, split_extra))
 
@@ -348,7 +364,8 @@ def place_layers(n_layers: int, layer_bytes: int, offload: OffloadConfig,
     compact (a quantized target; slot_bytes = its block): the slots hold blocks only and the one dense scratch
     layer is paid whether or not a resident layer is held.
 
-    split_nbytes (a dense target; slot_bytes = its largest part): a split ring, paying split_nbytes once, whose
+    split_nbytes (slot_bytes = the block's largest part; compact too for a quantized target): a split ring,
+    paying split_nbytes once, whose
     offload.n_slots counts layers: it gets as many part slots as hold that many layers (n_slots × parts), or
     the most that fit, at least the minimum."""
     mode = offload.mode
@@ -452,7 +469,8 @@ def choose_placement(n_layers: int, layer_bytes: int, offload: OffloadConfig, la
 
     Where whole slots do not fit: a quantized target's compact ring; where nothing whole fits, a split ring, as
     `split` gives it: (the slot, its largest part; what it pays once: TargetLayerSizes.split_min's part scratch
-    and MLP intermediates)."""
+    and MLP intermediates). Layers resident beside a split ring are dense (they are few: a split ring is for a
+    device that cannot hold two whole layers), whatever resident_quant says."""
     check_resident_quant(resident_quant, quantized=held_bytes is not None)
     try:
         return _choose_held(n_layers, layer_bytes, offload, layer_budget, slot_bytes, held_bytes, resident_quant)
@@ -506,13 +524,14 @@ class LayerPlan:
 
     @property
     def from_store(self) -> bool:
-        """The layers are read from a packed store: disk mode, or a quantized target (quantized once, into it)."""
-        return self.placement.mode in ("disk", "cpu+disk") or self.quant != "none"
+        """The layers are read from a packed store: disk mode, or a target quantized here (once, into it; a
+        published quantization is packed from its checkpoint as it is)."""
+        return self.placement.mode in ("disk", "cpu+disk") or self.quant in TARGET_QUANTS[1:]
 
     @property
     def dense_resident(self) -> bool:
         """Every layer stays on the device, dense, read straight from the checkpoint: no store, no ring."""
-        return not self.placement.streamed and not self.from_store
+        return not self.placement.streamed and not self.from_store and self.quant == "none"
 
     @staticmethod
     def of(cfg: ModelConfig, offload: OffloadConfig, dtype: torch.dtype, *, quant: str = "none",
@@ -676,14 +695,21 @@ def make_plan(target: ModelSpec, draft: Optional[ModelSpec], offload: OffloadCon
     was auto (concurrency_auto).
 
     A refusal says what would fit, where something does: the longest shorter context (in steps of CONTEXT_STEP
-    tokens), else the target or the draft held in nf4 (_what_fits)."""
+    tokens), else the target or the draft held in nf4 (_what_fits). A published checkpoint's layers are planned
+    in its own quantization (published_runtime)."""
+    runtime = published_runtime(target, runtime)
     try:
-        return _plan_concurrency(target, draft, offload, runtime, limits, machine, store_dir)
+        plan = _plan_concurrency(target, draft, offload, runtime, limits, machine, store_dir)
     except BudgetError as refused:
         fits = _what_fits(target, draft, offload, runtime, limits, machine, store_dir)
         if fits is None:
             raise
         raise BudgetError(f"{refused}; {fits}") from None
+    if target.quant != "none" and runtime.dtype != torch.float16 and runtime.dtype != torch.float32:
+        plan = replace(plan, notes=plan.notes + (
+            f"{describe_quant(target.quant)} dequantizes in float16; in {str(runtime.dtype).removeprefix('torch.')} "
+            f"its weights are rounded once more (--dtype float16 runs exactly them)",))
+    return plan
 
 
 def _what_fits(target: ModelSpec, draft: Optional[ModelSpec], offload: OffloadConfig, runtime: RuntimeConfig,
@@ -704,6 +730,7 @@ def _what_fits(target: ModelSpec, draft: Optional[ModelSpec], offload: OffloadCo
                 replace(runtime, target_quant="nf4", draft_quant="nf4"))]
     for words, changed in changes:
         if changed != runtime and (draft is not None or changed.draft_quant == runtime.draft_quant) \
+                and (target.quant == "none" or changed.target_quant == runtime.target_quant) \
                 and fits(changed, limits):
             return words
     return None
@@ -791,7 +818,7 @@ def _plan_with(target: ModelSpec, draft: Optional[ModelSpec], offload: OffloadCo
     shared = machine.kind == "cpu"
     min_slots = 2 if offload.overlap else 1
     ring = TargetLayerSizes.of(target.cfg, runtime.dtype, runtime.target_quant).ring_min(
-        min_slots, split_activation_nbytes(target.cfg, runtime.dtype, limits.concurrency * context))
+        min_slots, _split_extra(target, runtime, limits, context, machine, offload))
     pool = machine.host_bytes if shared else machine.device_bytes
     notes: list[str] = []
     if draft is None or limits.tree_budget is not None:
@@ -816,6 +843,15 @@ def _plan_with(target: ModelSpec, draft: Optional[ModelSpec], offload: OffloadCo
             f"lm_head crosses in {fmt(min(LM_HEAD_CHUNK_BYTES, matrix))} chunks every pass (the run fits only so)")
     return replace(plan, layers=replace(plan.layers, embed_on_host=True, lm_head_on_host=head),
                    notes=plan.notes + (note,), host_head_bytes=matrix if head else 0)
+
+
+def _split_extra(target: ModelSpec, runtime: RuntimeConfig, limits: RunLimits, context: int, machine: Machine,
+                 offload: OffloadConfig) -> Optional[int]:
+    """What a split ring would keep between parts (split_activation_nbytes over the largest pass); None where no
+    ring is made smaller than whole slots: a CPU run with no --gpu-budget streams everything through whole slots."""
+    if machine.kind == "cpu" and offload.gpu_budget is None:
+        return None
+    return split_activation_nbytes(target.cfg, runtime.dtype, limits.concurrency * context)
 
 
 def _fixed_device_items(target: ModelSpec, draft: Optional[ModelSpec], runtime: RuntimeConfig, limits: RunLimits,
@@ -893,7 +929,7 @@ def _place(target: ModelSpec, offload: OffloadConfig, runtime: RuntimeConfig, ma
     # ---- the target's layers
     sizes = TargetLayerSizes.of(target.cfg, runtime.dtype, runtime.target_quant)
     L, B, slot = sizes.resident, sizes.block, sizes.slot
-    split_extra = split_activation_nbytes(target.cfg, runtime.dtype, limits.concurrency * context)
+    split_extra = _split_extra(target, runtime, limits, context, machine, offload)
     quant = runtime.target_quant
     n_layers = target.cfg.n_layers
     held = B if quant != "none" else None     # a resident layer held quantized: its block (+ one scratch layer)
@@ -944,7 +980,8 @@ def _place(target: ModelSpec, offload: OffloadConfig, runtime: RuntimeConfig, ma
         min_slots = 2 if offload.overlap else 1
         ring = sizes.ring_min(min_slots, split_extra)
         if left < min(ring, all_layers):     # (held quantized, all layers may take less than a ring)
-            compact = "" if ring == min_slots * slot else f" or a {'split' if ring == sizes.split_min(min_slots, split_extra) else 'compact'} ring of {fmt(ring)}"
+            small = "split" if split_extra is not None and ring == sizes.split_min(min_slots, split_extra) else "compact"
+            compact = "" if ring == min_slots * slot else f" or a {small} ring of {fmt(ring)}"
             raise BudgetError(f"{fmt(left)} is all the {'machine' if shared else 'device'} leaves for target layers "
                               f"(of {fmt(pool)}: {fmt(fixed_bytes)} go to the draft, globals, caches, logits, "
                               f"activations and reserve), too little for {min_slots} streaming slots of {fmt(slot)}"
@@ -954,7 +991,7 @@ def _place(target: ModelSpec, offload: OffloadConfig, runtime: RuntimeConfig, ma
     placement = choose_placement(n_layers, L, replace(offload, mode=mode), budget,
                                  slot_bytes=slot if quant != "none" else None, held_bytes=held,
                                  resident_quant=runtime.resident_quant,
-                                 split=(sizes.part, sizes.part_scratch + split_extra))
+                                 split=None if split_extra is None else (sizes.part, sizes.part_scratch + split_extra))
     if placement.mode == "cpu+disk":
         # The host tier holds what fits beside everything else on the host (the disk staging included); on a
         # GPU its first layers are pinned, within the pinned budget, and the rest pageable, as many as make the

@@ -52,6 +52,7 @@ from typing import Optional, Sequence
 import torch
 import torch.nn.functional as F
 
+from . import published
 from .config import ModelConfig
 from .errors import InputError
 from .layout import TENSOR_ALIGN, LayerLayout, LayerWeights, PartLayout, round_up, split_entries
@@ -223,13 +224,15 @@ def check_draft_quant(draft_quant: str, device: torch.device, dtype: torch.dtype
 def check_target_quant(quant: str, device: torch.device, dtype: torch.dtype, option: str = "") -> None:
     """Refuse, in one line, a quantization this device and dtype cannot run: try it on a small matrix now,
     not after packing a 70B store. option: how the user asked for it (default --target-quant QUANT)."""
-    if quant not in TARGET_QUANTS:
+    if quant not in TARGET_QUANTS and not published.is_published(quant):
         raise InputError(f"unknown target quantization {quant!r}; choose one of {', '.join(TARGET_QUANTS)}")
     if quant == "none":
         return
     option = option or f"--target-quant {quant}"
     if dtype not in (torch.float32, torch.bfloat16, torch.float16):
         raise InputError(f"{option} dequantizes into float32, bfloat16 or float16, not {dtype}")
+    if published.is_published(quant):
+        return             # plain torch on every device
     probe = torch.linspace(-1, 1, 2 * NF4_BLOCK).view(2, NF4_BLOCK)   # (2, 64)
     pieces = {name: t.to(device) for name, t in _quantize_matrix(quant, probe, dtype).items()}
     out = torch.empty(probe.shape, dtype=dtype, device=device)
@@ -244,6 +247,8 @@ def check_target_quant(quant: str, device: torch.device, dtype: torch.dtype, opt
 
 def _matrix_pieces(quant: str, shape: tuple[int, ...], dtype: torch.dtype) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
     """The pieces a quantized (N, K) matrix is stored as: (suffix, shape, dtype)."""
+    if published.is_published(quant):
+        return published.matrix_pieces(quant, shape)
     n = math.prod(shape)
     if quant == "nf4":
         return [("nf4", ((n + 1) // 2,), torch.uint8), ("absmax", (-(-n // NF4_BLOCK),), torch.float32)]
@@ -252,6 +257,8 @@ def _matrix_pieces(quant: str, shape: tuple[int, ...], dtype: torch.dtype) -> li
 
 def _quantize_matrix(quant: str, w: torch.Tensor, dtype: torch.dtype) -> dict[str, torch.Tensor]:
     """w (N, K) -> its pieces by suffix, on w's device (bitsandbytes quantizes nf4 from the float32 values)."""
+    if published.is_published(quant):
+        return published.quantize(quant, w)
     if quant == "nf4":
         packed, state = bitsandbytes_ops().quantize_4bit(w.float(), NF4_BLOCK, "nf4", torch.uint8)
         return {"nf4": packed.reshape(-1), "absmax": state}
@@ -266,6 +273,9 @@ def _dequantize_matrix(quant: str, pieces: dict[str, torch.Tensor], out: torch.T
         # docs/benchmarks.md, "Held quantized resident layers and drafts").
         out.copy_(pieces["int8"])
         out.mul_(pieces["scale"][:, None])
+        return
+    if published.is_published(quant):
+        published.dequantize(quant, pieces, out)
         return
     ops = bitsandbytes_ops()
     args = (pieces["nf4"], pieces["absmax"], NF4_BLOCK, "nf4", list(out.shape), out.dtype)
@@ -287,7 +297,7 @@ class QuantizedLayout:
 
     @staticmethod
     def of(cfg: ModelConfig, dtype: torch.dtype, quant: str) -> "QuantizedLayout":
-        if quant not in TARGET_QUANTS[1:]:
+        if quant not in TARGET_QUANTS[1:] and not published.is_published(quant):
             raise InputError(f"unknown target quantization {quant!r}; choose one of {', '.join(TARGET_QUANTS)}")
         dense = LayerLayout.of(cfg, dtype)
         entries, offset = [], 0
@@ -313,17 +323,27 @@ class QuantizedLayout:
         return _pieces(block, self.entries, self.nbytes)
 
     def pack(self, weights: dict[str, torch.Tensor], block: torch.Tensor) -> None:
-        """Quantize named tensors (any float dtype) into their places in `block`; padding is zeroed."""
+        """Named tensors into their places in `block`, padding zeroed: a matrix given dense (any float dtype) is
+        quantized here, one given as its pieces ('q_proj.qweight', ...: a published checkpoint's) is copied as
+        it is."""
         block.zero_()
         out = self.pieces(block)
         for name, shape, _ in self.dense.entries:
-            src = weights[name]
-            if tuple(src.shape) != shape:
-                raise ValueError(f"{name}: expected shape {shape}, got {tuple(src.shape)}")
-            if len(shape) != 2:
-                out[name].copy_(src)
-                continue
-            for suffix, piece in _quantize_matrix(self.quant, src, self.dtype).items():
+            if len(shape) == 2 and name not in weights:
+                given = {suffix: weights[f"{name}.{suffix}"] for suffix, _, _ in
+                         _matrix_pieces(self.quant, shape, self.dtype)}
+            else:
+                src = weights[name]
+                if tuple(src.shape) != shape:
+                    raise ValueError(f"{name}: expected shape {shape}, got {tuple(src.shape)}")
+                if len(shape) != 2:
+                    out[name].copy_(src)
+                    continue
+                given = _quantize_matrix(self.quant, src, self.dtype)
+            for suffix, piece in given.items():
+                if piece.numel() != out[f"{name}.{suffix}"].numel():
+                    raise ValueError(f"{name}.{suffix}: expected shape {tuple(out[f'{name}.{suffix}'].shape)}, got "
+                                     f"{tuple(piece.shape)}")
                 out[f"{name}.{suffix}"].copy_(piece.reshape(out[f"{name}.{suffix}"].shape))
 
     def dequantize(self, block: torch.Tensor, dense_block: torch.Tensor) -> None:

@@ -55,7 +55,8 @@ def _pack_layer(layer_tensors_fn: LayerTensorsFn, layer: int, layout: BlockLayou
     """Layer `layer`'s tensors -> their places in `block` ((layout.nbytes,) uint8), cast to layout.dtype
     (or quantized, for a QuantizedLayout)."""
     tensors = layer_tensors_fn(layer)
-    missing = [name for name, _, _ in layout.dense.entries if name not in tensors]
+    missing = [name for name, _, _ in layout.dense.entries          # (a published matrix comes as its pieces)
+               if name not in tensors and not any(key.startswith(f"{name}.") for key in tensors)]
     if missing:
         raise CheckpointError(f"layer {layer}: missing tensors {', '.join(missing)}")
     try:

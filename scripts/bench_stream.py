@@ -68,7 +68,7 @@ from offspec.demo import DEFAULT_TARGET, ensure_demo_model, offspec_home
 from offspec.kv_cache import KVCache
 from offspec.load import parse_device, parse_dtype, store_dir_for
 from offspec.metrics import Timer
-from offspec.layout import LayerLayout
+from offspec.layout import LAYER_PARTS, LayerLayout
 from offspec.model import Model, RowSpan
 from offspec.load import TargetLayers, open_target_layers
 from offspec.plan import LayerPlan
@@ -179,7 +179,7 @@ def settle(layers: TargetLayers, n_slots: int) -> None:
     """Wait until the streamer has finished the loads it posts ahead (the first n_slots layers of the next
     pass), so the counters are complete and nothing streams while we measure something else.
     After P complete passes (prefill and warm-ups included) it has posted P * n_streamed + n_slots loads."""
-    n_streamed = len(layers.placement.streamed)
+    n_streamed = len(layers.placement.streamed) * (len(LAYER_PARTS) if layers.placement.split else 1)   # loads a pass
     deadline = time.monotonic() + SETTLE_TIMEOUT_S
     while True:
         stats = layers.stats()

@@ -218,6 +218,19 @@ def test_a_70b_on_a_small_gpu_streams_in_parts(tmp_path):
     assert not twelve.placement.split
 
 
+def test_a_cpu_run_without_a_budget_plans_whole_slots_only(tmp_path):
+    """With no --gpu-budget a CPU run streams everything through whole slots (choose_placement never makes that
+    ring smaller), so the plan's room check and the auto tree budget count whole slots, not a split ring."""
+    from offspec.checkpoint import Checkpoint
+    target, draft = (ModelSpec.of(Checkpoint(headers_only_checkpoint(tmp_path, name), headers_only=True))
+                     for name in ("Llama-3.1-8B-Instruct", "Llama-3.2-1B-Instruct"))
+    runtime = RuntimeConfig(device=CPU, dtype=torch.bfloat16)
+    with pytest.raises(BudgetError, match="too little for 2 streaming slots of 436 MB; lower") as refused:
+        make_plan(target, draft, OffloadConfig(mode="disk"), runtime, RunLimits(context=4096),
+                  Machine.given(None, 8_800_000_000))
+    assert "split" not in str(refused.value)
+
+
 # ---------------------------------------------------------------- end to end
 
 def test_generate_streams_in_parts_and_keeps_the_targets_tokens(tmp_path):

@@ -115,3 +115,26 @@ def with_rows(model, rows: int, seed: int = 2, head_scale: float = 1.0):
             head[old:] *= head_scale
     assert resized.config.vocab_size == rows
     return resized.eval()
+
+
+def save_awq_checkpoint(model, path: Path, group: int = 32, tokenizer=None) -> Path:
+    """`model` saved as AutoAWQ publishes a GEMM 4-bit checkpoint: every decoder linear as qweight / qzeros / scales
+    (quantized min-max per group of input rows, published.quantize, whose packing tests/test_published.py checks
+    against AutoAWQ's own dequantization), the rest in float16, and config.json's quantization_config."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    from offspec.published import quantize
+    path = save_checkpoint(model, path, tokenizer, dtype=torch.float16)
+    (weights_file,) = path.glob("*.safetensors")
+    tensors = load_file(weights_file)
+    for name in [n for n in tensors if ".layers." in n and n.endswith("_proj.weight")]:
+        pieces = quantize(f"awq-g{group}", tensors.pop(name))
+        tensors.update({f"{name.removesuffix('.weight')}.{suffix}": piece for suffix, piece in pieces.items()})
+    save_file(tensors, weights_file, metadata={"format": "pt"})
+    config = json.loads((path / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "awq", "bits": 4, "group_size": group, "zero_point": True,
+                                     "version": "gemm", "modules_to_not_convert": None}
+    (path / "config.json").write_text(json.dumps(config, indent=2))
+    return path

@@ -271,11 +271,19 @@ class Checkpoint:
         return tensors
 
     def _check_tensors(self) -> None:
+        if self.quant.startswith("ct-"):    # compressed-tensors: the scales' dtype is in the headers, not the config
+            scale = f"model.layers.0.{LAYER_NAMES['q_proj'].removesuffix('.weight')}.weight_scale"
+            if scale not in self._header:
+                raise CheckpointError(f"{self.path}: tensor {scale} is missing (the checkpoint is compressed-tensors)")
+            try:
+                self.quant = published.with_scale_dtype(self.quant, self._header[scale]["dtype"])
+            except CheckpointError as e:
+                raise CheckpointError(f"{self.path}: {e}") from None
         for name, (shape, dtypes) in self._expected_tensors().items():
             if name not in self._where:
                 raise CheckpointError(f"{self.path}: tensor {name} is missing"
-                                      + (f" (a {published.describe(self.quant)} checkpoint)" if self.quant != "none"
-                                         else ""))
+                                      + (f" (the checkpoint is {published.describe(self.quant)})"
+                                         if self.quant != "none" else ""))
             entry = self._header[name]
             if entry["shape"] != shape:
                 raise CheckpointError(f"{self.path}: tensor {name} has shape {entry['shape']}, config implies {shape}")
@@ -303,7 +311,8 @@ class Checkpoint:
     def layer_tensors(self, i: int, dense: bool = False) -> dict[str, torch.Tensor]:
         """Layer i's tensors keyed by LayerWeights field names, in the stored dtype, on the CPU. A published
         quantization's matrices come as their pieces, keyed '<field>.<piece>' (quant.QuantizedLayout.pack
-        takes them as they are), or with dense=True dequantized (float16, the format's own arithmetic).
+        takes them as they are), or with dense=True dequantized (in published.weight_dtype, the format's own
+        arithmetic).
 
         Loading reads layer after layer and copies each one out; the maps are reopened per layer so that
         the pages of layers already copied are unmapped (tensors still held keep their own map alive),
@@ -318,7 +327,7 @@ class Checkpoint:
             pieces = {suffix: self.tensor(f"{name.removesuffix('.weight')}.{suffix}")
                       for suffix, _, _ in published.matrix_pieces(self.quant, shape)}
             if dense:
-                tensors[field] = torch.empty(shape, dtype=torch.float16)
+                tensors[field] = torch.empty(shape, dtype=published.weight_dtype(self.quant))
                 published.dequantize(self.quant, pieces, tensors[field])
             else:
                 tensors.update({f"{field}.{suffix}": piece for suffix, piece in pieces.items()})

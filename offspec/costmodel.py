@@ -61,8 +61,13 @@ def draft_call_seconds(tokens: int, gpu: MeasuredGpu = REFERENCE_GPU) -> float:
 
 
 def dequant_seconds(quant: str, dense_bytes: int, gpu: MeasuredGpu = REFERENCE_GPU) -> float:
-    """One layer's dequantization into `dense_bytes` of dense weights (0 for an unquantized target)."""
+    """One layer's dequantization into `dense_bytes` of dense weights (0 for an unquantized target, and for a
+    quantization not measured yet: dequant_measured)."""
     return dict(gpu.dequant_s_per_gb).get(quant, 0.0) * dense_bytes / 1e9
+
+
+def dequant_measured(quant: str, gpu: MeasuredGpu = REFERENCE_GPU) -> bool:
+    return quant in dict(gpu.dequant_s_per_gb)
 
 
 @dataclass(frozen=True)

@@ -74,7 +74,8 @@ def runtime_config(device: torch.device, dtype: torch.dtype, draft_quant: str = 
         draft_quant = auto_draft_quant(device.type, dtype)
     check_target_quant(target_quant, device, dtype)
     check_draft_quant(draft_quant, device, dtype)
-    check_resident_quant(resident_quant, quantized=target_quant != "none")
+    # "on" with no --target-quant may still hold a published checkpoint's layers: the plan checks it there.
+    check_resident_quant(resident_quant, quantized=True)
     return RuntimeConfig(device=device, dtype=dtype, draft_quant=draft_quant, target_quant=target_quant,
                          resident_quant=resident_quant)
 

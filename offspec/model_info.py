@@ -62,7 +62,7 @@ def draft_vocab_mismatch(target, draft) -> Optional[str]:
 def model_info(target, draft, plan: MemoryPlan, dtype: torch.dtype, rates: Rates) -> str:
     """The report `offspec models info` prints. target, draft: checkpoint.Checkpoints (headers are enough; draft
     may be None); plan: their memory plan (plan.make_plan) in `dtype`."""
-    from .costmodel import REFERENCE_GPU, GpuSetup, dequant_seconds, predict_seconds_per_token
+    from .costmodel import REFERENCE_GPU, GpuSetup, dequant_measured, dequant_seconds, predict_seconds_per_token
     from .hub import model_name
 
     cfg = target.config
@@ -113,7 +113,8 @@ def model_info(target, draft, plan: MemoryPlan, dtype: torch.dtype, rates: Rates
     if p.dequantized_in_line:
         which = " and ".join(([f"{len(p.resident)} resident layers held {quant}"] if p.resident_held else [])
                              + ([f"the {len(p.streamed)} streamed layers of a compact ring"] if p.compact else []))
+        cost = (f"counts {dequant_seconds(quant, layer_bytes) * 1e3:.1f} ms a layer, measured on {REFERENCE_GPU.device}"
+                if dequant_measured(quant) else f"counts none: {quant}'s dequantization is not measured yet")
         lines.append(f"held layers:     {which}: dequantized every pass, on the compute queue (PREDICTED speed "
-                     f"counts {dequant_seconds(quant, layer_bytes) * 1e3:.1f} ms a layer, measured on "
-                     f"{REFERENCE_GPU.device})")
+                     f"{cost})")
     return "\n".join(lines)

@@ -39,7 +39,7 @@ from .errors import BudgetError, InputError
 from .layout import (BLOCK_ALIGN, LAYER_PARTS, N_STAGING, LayerLayout, arena_stride, layer_shapes, pinned_arena_layers,
                      round_up)
 from .layout import format_bytes as fmt
-from .published import describe as describe_quant
+from .published import describe as describe_quant, weight_dtype
 from .quant import HELD_DRAFT_QUANTS, TARGET_QUANTS, QuantizedLayout, held_matrix_nbytes, target_layout
 
 GB = 10**9
@@ -456,7 +456,8 @@ def check_resident_quant(resident_quant: str, quantized: bool) -> None:
     if resident_quant not in RESIDENT_QUANTS:
         raise InputError(f"unknown --resident-quant {resident_quant!r}; choose one of {', '.join(RESIDENT_QUANTS)}")
     if resident_quant == "on" and not quantized:
-        raise InputError("--resident-quant on holds resident layers quantized: it needs --target-quant int8 or nf4")
+        raise InputError("--resident-quant on holds resident layers quantized: it needs --target-quant int8 or nf4, "
+                         "or a published quantized checkpoint (AWQ, GPTQ)")
 
 
 def choose_placement(n_layers: int, layer_bytes: int, offload: OffloadConfig, layer_budget: Optional[int],
@@ -705,10 +706,12 @@ def make_plan(target: ModelSpec, draft: Optional[ModelSpec], offload: OffloadCon
         if fits is None:
             raise
         raise BudgetError(f"{refused}; {fits}") from None
-    if target.quant != "none" and runtime.dtype != torch.float16 and runtime.dtype != torch.float32:
+    natural = weight_dtype(target.quant) if target.quant != "none" else None
+    if natural is not None and runtime.dtype not in (natural, torch.float32):
+        name = str(natural).removeprefix("torch.")
         plan = replace(plan, notes=plan.notes + (
-            f"{describe_quant(target.quant)} dequantizes in float16; in {str(runtime.dtype).removeprefix('torch.')} "
-            f"its weights are rounded once more (--dtype float16 runs exactly them)",))
+            f"{describe_quant(target.quant)} dequantizes in {name}; in {str(runtime.dtype).removeprefix('torch.')} "
+            f"its weights are rounded once more (--dtype {name} runs exactly them)",))
     return plan
 
 

@@ -1,9 +1,10 @@
-"""Published 4-bit checkpoints (AutoAWQ's GEMM layout) read as they are: the dequantization equals AutoAWQ's own
-bit for bit (pinned by scripts/awq_reference.py), the model's output is exactly that of its dequantized weights,
-streamed == resident, speculative greedy == its plain greedy, plans from headers, and one line for what is not
-supported."""
+"""Published quantized checkpoints (AutoAWQ's GEMM layout, GPTQ 4/8-bit with act-order, v1 and v2 zeros) read as
+they are: the dequantization equals the format's own reference bit for bit (AutoAWQ's, GPTQModel's; pinned by
+scripts/awq_reference.py and scripts/gptq_reference.py), the model's output is exactly that of its dequantized
+weights, streamed == resident, speculative greedy == its plain greedy, plans from headers, and one line for what is
+not supported."""
 import json
-import shutil
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -18,27 +19,71 @@ from offspec.generate import GenerationRequest, run
 from offspec.kv_cache import KVCache
 from offspec.load import load_engine
 from drivers import forward_one
-from tiny import hf_config, make_model, perturbed_copy, save_awq_checkpoint, save_checkpoint
+from tiny import hf_config, make_model, perturbed_copy, save_checkpoint, save_published_checkpoint
 
 CPU = torch.device("cpu")
 F32 = RuntimeConfig(device=CPU, dtype=torch.float32)
 PROMPT = tuple(range(5, 25))
 REFERENCE = Path(__file__).parent / "data" / "awq_reference.safetensors"
+GPTQ_REFERENCE = Path(__file__).parent / "data" / "gptq_reference.safetensors"
+CT_REFERENCE = Path(__file__).parent / "data" / "ct_reference.safetensors"
+# (gptq v1 zeros with act-order; v2 zeros in order; compressed-tensors asymmetric with bfloat16 scales)
+QUANTS = ["awq-g32", "gptq-b4-g32", "gptq-b8-g64-v2", "ct-b4-g32-asym-bf16"]
 
 
-def test_dequantization_equals_autoawq_bitwise():
+def reference_cases(path: Path, quant_of):
+    """(quant, pieces, the reference's (N, K) float16 weight) for each case pinned in the file."""
+    pinned = load_file(path)
+    for case in sorted({name.split(".")[0] for name in pinned}):
+        pieces = {name.split(".")[1]: t for name, t in pinned.items() if name.startswith(f"{case}.")}
+        yield quant_of(case), pieces, pieces.pop("weight")
+
+
+@pytest.fixture(params=["one chunk", "small chunks"])
+def chunks(request, monkeypatch):
+    """Dequantize a matrix at once, or in chunks of a group or a word's rows (their boundaries crossing groups)."""
+    if request.param == "small chunks":
+        monkeypatch.setattr(published, "DEQUANT_ELEMENTS", 1)
+
+
+def test_dequantization_equals_autoawq_bitwise(chunks):
     """AutoAWQ's dequantize_gemm on seeded random words (every nibble value), pinned in tests/data."""
-    pinned = load_file(REFERENCE)
-    cases = sorted({name.split(".")[0] for name in pinned})
+    cases = list(reference_cases(REFERENCE, lambda case: f"awq-g{int(case.split('_g')[1])}"))
     assert len(cases) == 3
-    for case in cases:
-        group = int(case.split("_g")[1])
-        want = pinned[f"{case}.weight"]                                          # (N, K) float16
+    for quant, pieces, want in cases:
         for dtype in (torch.float16, torch.float32):
             out = torch.empty(want.shape, dtype=dtype)
-            published.dequantize(f"awq-g{group}", {s: pinned[f"{case}.{s}"] for s in ("qweight", "qzeros", "scales")},
-                                 out)
-            assert torch.equal(out, want.to(dtype)), (case, dtype)
+            published.dequantize(quant, pieces, out)
+            assert torch.equal(out, want.to(dtype)), (quant, dtype)
+
+
+def test_dequantization_equals_compressed_tensors_bitwise(chunks):
+    """compressed-tensors' PackedQuantizationCompressor.decompress on values its pack_to_int32 packed: 4 and 8 bits,
+    grouped and per channel, symmetric and not, bfloat16 and float16 scales."""
+    def quant_of(case):
+        bits, group, sym, scale = case.split("_")
+        return f"ct-{bits}-{group}" + ("-asym" if sym == "asym" else "") + f"-{scale}"
+    cases = list(reference_cases(CT_REFERENCE, quant_of))
+    assert len(cases) == 5
+    for quant, pieces, want in cases:
+        out = torch.empty(want.shape, dtype=want.dtype)
+        published.dequantize(quant, pieces, out)
+        assert torch.equal(out, want), quant
+
+
+def test_dequantization_equals_gptqmodel_bitwise(chunks):
+    """GPTQModel's dequantize_weight (and its v1 -> v2 zero conversion, a word sum whose carries it keeps) on seeded
+    random words with act-order g_idx: 4 and 8 bits, grouped and one group, v1 and v2 zeros."""
+    def quant_of(case):
+        bits, group, zeros = case.split("_")
+        return f"gptq-{bits}-{group}" + ("-v2" if zeros == "v2" else "")
+    cases = list(reference_cases(GPTQ_REFERENCE, quant_of))
+    assert {q for q, _, _ in cases} == {"gptq-b4-g32", "gptq-b4-g32-v2", "gptq-b8-g64-v2", "gptq-b4-g0",
+                                        "gptq-b8-g32"}
+    for quant, pieces, want in cases:
+        out = torch.empty(want.shape, dtype=torch.float32)
+        published.dequantize(quant, pieces, out)
+        assert torch.equal(out, want.float()), quant
 
 
 def test_quantize_packs_what_dequantize_reads():
@@ -51,13 +96,14 @@ def test_quantize_packs_what_dequantize_reads():
     assert ((out - w).abs().reshape(64, 4, 64) <= step[..., None] * 0.51 + 1e-3).all()   # within half a level
 
 
-@pytest.fixture(scope="module")
-def pair(tmp_path_factory):
-    """An AWQ target (qwen2-shaped: biases stay dense), a dense draft that often agrees with it, and the dense
-    checkpoint of exactly the AWQ target's weights, dequantized (its reference)."""
-    root = tmp_path_factory.mktemp("awq")
+@pytest.fixture(scope="module", params=QUANTS)
+def pair(tmp_path_factory, request):
+    """A published target (qwen2-shaped: biases stay dense), a dense draft that often agrees with it, and the dense
+    checkpoint of exactly the target's weights, dequantized (its reference)."""
+    root = tmp_path_factory.mktemp(request.param)
     model = make_model(hf_config("qwen2", n_layers=3), seed=7, scale=3.0)
-    awq = save_awq_checkpoint(model, root / "awq", group=32)
+    awq = save_published_checkpoint(model, root / "published", request.param,
+                                    act_order=request.param == "gptq-b4-g32")
     ckpt = Checkpoint(awq)
     reference = model.half().float()
     with torch.no_grad():
@@ -72,8 +118,8 @@ def pair(tmp_path_factory):
     return awq, draft, save_checkpoint(reference, root / "dequantized")
 
 
-def prompt_logits(target_dir, offload=OffloadConfig()):
-    loaded = load_engine(target_dir, None, offload, F32, progress=False)
+def prompt_logits(target_dir, offload=OffloadConfig(), resident_quant="auto"):
+    loaded = load_engine(target_dir, None, offload, replace(F32, resident_quant=resident_quant), progress=False)
     try:
         eng = loaded.engine
         T = len(PROMPT)
@@ -90,14 +136,18 @@ def offspec_home(tmp_path, monkeypatch):
 
 
 def test_the_output_is_exactly_that_of_its_dequantized_weights(pair):
-    """Loaded with no flag as the published quantization, resident or streamed (from RAM or from the store),
-    the logits are those of the dense checkpoint holding its dequantized weights, bit for bit."""
+    """Loaded with no flag as the published quantization, resident (dequantized at load, or held as published),
+    or streamed (from RAM or from the store), the logits are those of the dense checkpoint holding its
+    dequantized weights, bit for bit."""
     awq, _, reference = pair
     want, _ = prompt_logits(reference)
     for offload in (OffloadConfig(), OffloadConfig(mode="cpu", n_slots=2), OffloadConfig(mode="disk", n_slots=2)):
         got, loaded = prompt_logits(awq, offload)
-        assert loaded.plan.target_quant == "awq-g32" and loaded.engine.target_quant == "awq-g32"
+        assert loaded.plan.target_quant == Checkpoint(awq).quant == loaded.engine.target_quant
         assert torch.equal(got, want), offload.mode
+    # Held as published on the device (--resident-quant on), each layer dequantized at its turn.
+    got, loaded = prompt_logits(awq, OffloadConfig(), resident_quant="on")
+    assert loaded.plan.placement.resident_held and torch.equal(got, want)
 
 
 @pytest.mark.parametrize("policy,budget", [("dyspec", 16), ("chain", 4), ("heap", 16)])
@@ -108,15 +158,15 @@ def test_speculative_greedy_equals_its_plain_greedy(pair, policy, budget):
         request = lambda tree: GenerationRequest(prompt_ids=PROMPT, max_new_tokens=30, tree=tree, ignore_eos=True)  # noqa: E731
         plain, _ = run(loaded.engine, request(TreeConfig(policy="none")))
         spec, _ = run(loaded.engine, request(TreeConfig(policy=policy, budget=budget)))
-        assert spec.tokens == plain.tokens and spec.target_quant == "awq-g32"
+        assert spec.tokens == plain.tokens and spec.target_quant == Checkpoint(awq).quant
         assert spec.tokens_per_pass > 1.2
     finally:
         loaded.engine.close()
 
 
-def test_an_awq_draft_runs_dequantized(pair):
-    """An AWQ folder as the draft: its layers dequantized at load (the draft only proposes: the output stays the
-    target's)."""
+def test_a_published_draft_runs_dequantized(pair):
+    """A published folder as the draft: its layers dequantized at load (the draft only proposes: the output stays
+    the target's)."""
     awq, draft, reference = pair
     loaded = load_engine(reference, awq, OffloadConfig(), F32, progress=False)
     try:
@@ -129,43 +179,53 @@ def test_an_awq_draft_runs_dequantized(pair):
 
 
 def test_target_quant_on_a_published_checkpoint_is_one_line(pair):
-    with pytest.raises(InputError, match=r"already quantized \(AWQ int4 \(GEMM\), groups of 32\): --target-quant nf4"):
+    described = published.describe(Checkpoint(pair[0]).quant).replace("(", r"\(").replace(")", r"\)")
+    with pytest.raises(InputError, match=rf"already quantized \({described}\): --target-quant nf4"):
         load_engine(pair[0], None, OffloadConfig(), RuntimeConfig(device=CPU, dtype=torch.float32, target_quant="nf4"),
                     progress=False)
 
 
-@pytest.mark.parametrize("change,needle", [
-    ({"quant_method": "gptq"}, "quant_method 'gptq' is not supported"),
-    ({"bits": 8}, "AWQ with 8 bits is not supported"),
-    ({"version": "exllama"}, "AWQ version 'exllama' is not supported"),
-    ({"zero_point": False}, "without zero points"),
-    ({"group_size": 48}, "not a multiple of the group size 48"),
+@pytest.mark.parametrize("quant,change,needle", [
+    ("awq-g32", {"quant_method": "fp8"}, "quant_method 'fp8' is not supported"),
+    ("awq-g32", {"bits": 8}, "AWQ with 8 bits is not supported"),
+    ("awq-g32", {"version": "exllama"}, "AWQ version 'exllama' is not supported"),
+    ("awq-g32", {"zero_point": False}, "without zero points"),
+    ("awq-g32", {"group_size": 48}, "not a multiple of the group size 48"),
+    ("gptq-b4-g32", {"bits": 3}, "GPTQ with 3 bits is not supported"),
+    ("gptq-b4-g32", {"checkpoint_format": "marlin"}, "GPTQ checkpoint format 'marlin' is not supported"),
+    ("gptq-b4-g32", {"bits": 8}, r"has shape .* config implies"),
+    ("awq-g32", {"modules_to_not_convert": ["mlp.down_proj"]}, r"leaves model.layers.0.mlp.down_proj .* unquantized"),
+    ("ct-b4-g32-asym-bf16", {"format": "float-quantized"}, "format 'float-quantized' is not supported"),
+    ("ct-b4-g32-asym-bf16", {"ignore": ["lm_head", "re:.*self_attn.o_proj"]},
+     r"ignore list leaves model.layers.0.self_attn.o_proj"),
 ])
-def test_what_is_not_supported_is_one_line(pair, tmp_path, change, needle):
-    folder = shutil.copytree(pair[0], tmp_path / "changed")
+def test_what_is_not_supported_is_one_line(tmp_path, quant, change, needle):
+    folder = save_published_checkpoint(make_model(hf_config("qwen2", n_layers=1)), tmp_path / "changed", quant)
     config = json.loads((folder / "config.json").read_text())
     config["quantization_config"].update(change)
+    if quant.startswith("ct-") and "format" in change:
+        config["quantization_config"]["config_groups"]["group_0"]["format"] = change["format"]
     (folder / "config.json").write_text(json.dumps(config))
     with pytest.raises(CheckpointError, match=needle):
         Checkpoint(folder)
 
 
 def test_models_info_plans_it_from_its_pieces(pair):
-    """Bytes per layer come from the packed pieces: about 0.28x of float16 at group 32 (4 bits + a float16
-    scale and a 4-bit zero every 32 weights)."""
+    """Bytes per layer come from the packed pieces: 4 bits a weight (8 for GPTQ int8), plus a float16 scale and a
+    packed zero a group (and GPTQ's g_idx)."""
     from click.testing import CliRunner
     from offspec.cli import main
     from offspec.plan import ModelSpec, TargetLayerSizes
     ckpt = Checkpoint(pair[0])
-    spec = ModelSpec.of(ckpt)
-    assert spec.quant == "awq-g32" and ckpt.parameter_count() == Checkpoint(pair[2]).parameter_count()
-    sizes = TargetLayerSizes.of(ckpt.config, torch.float16, "awq-g32")
-    assert sizes.block < 0.40 * sizes.resident
+    quant = ckpt.quant
+    assert ModelSpec.of(ckpt).quant == quant and ckpt.parameter_count() == Checkpoint(pair[2]).parameter_count()
+    sizes = TargetLayerSizes.of(ckpt.config, torch.float16, quant)
+    assert sizes.block < (0.40 if "b4" in quant or "awq" in quant else 0.65) * sizes.resident
     result = CliRunner().invoke(main, ["models", "info", str(pair[0]), "--device-memory", "1GB", "--host-memory",
                                        "8GB", "--dtype", "float16"])
     assert result.exit_code == 0, result.output
-    assert "quantization:    AWQ int4 (GEMM), groups of 32, read as published (awq-g32)" in result.output
-    assert "awq-g32 layer:" in result.output and "as stored" not in result.output, result.output
+    assert f"quantization:    {published.describe(quant)}, read as published ({quant})" in result.output
+    assert f"{quant} layer:" in result.output and "as stored" not in result.output, result.output
 
 
 def test_models_prepare_and_generate_from_the_store(pair, tmp_path):
@@ -178,7 +238,8 @@ def test_models_prepare_and_generate_from_the_store(pair, tmp_path):
     runner = CliRunner()
     prepared = runner.invoke(main, ["models", "prepare", str(pair[0]), "--dtype", "float32", "--store-dir", str(store)])
     assert prepared.exit_code == 0, prepared.output
-    assert json.loads((store / MANIFEST).read_text())["quant"] == "awq-g32"
+    quant = Checkpoint(pair[0]).quant
+    assert json.loads((store / MANIFEST).read_text())["quant"] == quant
     tokens = []
     for extra in (["--offload", "none"], ["--offload", "disk", "--store-dir", str(store)]):
         out = tmp_path / f"{extra[1]}.json"
@@ -187,29 +248,33 @@ def test_models_prepare_and_generate_from_the_store(pair, tmp_path):
                                       str(out), "abc"])
         assert result.exit_code == 0, result.output
         report = json.loads(out.read_text())
-        assert report["target_quant"] == "awq-g32"
+        assert report["target_quant"] == quant
         tokens.append(report["tokens"])
     assert tokens[0] == tokens[1]
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_cuda_dequantization_equals_autoawq_without_a_sync():
-    """On the device, on a side stream as the ring's copy queue runs it: AutoAWQ's values, no hidden sync."""
-    pinned = load_file(REFERENCE)
+def test_cuda_dequantization_equals_the_references_without_a_sync():
+    """On the device, on a side stream as the ring's copy queue runs it: AutoAWQ's, GPTQModel's and
+    compressed-tensors' values, no hidden synchronization."""
     device = torch.device("cuda")
-    cases = sorted({name.split(".")[0] for name in pinned})
-    pieces = {case: {s: pinned[f"{case}.{s}"].to(device) for s in ("qweight", "qzeros", "scales")} for case in cases}
-    outs = {case: torch.empty(pinned[f"{case}.weight"].shape, dtype=torch.bfloat16, device=device) for case in cases}
+    cases = [*reference_cases(REFERENCE, lambda case: f"awq-g{int(case.split('_g')[1])}"),
+             *reference_cases(GPTQ_REFERENCE, lambda case: "gptq-{}-{}".format(*case.split("_")[:2])
+                              + ("-v2" if case.endswith("v2") else "")),
+             *reference_cases(CT_REFERENCE, lambda case: "ct-{}-{}".format(*case.split("_")[:2])
+                              + ("-asym" if "_asym_" in case else "") + "-" + case.split("_")[-1])]
+    on_device = [(quant, {k: t.to(device) for k, t in pieces.items()},
+                  torch.empty(want.shape, dtype=torch.bfloat16, device=device)) for quant, pieces, want in cases]
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     torch.cuda.set_sync_debug_mode("error")
     try:
         with torch.cuda.stream(side):
-            for case in cases:
-                published.dequantize(f"awq-g{int(case.split('_g')[1])}", pieces[case], outs[case])
+            for quant, pieces, out in on_device:
+                published.dequantize(quant, pieces, out)
     finally:
         torch.cuda.set_sync_debug_mode("default")
     side.synchronize()
-    for case, out in outs.items():
-        assert torch.equal(out.cpu(), pinned[f"{case}.weight"].to(torch.bfloat16)), case
+    for (quant, _, want), (_, _, out) in zip(cases, on_device):
+        assert torch.equal(out.cpu(), want.to(torch.bfloat16)), quant      # (the references are float16 or bfloat16)

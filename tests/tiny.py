@@ -117,24 +117,49 @@ def with_rows(model, rows: int, seed: int = 2, head_scale: float = 1.0):
     return resized.eval()
 
 
-def save_awq_checkpoint(model, path: Path, group: int = 32, tokenizer=None) -> Path:
-    """`model` saved as AutoAWQ publishes a GEMM 4-bit checkpoint: every decoder linear as qweight / qzeros / scales
-    (quantized min-max per group of input rows, published.quantize, whose packing tests/test_published.py checks
-    against AutoAWQ's own dequantization), the rest in float16, and config.json's quantization_config."""
+def save_published_checkpoint(model, path: Path, quant: str = "awq-g32", act_order: bool = False,
+                              tokenizer=None) -> Path:
+    """`model` saved as a published quantized checkpoint is: every decoder linear as its pieces (published.quantize:
+    min-max per group, whose packing tests/test_published.py checks against AutoAWQ's and GPTQModel's own
+    dequantization), the rest in float16, and config.json's quantization_config as AutoAWQ (quant "awq-g…"),
+    GPTQModel ("gptq-b…-g…[-v2]"; act_order: its rows' groups shuffled, as desc_act makes them) or llm-compressor
+    ("ct-b…-g…[-asym]-<scale dtype>") write it."""
     import json
 
     from safetensors.torch import load_file, save_file
 
-    from offspec.published import quantize
+    from offspec.published import ct_params, gptq_params, quantize
     path = save_checkpoint(model, path, tokenizer, dtype=torch.float16)
     (weights_file,) = path.glob("*.safetensors")
     tensors = load_file(weights_file)
+    g = torch.Generator().manual_seed(3)
     for name in [n for n in tensors if ".layers." in n and n.endswith("_proj.weight")]:
-        pieces = quantize(f"awq-g{group}", tensors.pop(name))
-        tensors.update({f"{name.removesuffix('.weight')}.{suffix}": piece for suffix, piece in pieces.items()})
+        w = tensors.pop(name)
+        order = torch.randperm(w.shape[1], generator=g) if act_order else None
+        pieces = quantize(quant, w, order)
+        if quant.startswith("ct-"):
+            pieces["weight_shape"] = torch.tensor(list(w.shape))      # (llm-compressor saves it; offspec reads none)
+        tensors.update({f"{name.removesuffix('.weight')}.{suffix}": piece.contiguous()
+                        for suffix, piece in pieces.items()})
     save_file(tensors, weights_file, metadata={"format": "pt"})
     config = json.loads((path / "config.json").read_text())
-    config["quantization_config"] = {"quant_method": "awq", "bits": 4, "group_size": group, "zero_point": True,
-                                     "version": "gemm", "modules_to_not_convert": None}
+    if quant.startswith("awq-"):
+        config["quantization_config"] = {"quant_method": "awq", "bits": 4, "group_size": int(quant[5:]),
+                                         "zero_point": True, "version": "gemm", "modules_to_not_convert": None}
+    elif quant.startswith("ct-"):
+        bits, group, asym, _ = ct_params(quant)
+        strategy = {"strategy": "group", "group_size": group} if group else {"strategy": "channel"}
+        config["quantization_config"] = {
+            "quant_method": "compressed-tensors", "format": "pack-quantized", "quantization_status": "compressed",
+            "config_groups": {"group_0": {"targets": ["Linear"], "format": "pack-quantized",
+                                          "weights": {"num_bits": bits, "type": "int", "symmetric": not asym,
+                                                      "dynamic": False, "actorder": None, **strategy},
+                                          "input_activations": None, "output_activations": None}},
+            "ignore": ["lm_head"], "kv_cache_scheme": None}
+    else:
+        bits, group, v2 = gptq_params(quant)
+        config["quantization_config"] = {"quant_method": "gptq", "bits": bits, "group_size": group or -1,
+                                         "desc_act": act_order, "sym": not v2,
+                                         "checkpoint_format": "gptq_v2" if v2 else "gptq"}
     (path / "config.json").write_text(json.dumps(config, indent=2))
     return path

@@ -457,7 +457,7 @@ def check_resident_quant(resident_quant: str, quantized: bool) -> None:
         raise InputError(f"unknown --resident-quant {resident_quant!r}; choose one of {', '.join(RESIDENT_QUANTS)}")
     if resident_quant == "on" and not quantized:
         raise InputError("--resident-quant on holds resident layers quantized: it needs --target-quant int8 or nf4, "
-                         "or a published quantized checkpoint (AWQ, GPTQ)")
+                         "or a published quantized checkpoint (AWQ, GPTQ, compressed-tensors)")
 
 
 def choose_placement(n_layers: int, layer_bytes: int, offload: OffloadConfig, layer_budget: Optional[int],

@@ -147,7 +147,13 @@ def _check_all_layers_quantized(not_converted: list, raw: dict, where: str) -> N
 
 def _gptq_of_config(qc: dict, where: str) -> str:
     bits, group = qc.get("bits"), qc.get("group_size", -1)
-    fmt = str(qc.get("checkpoint_format", qc.get("format", "gptq"))).lower()
+    fmt = str(qc.get("format") or qc.get("checkpoint_format") or "gptq").lower()   # GPTQModel lets "format" win
+    for key, what in (("rotation", "an online rotation"), ("activation", "quantized activations"),
+                      ("dynamic", "per-module overrides"), ("lm_head", "a quantized lm_head")):
+        if qc.get(key):
+            raise CheckpointError(f"{where}: GPTQ with {key}={qc[key]!r} ({what}) is not supported")
+    if str(qc.get("pack_dtype", "int32")).removeprefix("torch.") != "int32":
+        raise CheckpointError(f"{where}: GPTQ pack_dtype {qc['pack_dtype']!r} is not supported (int32)")
     if bits not in (4, 8):
         raise CheckpointError(f"{where}: GPTQ with {bits} bits is not supported (4 or 8)")
     if fmt not in ("gptq", "gptq_v2") or qc.get("is_marlin_format"):
@@ -173,6 +179,16 @@ def _ct_of_config(qc: dict, raw: dict, where: str) -> str:
     if group_cfg.get("input_activations") or group_cfg.get("output_activations"):
         raise CheckpointError(f"{where}: compressed-tensors with quantized activations is not supported "
                               f"(weight-only schemes such as W4A16)")
+    if qc.get("transform_config"):
+        raise CheckpointError(f"{where}: compressed-tensors with a transform_config (rotations such as QuIP or "
+                              f"SpinQuant) is not supported")
+    if qc.get("kv_cache_scheme"):
+        raise CheckpointError(f"{where}: compressed-tensors with a kv_cache_scheme (a quantized KV cache) is not "
+                              f"supported")
+    actorder = weights.get("actorder")
+    if actorder not in (None, False, "weight", "static"):
+        raise CheckpointError(f"{where}: compressed-tensors actorder {actorder!r} (a weight_g_idx per linear) is not "
+                              f"supported yet")
     bits, kind, strategy = weights.get("num_bits"), weights.get("type", "int"), weights.get("strategy")
     if bits not in (4, 8) or kind != "int":
         raise CheckpointError(f"{where}: compressed-tensors {kind} weights of {bits} bits are not supported (int4, int8)")
@@ -181,11 +197,16 @@ def _ct_of_config(qc: dict, raw: dict, where: str) -> str:
     group = int(weights.get("group_size") or 0) if strategy == "group" else 0
     if strategy == "group" and group <= 0:
         raise CheckpointError(f"{where}: compressed-tensors group_size {weights.get('group_size')!r} is not supported")
-    ignored = [entry.removeprefix("re:") for entry in qc.get("ignore") or []]
     layers = [f"model.layers.{i}.{linear}" for i in range(int(raw.get("num_hidden_layers", 0)))
               for linear in DECODER_LINEARS]
-    for entry in ignored:
-        hit = next((name for name in layers if re.fullmatch(entry, name) or name == entry), None)
+    for entry in qc.get("ignore") or []:
+        entry = str(entry)
+        try:        # "re:<pattern>" matches names as compressed-tensors does (re.match); else the name itself
+            hit = next((name for name in layers if (re.match(entry[3:], name) if entry.startswith("re:")
+                                                    else name == entry)), None)
+        except re.error as e:
+            raise CheckpointError(f"{where}: compressed-tensors ignore entry {entry!r} is not a valid pattern "
+                                  f"({e})") from None
         if hit:
             raise CheckpointError(f"{where}: its ignore list leaves {hit} (and maybe more) unquantized; a checkpoint "
                                   f"with dense decoder linears beside quantized ones is not supported yet")
@@ -257,8 +278,9 @@ def _step(rows: int, per_row: int, align: int) -> int:
 
 
 def dequantize(quant: str, pieces: dict[str, torch.Tensor], out: torch.Tensor) -> None:
-    """out (N, K) in the compute dtype <- W = (q - z) * s in float16, a chunk of input rows at a time, so the
-    temporaries stay about DEQUANT_ELEMENTS weights whatever the matrix (the plan's reserve holds them)."""
+    """out (N, K) in the compute dtype <- W = (q - z) * s in float16 (compressed-tensors: in the scales' dtype), a
+    chunk of rows at a time, so the temporaries stay about DEQUANT_ELEMENTS weights (and GPTQ's unpacked zeros, a
+    group's row each) whatever the matrix: within the plan's reserve."""
     if quant.startswith("gptq-"):
         _dequantize_gptq(quant, pieces, out)
         return

@@ -198,16 +198,34 @@ def test_target_quant_on_a_published_checkpoint_is_one_line(pair):
     ("ct-b4-g32-asym-bf16", {"format": "float-quantized"}, "format 'float-quantized' is not supported"),
     ("ct-b4-g32-asym-bf16", {"ignore": ["lm_head", "re:.*self_attn.o_proj"]},
      r"ignore list leaves model.layers.0.self_attn.o_proj"),
+    ("ct-b4-g32-asym-bf16", {"ignore": ["re:model.layers.0.mlp"]}, r"ignore list leaves model.layers.0.mlp.gate_proj"),
+    ("ct-b4-g32-asym-bf16", {"ignore": ["re:(["]}, "not a valid pattern"),
+    ("ct-b4-g32-asym-bf16", {"weights": {"actorder": "group"}}, "actorder 'group' .* not supported"),
+    ("ct-b4-g32-asym-bf16", {"transform_config": {"config_groups": {"u": {}}}}, "transform_config"),
+    ("ct-b4-g32-asym-bf16", {"kv_cache_scheme": {"num_bits": 8, "type": "float"}}, "kv_cache_scheme"),
+    ("gptq-b4-g32", {"rotation": "hadamard"}, r"rotation='hadamard' \(an online rotation\)"),
 ])
 def test_what_is_not_supported_is_one_line(tmp_path, quant, change, needle):
     folder = save_published_checkpoint(make_model(hf_config("qwen2", n_layers=1)), tmp_path / "changed", quant)
     config = json.loads((folder / "config.json").read_text())
     config["quantization_config"].update(change)
+    group = config["quantization_config"].get("config_groups", {}).get("group_0", {})
     if quant.startswith("ct-") and "format" in change:
-        config["quantization_config"]["config_groups"]["group_0"]["format"] = change["format"]
+        group["format"] = change["format"]
+    if "weights" in change:
+        group["weights"].update(config["quantization_config"].pop("weights"))
     (folder / "config.json").write_text(json.dumps(config))
     with pytest.raises(CheckpointError, match=needle):
         Checkpoint(folder)
+
+
+def test_gptq_format_wins_over_checkpoint_format():
+    """As GPTQModel reads a config that names both: "format" decides which zeros the file holds."""
+    raw = {"quantization_config": {"quant_method": "gptq", "bits": 4, "group_size": 128, "format": "gptq_v2",
+                                   "checkpoint_format": "gptq"}}
+    assert published.quant_of_config(raw, "here") == "gptq-b4-g128-v2"
+    del raw["quantization_config"]["format"]
+    assert published.quant_of_config(raw, "here") == "gptq-b4-g128"
 
 
 def test_models_info_plans_it_from_its_pieces(pair):

@@ -253,13 +253,20 @@ def check_matrix(quant: str, shape: tuple[int, ...], name: str) -> Optional[str]
     return None
 
 
+def _nibbles(words: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(R, C) int32 -> its bytes' low and high nibbles, (R, C, 4) uint8 each: nibble 2j and 2j + 1 of every word.
+    Byte views are little-endian, as CUDA devices and the hosts offspec runs on are; uint8 work is a fifth of the
+    int32 shifts' time on a CPU."""
+    b = words.contiguous().view(torch.uint8).view(words.shape[0], -1, 4)
+    return b & 0xF, b >> 4
+
+
 def _unpack(packed: torch.Tensor) -> torch.Tensor:
-    """(R, C) int32 -> (R, 8C) int32 in column order: value n of a row sits in nibble AWQ_COLUMN_NIBBLE[n % 8] of
-    word n // 8."""
-    # 4 * AWQ_COLUMN_NIBBLE[t] = 4 * (t // 2 + 4 * (t % 2)), made on the device (no host-to-device copy).
-    t = torch.arange(8, dtype=torch.int32, device=packed.device)
-    shifts = 4 * (t // 2 + 4 * (t % 2))                                                             # (8,)
-    return ((packed[:, :, None] >> shifts) & 0xF).reshape(packed.shape[0], -1)
+    """(R, C) int32 -> (R, 8C) uint8 in column order: value n of a row sits in nibble AWQ_COLUMN_NIBBLE[n % 8] of
+    word n // 8, i.e. the order nibbles 0 4 1 5 2 6 3 7 = low 0, low 2, high 0, high 2, low 1, low 3, high 1, high 3."""
+    lo, hi = _nibbles(packed)
+    order = (lo[..., 0], lo[..., 2], hi[..., 0], hi[..., 2], lo[..., 1], lo[..., 3], hi[..., 1], hi[..., 3])
+    return torch.stack(order, -1).view(packed.shape[0], -1)
 
 
 def _pack(values: torch.Tensor) -> torch.Tensor:
@@ -293,20 +300,22 @@ def dequantize(quant: str, pieces: dict[str, torch.Tensor], out: torch.Tensor) -
     step = _step(K, N, G)                                                     # K and step are multiples of G
     for a in range(0, K, step):
         b = min(K, a + step)
-        q = _unpack(qweight[a:b]).view((b - a) // G, G, N)                   # (groups, G, N)
-        z = _unpack(qzeros[a // G: b // G])[:, None]                          # (groups, 1, N)
-        s = scales[a // G: b // G][:, None]                                   # (groups, 1, N) float16
-        out[:, a:b] = ((q - z).to(torch.float16) * s).view(b - a, N).t()
+        # Transposed while still bytes, so the float16 work is laid out as `out` is: (N, groups, G).
+        q = _unpack(qweight[a:b]).t().reshape(N, (b - a) // G, G)             # uint8
+        z = _unpack(qzeros[a // G: b // G]).t()[:, :, None]                   # (N, groups, 1) uint8
+        s = scales[a // G: b // G].t()[:, :, None]                            # (N, groups, 1) float16
+        out[:, a:b] = ((q.to(torch.float16) - z.to(torch.float16)) * s).view(N, b - a)   # differences exact
 
 
 def _fields(words: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
-    """int32 words -> their 32/bits fields in order (lowest bits first), spread along `dim` (0: each word becomes
-    that many rows; 1: that many columns)."""
-    P = 32 // bits
-    shifts = bits * torch.arange(P, dtype=torch.int32, device=words.device)                    # (P,)
-    if dim == 0:
-        return ((words[:, None, :] >> shifts[None, :, None]) & (2**bits - 1)).reshape(-1, words.shape[1])
-    return ((words[:, :, None] >> shifts) & (2**bits - 1)).reshape(words.shape[0], -1)
+    """(R, C) int32 words -> their 32/bits fields (4 or 8 bits) in order, lowest bits first, as uint8, spread along
+    `dim` (0: each word becomes that many rows, (R·P, C); 1: that many columns, (R, C·P))."""
+    R, C = words.shape
+    if bits == 8:
+        fields = words.contiguous().view(torch.uint8).view(R, C, 4)          # (R, C, P): byte i = field i
+    else:
+        fields = torch.stack(_nibbles(words), -1).view(R, C, 8)              # nibble 2j, 2j + 1 of byte j
+    return fields.transpose(1, 2).reshape(-1, C) if dim == 0 else fields.view(R, -1)
 
 
 def _dequantize_gptq(quant: str, pieces: dict[str, torch.Tensor], out: torch.Tensor) -> None:
@@ -321,9 +330,9 @@ def _dequantize_gptq(quant: str, pieces: dict[str, torch.Tensor], out: torch.Ten
     step = _step(K, scales.shape[1], P)
     for a in range(0, K, step):
         b = min(K, a + step)
-        q = _fields(pieces["qweight"][a // P: b // P], bits, dim=0)              # (b - a, N)
+        q = _fields(pieces["qweight"][a // P: b // P], bits, dim=0)              # (b - a, N) uint8
         g = g_idx[a:b].long()
-        out[:, a:b] = ((q - zeros[g]).to(torch.float16) * scales[g]).t()
+        out[:, a:b] = ((q.to(torch.float16) - zeros[g].to(torch.float16)) * scales[g]).t()   # differences exact
 
 
 def _pack_fields(values: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
@@ -371,13 +380,15 @@ def _dequantize_ct(quant: str, pieces: dict[str, torch.Tensor], out: torch.Tenso
     step = _step(N, K, P)
     for a in range(0, N, step):
         b = min(N, a + step)
-        v = _fields(pieces["weight_packed"][a:b], bits, dim=1) - offset           # (b - a, K), signed
+        # The stored fields are value + offset (uint8); in the scale dtype the signed values and their
+        # differences are exact small integers, as compressed-tensors' own x_q - zero_point is.
+        v = _fields(pieces["weight_packed"][a:b], bits, dim=1).to(scale_dtype) - offset       # (b - a, K)
         v = v.view(b - a, groups, K // groups)
         s = scales[a:b][:, :, None]                                               # (b - a, groups, 1)
         if asym:
-            z = _fields(pieces["weight_zero_point"][a // P: -(-b // P)], bits, dim=0) - offset   # (rows, groups)
-            v = v - z[: b - a, :, None]
-        out[a:b] = (v.to(scale_dtype) * s).view(b - a, K)
+            z = _fields(pieces["weight_zero_point"][a // P: -(-b // P)], bits, dim=0).to(scale_dtype) - offset
+            v = v - z[: b - a, :, None]                                           # (rows, groups) zero points
+        out[a:b] = (v * s).view(b - a, K)
 
 
 def _quantize_ct(quant: str, w: torch.Tensor) -> dict[str, torch.Tensor]:

@@ -20,6 +20,11 @@ Examples:
   python scripts/bench_quant.py --part quality --rows docs/bench_quant_rows.jsonl
   python scripts/bench_quant.py --part speed --regimes disk --rows docs/bench_quant_rows.jsonl
   python scripts/bench_quant.py --report-only --rows docs/bench_quant_rows.jsonl --write-docs
+  python scripts/bench_quant.py --part speed --regimes disk --quants none,nf4,awq-g128 \
+      --rows docs/bench_published_rows.jsonl --section bench_published --write-docs
+
+awq-g128 is the demo target as a published AWQ checkpoint (published_target: packed here once, then read as a hub
+AWQ folder is, with no flag).
 """
 from __future__ import annotations
 
@@ -48,7 +53,9 @@ from offspec.model import RowSpan  # noqa: E402
 
 SECTION = "bench_quant"
 CPU = torch.device("cpu")
-QUANTS = ("none", "int8", "nf4")
+OWN_QUANTS = ("none", "int8", "nf4")     # --target-quant: offspec quantizes the demo target itself
+PUBLISHED = "awq-g128"                   # the demo target packed as a published AWQ checkpoint (published_target)
+QUANTS = OWN_QUANTS + (PUBLISHED,)
 INTERLEAVED = "interleaved"   # speed rows measured by the alternating protocol (rows without it ran in blocks)
 PROSE_TOPICS = ("assignment", "exceptions", "import", "class", "function", "for", "try", "with")
 
@@ -98,12 +105,48 @@ def store_dir(args, quant: str) -> str:
     return os.path.join(args.store_root, f"target-{args.dtype}-{quant}")
 
 
+def published_target(args, target_dir) -> str:
+    """The demo target as a published AWQ g128 checkpoint, built once under --store-root: every decoder linear
+    quantized min-max per group and packed in AutoAWQ's GEMM layout (published.quantize: AWQ's packing and zero
+    points without its activation-aware scale search, whose output only differs in the values), the rest in
+    float16, config.json with AutoAWQ's quantization_config. It is read as published, as a hub AWQ folder is."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from offspec.published import quantize
+    folder = Path(args.store_root) / f"target-{PUBLISHED}"
+    if (folder / "config.json").is_file():
+        return str(folder)
+    tmp = folder.with_name(folder.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    shutil.copytree(target_dir, tmp, ignore=shutil.ignore_patterns("*.safetensors", "*.index.json"))
+    tensors = {}
+    for file in sorted(Path(target_dir).glob("*.safetensors")):
+        tensors.update(load_file(file))
+    out = {}
+    for name, t in tensors.items():
+        if ".layers." in name and name.endswith("_proj.weight"):
+            for suffix, piece in quantize(PUBLISHED, t).items():
+                out[f"{name.removesuffix('.weight')}.{suffix}"] = piece.contiguous()
+        else:
+            out[name] = t.to(torch.float16).contiguous()
+    save_file(out, tmp / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((tmp / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "awq", "bits": 4, "group_size": int(PUBLISHED[5:]),
+                                     "zero_point": True, "version": "gemm", "modules_to_not_convert": None}
+    (tmp / "config.json").write_text(json.dumps(config, indent=2))
+    tmp.rename(folder)
+    return str(folder)
+
+
 def measure_quality(args, target_dir, rows: list[dict]) -> None:
     from offspec.demo import humaneval_prompts
     from offspec.prompt import encode_prompt
 
     dtype = parse_dtype(args.dtype)
-    for quant in QUANTS:
+    for quant in OWN_QUANTS:
         texts_todo = not all(has(rows, part="quality", quant=quant, text=n, dtype=args.dtype)
                              for n in [f"{k}-{i}" for k in ("prose", "code") for i in range(args.chunks)])
         prompts = humaneval_prompts(args.greedy_prompts)
@@ -169,12 +212,14 @@ def measure_speed(args, target_dir, draft_dir, rows: list[dict]) -> None:
         engines = {}
         try:
             for quant in quants:
-                needs_store = regime == "disk" or quant != "none"
+                needs_store = regime == "disk" or quant in OWN_QUANTS[1:]
                 offload = OffloadConfig(mode=regime, n_slots=args.slots,
                                         store_dir=store_dir(args, quant) if needs_store else None)
-                engines[quant] = load_engine(target_dir, draft_dir, offload,
+                published = quant == PUBLISHED              # read as published: its own quantization, no flag
+                engines[quant] = load_engine(published_target(args, target_dir) if published else target_dir,
+                                             draft_dir, offload,
                                              RuntimeConfig(device=CPU, dtype=dtype, draft_quant="int8",
-                                                           target_quant=quant))
+                                                           target_quant="none" if published else quant))
                 warm = encode_prompt(engines[quant].engine.tokenizer, prompts[0]["prompt"])
                 run(engines[quant].engine, GenerationRequest(prompt_ids=tuple(warm), max_new_tokens=4, tree=tree,
                                                              ignore_eos=True))                 # warm-up, not counted
@@ -260,13 +305,16 @@ def speed_table(rows: list[dict], paired: bool) -> str:
 
 
 def report(args, rows: list[dict], started: float, load_at_start: str) -> str:
-    out = ["## Quantized target (`--target-quant`): quality and speed on the demo pair\n",
+    title = ("Quantized target (`--target-quant`): quality and speed on the demo pair"
+             if getattr(args, "section", SECTION) == SECTION else
+             "Published AWQ beside `--target-quant nf4` and bf16: speed on the demo pair")
+    out = [f"## {title}\n",
            _common.run_header(CPU, started, load_at_start), ""]
     quality = [r for r in rows if r["part"] == "quality" and r["dtype"] == args.dtype]
     if quality:
         ref = {r["text"]: r["top1"] for r in quality if r["quant"] == "none"}
         table = []
-        for quant in QUANTS:
+        for quant in OWN_QUANTS:
             cells = [quant]
             for kind in ("prose", "code"):
                 mine = [r for r in quality if r["quant"] == quant and r["text"].startswith(kind)]
@@ -290,7 +338,7 @@ def report(args, rows: list[dict], started: float, load_at_start: str) -> str:
     if greedy:
         ref = {r["id"]: r["tokens"] for r in greedy if r["quant"] == "none"}
         table = []
-        for quant in QUANTS[1:]:
+        for quant in OWN_QUANTS[1:]:
             mine = [r for r in greedy if r["quant"] == quant and r["id"] in ref]
             if mine:
                 prefixes = [common_prefix(r["tokens"], ref[r["id"]]) for r in mine]
@@ -346,7 +394,9 @@ def parse_args():
                    help="where the packed stores (one per quantization) are built once and kept")
     p.add_argument("--rows", default=None, help="append each row to this JSONL file; a rerun skips what it holds")
     p.add_argument("--report-only", action="store_true", help="measure nothing: report the rows in --rows")
-    p.add_argument("--write-docs", action="store_true", help="replace the bench_quant section of docs/benchmarks.md")
+    p.add_argument("--write-docs", action="store_true", help="replace --section of docs/benchmarks.md")
+    p.add_argument("--section", default=SECTION, help="the docs/benchmarks.md section --write-docs replaces (a run "
+                   "with its own --rows file writes its own section)")
     args = p.parse_args()
     unknown = [q for q in args.quants.split(",") if q not in QUANTS]
     if unknown:
@@ -369,7 +419,7 @@ def main() -> int:
     text = report(args, rows, started, load_at_start)
     print(text)
     if args.write_docs:
-        _common.write_doc_section(SECTION, text)
+        _common.write_doc_section(args.section, text)
     return 0
 
 

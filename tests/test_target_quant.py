@@ -4,6 +4,7 @@ quantized == resident quantized bitwise, speculative output == the quantized tar
 import importlib.util
 import json
 from dataclasses import replace
+from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
@@ -623,6 +624,24 @@ def test_bench_quant_report_from_rows(tmp_path):
     assert "75.0%" in text                                                     # teacher-forced top-1 agreement
     assert "0.700 (0.27x)" in text                                             # bytes per pass against bf16's
     assert bench.common_prefix([1, 2, 3], [1, 2, 4]) == 2
+
+
+def test_bench_quant_builds_the_published_target_once(tmp_path):
+    """bench_quant's awq-g128 row reads the demo target packed as a published AWQ checkpoint: built once, then a
+    folder offspec opens as AWQ with no flag."""
+    from types import SimpleNamespace
+
+    from offspec.checkpoint import Checkpoint
+    from scripts_module import load_script
+    bench = load_script("bench_quant")
+    dense = save_checkpoint(make_model(hf_config("qwen2", n_layers=1, hidden=128), seed=2), tmp_path / "dense")
+    args = SimpleNamespace(store_root=str(tmp_path / "stores"))
+    folder = bench.published_target(args, dense)
+    ckpt = Checkpoint(folder)
+    assert ckpt.quant == bench.PUBLISHED and ckpt.layer_tensors(0)["q_proj.qweight"].dtype == torch.int32
+    stamp = (Path(folder) / "model.safetensors").stat().st_mtime_ns
+    assert bench.published_target(args, dense) == folder
+    assert (Path(folder) / "model.safetensors").stat().st_mtime_ns == stamp
 
 
 def test_bench_quant_pairs_each_run_with_bf16s_run_of_the_same_prompt_and_repeat():

@@ -191,7 +191,8 @@ def _ct_of_config(qc: dict, raw: dict, where: str) -> str:
                               f"supported yet")
     bits, kind, strategy = weights.get("num_bits"), weights.get("type", "int"), weights.get("strategy")
     if bits not in (4, 8) or kind != "int":
-        raise CheckpointError(f"{where}: compressed-tensors {kind} weights of {bits} bits are not supported (int4, int8)")
+        raise CheckpointError(f"{where}: compressed-tensors {kind} weights of {bits} bits are not supported "
+                              f"(int4, int8)")
     if strategy not in ("group", "channel"):
         raise CheckpointError(f"{where}: compressed-tensors strategy {strategy!r} is not supported (group, channel)")
     group = int(weights.get("group_size") or 0) if strategy == "group" else 0

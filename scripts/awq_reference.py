@@ -36,8 +36,8 @@ def main() -> None:
     g = torch.Generator().manual_seed(0)
     tensors = {}
     for N, K, G in CASES:
-        words = lambda rows: torch.randint(-2**31, 2**31 - 1, (rows, N // 8), generator=g, dtype=torch.int64  # noqa: E731
-                                           ).to(torch.int32)
+        def words(rows: int) -> torch.Tensor:
+            return torch.randint(-2**31, 2**31 - 1, (rows, N // 8), generator=g, dtype=torch.int64).to(torch.int32)
         qweight, qzeros = words(K), words(K // G)
         scales = (torch.rand(K // G, N, generator=g) * 0.02 + 1e-3).to(torch.float16)
         weight = reference.dequantize_gemm(qweight, qzeros, scales, 4, G)            # (K, N) float16

@@ -10,7 +10,8 @@ with the reference's weights. tests/test_published.py checks offspec against the
 
 The package needs pydantic and loguru besides torch; a throwaway environment does:
 
-    python3 -m venv --system-site-packages /tmp/ct && /tmp/ct/bin/pip install --no-deps compressed-tensors==0.20.0 loguru
+    python3 -m venv --system-site-packages /tmp/ct
+    /tmp/ct/bin/pip install --no-deps compressed-tensors==0.20.0 loguru
     /tmp/ct/bin/python scripts/ct_reference.py
 """
 from __future__ import annotations

@@ -43,10 +43,17 @@ MODELS = {
                                   num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
                                   tie_word_embeddings=True),
 }
+# A published AWQ checkpoint of the 70B (as hugging-quants' Meta-Llama-3.1-70B-Instruct-AWQ-INT4 is: float16, its
+# decoder linears as AutoAWQ's GEMM pieces, groups of 128).
+MODELS["Meta-Llama-3.1-70B-Instruct-AWQ-INT4"] = dict(
+    MODELS["Llama-3.1-70B-Instruct"], torch_dtype="float16",
+    quantization_config=dict(quant_method="awq", bits=4, group_size=128, zero_point=True, version="gemm",
+                             modules_to_not_convert=None))
 
 
 def tensor_shapes(cfg: dict) -> dict[str, tuple[int, ...]]:
-    """Every tensor name of an HF Llama-family checkpoint and its shape."""
+    """Every tensor name of an HF Llama-family checkpoint and its shape (an AWQ checkpoint's linears: their
+    pieces, qweight (K, N/8) and qzeros (K/G, N/8) int32, scales (K/G, N))."""
     D, F, V = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"]
     hd = cfg.get("head_dim") or D // cfg["num_attention_heads"]
     q, kv = cfg["num_attention_heads"] * hd, cfg["num_key_value_heads"] * hd
@@ -63,6 +70,13 @@ def tensor_shapes(cfg: dict) -> dict[str, tuple[int, ...]]:
         if cfg["model_type"] == "qwen2":
             shapes.update({p + "self_attn.q_proj.bias": (q,), p + "self_attn.k_proj.bias": (kv,),
                            p + "self_attn.v_proj.bias": (kv,)})
+    awq = cfg.get("quantization_config")
+    if awq:
+        G = awq["group_size"]
+        for name in [n for n in shapes if n.endswith("_proj.weight")]:
+            (N, K), base = shapes.pop(name), name.removesuffix(".weight")
+            shapes.update({f"{base}.qweight": (K, N // 8), f"{base}.qzeros": (K // G, N // 8),
+                           f"{base}.scales": (K // G, N)})
     return shapes
 
 
@@ -74,10 +88,12 @@ def headers_only_checkpoint(folder: Path, name: str) -> Path:
     (folder / "config.json").write_text(json.dumps(cfg))
     header, offset = {}, 0
     for tensor, shape in tensor_shapes(cfg).items():
-        nbytes = 2
+        packed = tensor.endswith((".qweight", ".qzeros"))
+        dtype = "I32" if packed else "F16" if cfg.get("quantization_config") else "BF16"
+        nbytes = 4 if packed else 2
         for d in shape:
             nbytes *= d
-        header[tensor] = {"dtype": "BF16", "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
+        header[tensor] = {"dtype": dtype, "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
         offset += nbytes
     raw = json.dumps(header).encode()
     (folder / "model.safetensors").write_bytes(struct.pack("<Q", len(raw)) + raw)

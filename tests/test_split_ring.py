@@ -182,7 +182,8 @@ def test_the_plan_splits_only_where_whole_slots_do_not_fit():
     # offload.n_slots counts layers: a split ring with room for them takes that many layers' parts.
     wide = place_layers(10, L, offload, 5 * L, part, split_nbytes=extra)
     assert wide.n_slots == 2 * len(PARTS) and wide.resident == (0, 1)       # 5 - 8 × 0.3 - 0.05 = 2 layers
-    with pytest.raises(BudgetError, match=r"\(2 slots of a layer's largest part × 300 kB \+ 50 kB kept between parts\)"):
+    kept = r"\(2 slots of a layer's largest part × 300 kB \+ 50 kB kept between parts\)"
+    with pytest.raises(BudgetError, match=kept):
         choose_placement(10, L, offload, 2 * part + extra - 1, split=(part, extra))
 
 

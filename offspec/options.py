@@ -79,7 +79,9 @@ class Comparison:
                          str(len(p.disk_layers)), fmt(o.plan.total("device")), fmt(o.plan.total("host")),
                          f"{o.pass_seconds:.2f} s" if p.streamed else "nothing streams", mark))
         widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-        lines = ["options (int8 / nf4 change the target: the output is that quantized model's):"]
+        published = fastest.target_quant not in QUANTS          # a published checkpoint: its own quantization only
+        lines = ["options (the target as published: its output exactly):" if published else
+                 "options (int8 / nf4 change the target: the output is that quantized model's):"]
         lines += ["  " + "  ".join(cell.ljust(w) for cell, w in zip(r, widths)).rstrip() for r in rows]
         if self.refused:
             lines.append("  does not fit: " + ", ".join(self.refused))

@@ -247,6 +247,7 @@ def test_models_info_plans_it_from_its_pieces(pair):
     assert result.exit_code == 0, result.output
     assert f"quantization:    {published.describe(quant)}, read as published ({quant})" in result.output
     assert f"{quant} layer:" in result.output and "as stored" not in result.output, result.output
+    assert "options (the target as published: its output exactly):" in result.output
 
 
 def test_models_prepare_and_generate_from_the_store(pair, tmp_path):

@@ -271,7 +271,9 @@ class Checkpoint:
         return tensors
 
     def _check_tensors(self) -> None:
-        if self.quant.startswith("ct-"):    # compressed-tensors: the scales' dtype is in the headers, not the config
+        """Every expected tensor is there with its shape and dtype (a compressed-tensors quantization is first
+        completed by its scales' dtype, which its headers give and its config does not)."""
+        if self.quant.startswith("ct-"):
             scale = f"model.layers.0.{LAYER_NAMES['q_proj'].removesuffix('.weight')}.weight_scale"
             if scale not in self._header:
                 raise CheckpointError(f"{self.path}: tensor {scale} is missing (the checkpoint is compressed-tensors)")

@@ -229,7 +229,8 @@ def mlp_up(h: torch.Tensor, act: torch.Tensor, w: LayerWeights, narrow: Optional
     return act * linear(h, w.up_proj, narrow=narrow)
 
 
-def mlp_down(x: torch.Tensor, act: torch.Tensor, w: LayerWeights, narrow: Optional[torch.Tensor] = None) -> torch.Tensor:
+def mlp_down(x: torch.Tensor, act: torch.Tensor, w: LayerWeights,
+             narrow: Optional[torch.Tensor] = None) -> torch.Tensor:
     """x (N, D), act (N, F) -> x + down(act) (N, D)."""
     return x + linear(act, w.down_proj, narrow=narrow)
 

@@ -365,9 +365,8 @@ def place_layers(n_layers: int, layer_bytes: int, offload: OffloadConfig,
     layer is paid whether or not a resident layer is held.
 
     split_nbytes (slot_bytes = the block's largest part; compact too for a quantized target): a split ring,
-    paying split_nbytes once, whose
-    offload.n_slots counts layers: it gets as many part slots as hold that many layers (n_slots × parts), or
-    the most that fit, at least the minimum."""
+    paying split_nbytes once, whose offload.n_slots counts layers: it gets as many part slots as hold that many
+    layers (n_slots × parts), or the most that fit, at least the minimum."""
     mode = offload.mode
     if mode not in MODES:
         raise InputError(f"unknown offload mode {mode!r} (expected one of {', '.join(MODES)})")
@@ -983,7 +982,8 @@ def _place(target: ModelSpec, offload: OffloadConfig, runtime: RuntimeConfig, ma
         min_slots = 2 if offload.overlap else 1
         ring = sizes.ring_min(min_slots, split_extra)
         if left < min(ring, all_layers):     # (held quantized, all layers may take less than a ring)
-            small = "split" if split_extra is not None and ring == sizes.split_min(min_slots, split_extra) else "compact"
+            split_min = None if split_extra is None else sizes.split_min(min_slots, split_extra)
+            small = "split" if ring == split_min else "compact"
             compact = "" if ring == min_slots * slot else f" or a {small} ring of {fmt(ring)}"
             raise BudgetError(f"{fmt(left)} is all the {'machine' if shared else 'device'} leaves for target layers "
                               f"(of {fmt(pool)}: {fmt(fixed_bytes)} go to the draft, globals, caches, logits, "
@@ -1014,13 +1014,8 @@ def _place(target: ModelSpec, offload: OffloadConfig, runtime: RuntimeConfig, ma
 
     items = list(fixed)
     if placement.n_slots:
-        ring_slot = placement.ring_slot_nbytes
-        items.append(PlanItem("device", f"ring: {placement.n_slots} slots", placement.n_slots * ring_slot,
-                              f"split: a layer's parts in turn, {fmt(ring_slot)} the largest"
-                              + (f", {quant}, dequantized at its use" if quant != "none" else "") if placement.split else
-                              f"{fmt(L)} per layer" if quant == "none" else
-                              f"{quant} block {fmt(B)} per slot, compact: dequantized at its use" if placement.compact
-                              else f"{quant} block {fmt(B)} + dense layer {fmt(L)} per slot"))
+        items.append(PlanItem("device", f"ring: {placement.n_slots} slots",
+                              placement.n_slots * placement.ring_slot_nbytes, _ring_note(placement, quant, L, B)))
     if placement.split:
         items.append(PlanItem("device", "MLP intermediates between parts", split_extra,
                               f"{limits.concurrency * context} rows × (hidden + intermediate)"))
@@ -1076,6 +1071,18 @@ def _place(target: ModelSpec, offload: OffloadConfig, runtime: RuntimeConfig, ma
                       host_pinned=host_pinned, items=tuple(items), notes=tuple(notes),
                       streamed_bytes=streamed * B, block_nbytes=B, pinned_layers=pinned_layers,
                       pinned_budget=pinned_budget)
+
+
+def _ring_note(p: Placement, quant: str, L: int, B: int) -> str:
+    """How the ring's slots hold a layer, for its plan item (L: a dense layer's bytes, B: the block's)."""
+    if p.split:
+        return (f"split: a layer's parts in turn, {fmt(p.ring_slot_nbytes)} the largest"
+                + (f", {quant}, dequantized at its use" if quant != "none" else ""))
+    if quant == "none":
+        return f"{fmt(L)} per layer"
+    if p.compact:
+        return f"{quant} block {fmt(B)} per slot, compact: dequantized at its use"
+    return f"{quant} block {fmt(B)} + dense layer {fmt(L)} per slot"
 
 
 def _auto_mode(shared: bool, left: int, all_layers: int, full_arena: int, host_fixed: int, machine: Machine,

@@ -40,7 +40,6 @@ import torch
 from .errors import CheckpointError
 
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)     # nibble i of a packed int32 holds column 8c + AWQ_ORDER[i]
-AWQ_COLUMN_NIBBLE = tuple(AWQ_ORDER.index(t) for t in range(8))   # column 8c + t sits in nibble AWQ_COLUMN_NIBBLE[t]
 DEQUANT_ELEMENTS = 1 << 22              # weights dequantized at a time (rows x N): bounds the temporaries, ~50 MB
 
 
@@ -263,21 +262,17 @@ def _nibbles(words: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _unpack(packed: torch.Tensor) -> torch.Tensor:
-    """(R, C) int32 -> (R, 8C) uint8 in column order: value n of a row sits in nibble AWQ_COLUMN_NIBBLE[n % 8] of
-    word n // 8, i.e. the order nibbles 0 4 1 5 2 6 3 7 = low 0, low 2, high 0, high 2, low 1, low 3, high 1, high 3."""
+    """(R, C) int32 -> (R, 8C) uint8 in column order (nibble i of word c holds column 8c + AWQ_ORDER[i]): columns
+    8c .. 8c + 7 are nibbles 0 4 1 5 2 6 3 7 = low 0, low 2, high 0, high 2, low 1, low 3, high 1, high 3."""
     lo, hi = _nibbles(packed)
     order = (lo[..., 0], lo[..., 2], hi[..., 0], hi[..., 2], lo[..., 1], lo[..., 3], hi[..., 1], hi[..., 3])
     return torch.stack(order, -1).view(packed.shape[0], -1)
 
 
 def _pack(values: torch.Tensor) -> torch.Tensor:
-    """(R, 8C) values in 0..15 -> (R, C) int32, the inverse of _unpack."""
-    R, n = values.shape
-    v = values.to(torch.int32).reshape(R, n // 8, 8)
-    packed = torch.zeros(R, n // 8, dtype=torch.int32, device=values.device)
-    for t in range(8):
-        packed |= v[:, :, t] << (4 * AWQ_COLUMN_NIBBLE[t])
-    return packed
+    """(R, 8C) values in 0..15 -> (R, C) int32, the inverse of _unpack: column 8c + AWQ_ORDER[i] into nibble i."""
+    R = values.shape[0]
+    return _pack_fields(values.reshape(R, -1, 8)[:, :, list(AWQ_ORDER)].reshape(R, -1), 4, dim=1)
 
 
 def _step(rows: int, per_row: int, align: int) -> int:

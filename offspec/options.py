@@ -20,6 +20,7 @@ from .costmodel import dequant_seconds
 from .errors import BudgetError
 from .layout import arena_stride
 from .layout import format_bytes as fmt
+from .published import short as short_quant
 from .plan import PINNED_FRACTION, Machine, MemoryPlan, ModelSpec, make_plan, predicted_pass_seconds, published_runtime
 
 QUANTS = ("none", "int8", "nf4")
@@ -97,7 +98,7 @@ class Comparison:
 
 
 def _quant_name(o: Option) -> str:
-    return "as stored" if o.target_quant == "none" else o.target_quant   # (a published one: e.g. awq-g128)
+    return "as stored" if o.target_quant == "none" else short_quant(o.target_quant)   # published: e.g. awq-g128
 
 
 def compare(target: ModelSpec, draft: Optional[ModelSpec], offload: OffloadConfig, runtime: RuntimeConfig,
@@ -116,7 +117,7 @@ def compare(target: ModelSpec, draft: Optional[ModelSpec], offload: OffloadConfi
             try:
                 o = option(quant, mode)
             except BudgetError:
-                refused.append(f"{'as stored' if quant == 'none' else quant} {mode}")
+                refused.append(f"{'as stored' if quant == 'none' else short_quant(quant)} {mode}")
                 continue
             found.setdefault(o.key, o)
     try:

@@ -39,7 +39,7 @@ from .errors import BudgetError, InputError
 from .layout import (BLOCK_ALIGN, LAYER_PARTS, N_STAGING, LayerLayout, arena_stride, layer_shapes, pinned_arena_layers,
                      round_up)
 from .layout import format_bytes as fmt
-from .published import describe as describe_quant, weight_dtype
+from .published import describe as describe_quant, short as short_quant, weight_dtype
 from .quant import HELD_DRAFT_QUANTS, TARGET_QUANTS, QuantizedLayout, held_matrix_nbytes, target_layout
 
 GB = 10**9
@@ -614,11 +614,11 @@ class MemoryPlan:
 
     def layers_line(self) -> str:
         p = self.placement
-        quantized = self.target_quant != "none"
-        held = f" (held {self.target_quant}, each dequantized every pass)" if p.resident_held else ""
+        quantized, quant = self.target_quant != "none", short_quant(self.target_quant)
+        held = f" (held {quant}, each dequantized every pass)" if p.resident_held else ""
         if not p.streamed:
             return (f"all {p.n_layers} target layers resident on the device"
-                    + (held or (f" (the {self.target_quant} target, dequantized)" if quantized else "")))
+                    + (held or (f" (the {quant} target, dequantized)" if quantized else "")))
         n_host = len(p.host_layers)
         pinned = ("pinned" if self.pinned_layers == n_host and self.machine.kind == "cuda" else
                   f"{self.pinned_layers} pinned, {n_host - self.pinned_layers} pageable" if self.pinned_layers else
@@ -628,7 +628,7 @@ class MemoryPlan:
                   "cpu+disk": f"{ram} ({len(p.host_layers)} layers) and the disk store ({len(p.disk_layers)} layers, "
                               f"spread through the pass)"}[self.mode]
         resident = f"layers {_ranges(p.resident)} resident{held}, " if p.resident else "no layer resident, "
-        per_layer = (f"{self.target_quant}: {fmt(self.block_nbytes)} moved per layer, {fmt(p.layer_nbytes)} dequantized"
+        per_layer = (f"{quant}: {fmt(self.block_nbytes)} moved per layer, {fmt(p.layer_nbytes)} dequantized"
                      if quantized else f"{fmt(p.layer_nbytes)} per layer")
         slots = f"{p.n_slots} slots of a layer's parts" if p.split else f"{p.n_slots} slots"
         return f"{resident}layers {_ranges(p.streamed)} streamed from {source} through {slots} ({per_layer})"
@@ -637,7 +637,7 @@ class MemoryPlan:
         """The plan as a table: every item with its size, the totals against what the machine has."""
         m = self.machine
         shared = m.kind == "cpu"
-        target = f", target {self.target_quant}" if self.target_quant != "none" else ""
+        target = f", target {short_quant(self.target_quant)}" if self.target_quant != "none" else ""
         rows = ""
         if self.concurrency > 1 or self.concurrency_auto:
             rows = f", {self.concurrency} requests in flight" + (" (auto)" if self.concurrency_auto else "")
@@ -1023,7 +1023,7 @@ def _place(target: ModelSpec, offload: OffloadConfig, runtime: RuntimeConfig, ma
             items.append(PlanItem("device", "dequantization scratch", sizes.part_scratch,
                                   "the largest dense part, the ring's parts dequantize into"))
     if placement.resident_held:
-        items.append(PlanItem("device", f"resident target layers ({len(placement.resident)}, {quant})",
+        items.append(PlanItem("device", f"resident target layers ({len(placement.resident)}, {short_quant(quant)})",
                               len(placement.resident) * B, f"held quantized, {fmt(B)} each"))
     if placement.scratch_nbytes:
         users = " and ".join((["the held layers"] if placement.resident_held else [])
@@ -1075,6 +1075,7 @@ def _place(target: ModelSpec, offload: OffloadConfig, runtime: RuntimeConfig, ma
 
 def _ring_note(p: Placement, quant: str, L: int, B: int) -> str:
     """How the ring's slots hold a layer, for its plan item (L: a dense layer's bytes, B: the block's)."""
+    quant = short_quant(quant)
     if p.split:
         return (f"split: a layer's parts in turn, {fmt(p.ring_slot_nbytes)} the largest"
                 + (f", {quant}, dequantized at its use" if quant != "none" else ""))

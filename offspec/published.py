@@ -29,6 +29,9 @@ they are, and quant.py dequantizes them right before the layer runs, as it does 
                  weight_scale      (N, K/G) the scale dtype
                  weight_zero_point (N/P, K/G) int32 (asymmetric only) z[n, g] + 2^(B-1), packed along the output rows
                W[n, k] = (v[n, k] - z[n, k // G]) * s[n, k // G] in the scale's dtype (its dequantize).
+
+    gguf:...   a GGUF file's matrices, each its GGML blocks as one uint8 piece 'blocks' of the bytes its largest
+               type over the layers takes (gguf_blocks.py: the string, the types, their dequantization).
 """
 from __future__ import annotations
 
@@ -37,6 +40,7 @@ from typing import Optional
 
 import torch
 
+from . import gguf_blocks
 from .errors import CheckpointError
 
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)     # nibble i of a packed int32 holds column 8c + AWQ_ORDER[i]
@@ -44,7 +48,7 @@ DEQUANT_ELEMENTS = 1 << 22              # weights dequantized at a time (rows x 
 
 
 def is_published(quant: str) -> bool:
-    return quant.startswith(("awq-", "gptq-", "ct-"))
+    return quant.startswith(("awq-", "gptq-", "ct-", "gguf:"))
 
 
 def awq_group(quant: str) -> int:
@@ -59,6 +63,8 @@ def gptq_params(quant: str) -> tuple[int, int, bool]:
 
 def describe(quant: str) -> str:
     """For reports: 'AWQ int4 (GEMM), groups of 128'."""
+    if gguf_blocks.is_gguf(quant):
+        return gguf_blocks.describe(quant)
     if quant.startswith("awq-"):
         return f"AWQ int4 (GEMM), groups of {awq_group(quant)}"
     if quant.startswith("gptq-"):
@@ -73,12 +79,19 @@ def describe(quant: str) -> str:
     return quant
 
 
+def short(quant: str) -> str:
+    """For file names and tables: the quantization itself, a GGUF's in brief ('gguf-q4_k+q6_k')."""
+    return gguf_blocks.short(quant) if gguf_blocks.is_gguf(quant) else quant
+
+
 CT_SCALE_DTYPES = {"bf16": torch.bfloat16, "f16": torch.float16, "f32": torch.float32}
 
 
 def weight_dtype(quant: str) -> torch.dtype:
     """The dtype a format dequantizes in (its weights are exactly representable there): float16 for AWQ and
-    GPTQ, the scales' dtype for compressed-tensors."""
+    GPTQ, the scales' dtype for compressed-tensors, float32 for GGUF."""
+    if gguf_blocks.is_gguf(quant):
+        return torch.float32
     return ct_params(quant)[3] if quant.startswith("ct-") else torch.float16
 
 
@@ -213,9 +226,13 @@ def _ct_of_config(qc: dict, raw: dict, where: str) -> str:
     return f"ct-b{bits}-g{group}" + ("" if weights.get("symmetric", True) else "-asym")
 
 
-def matrix_pieces(quant: str, shape: tuple[int, ...]) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
-    """The pieces an (N, K) matrix is published as: (suffix, shape, dtype)."""
+def matrix_pieces(quant: str, shape: tuple[int, ...], field: Optional[str] = None) \
+        -> list[tuple[str, tuple[int, ...], torch.dtype]]:
+    """The pieces an (N, K) matrix is published as: (suffix, shape, dtype). field: which matrix of a layer it is
+    (a GGUF's types are per matrix)."""
     N, K = shape
+    if gguf_blocks.is_gguf(quant):
+        return [("blocks", (gguf_blocks.matrix_nbytes(quant, field, shape),), torch.uint8)]
     if quant.startswith("ct-"):
         bits, group, asym, scale_dtype = ct_params(quant)
         P, groups = 32 // bits, K // group if group else 1
@@ -234,6 +251,8 @@ def matrix_pieces(quant: str, shape: tuple[int, ...]) -> list[tuple[str, tuple[i
 def check_matrix(quant: str, shape: tuple[int, ...], name: str) -> Optional[str]:
     """Why an (N, K) matrix cannot be stored this way (None when it can): its sizes must divide."""
     N, K = shape
+    if gguf_blocks.is_gguf(quant):
+        return None        # gguf_read checks each matrix against its own type
     if quant.startswith("ct-"):
         bits, group, _, _ = ct_params(quant)
         P = 32 // bits
@@ -280,10 +299,15 @@ def _step(rows: int, per_row: int, align: int) -> int:
     return min(rows, max(align, DEQUANT_ELEMENTS // per_row // align * align))
 
 
-def dequantize(quant: str, pieces: dict[str, torch.Tensor], out: torch.Tensor) -> None:
+def dequantize(quant: str, pieces: dict[str, torch.Tensor], out: torch.Tensor, field: Optional[str] = None,
+               layer: Optional[int] = None) -> None:
     """out (N, K) in the compute dtype <- W = (q - z) * s in float16 (compressed-tensors: in the scales' dtype), a
     chunk of rows at a time, so the temporaries stay about DEQUANT_ELEMENTS weights (and GPTQ's unpacked zeros, a
-    group's row each) whatever the matrix: within the plan's reserve."""
+    group's row each) whatever the matrix: within the plan's reserve. field, layer: which matrix of which layer
+    (a GGUF's type can differ between layers)."""
+    if gguf_blocks.is_gguf(quant):
+        gguf_blocks.dequantize(gguf_blocks.type_of(quant, field, layer), pieces["blocks"], out)
+        return
     if quant.startswith("gptq-"):
         _dequantize_gptq(quant, pieces, out)
         return

@@ -245,10 +245,11 @@ def check_target_quant(quant: str, device: torch.device, dtype: torch.dtype, opt
         raise InputError(f"{option}: bitsandbytes' {device} kernels return wrong values here")
 
 
-def _matrix_pieces(quant: str, shape: tuple[int, ...], dtype: torch.dtype) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
-    """The pieces a quantized (N, K) matrix is stored as: (suffix, shape, dtype)."""
+def _matrix_pieces(quant: str, shape: tuple[int, ...], dtype: torch.dtype,
+                   field: Optional[str] = None) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
+    """The pieces a quantized (N, K) matrix (the layer's `field`) is stored as: (suffix, shape, dtype)."""
     if published.is_published(quant):
-        return published.matrix_pieces(quant, shape)
+        return published.matrix_pieces(quant, shape, field)
     n = math.prod(shape)
     if quant == "nf4":
         return [("nf4", ((n + 1) // 2,), torch.uint8), ("absmax", (-(-n // NF4_BLOCK),), torch.float32)]
@@ -266,8 +267,9 @@ def _quantize_matrix(quant: str, w: torch.Tensor, dtype: torch.dtype) -> dict[st
     return {"int8": q, "scale": scale.to(dtype)}
 
 
-def _dequantize_matrix(quant: str, pieces: dict[str, torch.Tensor], out: torch.Tensor) -> None:
-    """out (N, K), in the compute dtype <- the matrix its pieces hold."""
+def _dequantize_matrix(quant: str, pieces: dict[str, torch.Tensor], out: torch.Tensor, field: Optional[str] = None,
+                       layer: Optional[int] = None) -> None:
+    """out (N, K), in the compute dtype <- the matrix its pieces hold (field of layer: see published.dequantize)."""
     if quant == "int8":
         # q then a row scale, in place: two passes over `out`, no temporary (the fastest of the ways tried:
         # docs/benchmarks.md, "Held quantized resident layers and drafts").
@@ -275,7 +277,7 @@ def _dequantize_matrix(quant: str, pieces: dict[str, torch.Tensor], out: torch.T
         out.mul_(pieces["scale"][:, None])
         return
     if published.is_published(quant):
-        published.dequantize(quant, pieces, out)
+        published.dequantize(quant, pieces, out, field, layer)
         return
     ops = bitsandbytes_ops()
     args = (pieces["nf4"], pieces["absmax"], NF4_BLOCK, "nf4", list(out.shape), out.dtype)
@@ -302,7 +304,7 @@ class QuantizedLayout:
         dense = LayerLayout.of(cfg, dtype)
         entries, offset = [], 0
         for name, shape, _ in dense.entries:
-            pieces = (_matrix_pieces(quant, shape, dtype) if len(shape) == 2 else [("", shape, dtype)])
+            pieces = (_matrix_pieces(quant, shape, dtype, name) if len(shape) == 2 else [("", shape, dtype)])
             for suffix, piece_shape, piece_dtype in pieces:
                 entries.append((f"{name}.{suffix}" if suffix else name, piece_shape, offset, piece_dtype))
                 offset += round_up(math.prod(piece_shape) * piece_dtype.itemsize, TENSOR_ALIGN)
@@ -331,7 +333,7 @@ class QuantizedLayout:
         for name, shape, _ in self.dense.entries:
             if len(shape) == 2 and name not in weights:
                 given = {suffix: weights[f"{name}.{suffix}"] for suffix, _, _ in
-                         _matrix_pieces(self.quant, shape, self.dtype)}
+                         _matrix_pieces(self.quant, shape, self.dtype, name)}
             else:
                 src = weights[name]
                 if tuple(src.shape) != shape:
@@ -346,11 +348,12 @@ class QuantizedLayout:
                                      f"{tuple(piece.shape)}")
                 out[f"{name}.{suffix}"].copy_(piece.reshape(out[f"{name}.{suffix}"].shape))
 
-    def dequantize(self, block: torch.Tensor, dense_block: torch.Tensor) -> None:
+    def dequantize(self, block: torch.Tensor, dense_block: torch.Tensor, layer: Optional[int] = None) -> None:
         """dense_block ((≥ dense.nbytes,) uint8, on the compute device) <- the layer in `block` (same device),
-        in the compute dtype: the bytes dense.views() reads as LayerWeights."""
+        in the compute dtype: the bytes dense.views() reads as LayerWeights. layer: which one it is (a GGUF's
+        matrix types can differ between layers)."""
         _dequantize_entries(self.quant, _pieces(block, self.entries, self.nbytes), self.dense.views(dense_block),
-                            self.dense.entries)
+                            self.dense.entries, layer)
 
     def parts(self, split: bool) -> tuple["QuantizedPart", ...]:
         """How a ring slot holds this layer: whole (the block as it is), or split into LAYER_PARTS as the dense
@@ -373,10 +376,10 @@ class QuantizedPart:
     nbytes: int                                                         # bytes of the slot it fills
     dense: PartLayout                                                   # what it dequantizes into
 
-    def dequantize(self, slot: torch.Tensor, dense_buffer: torch.Tensor) -> None:
+    def dequantize(self, slot: torch.Tensor, dense_buffer: torch.Tensor, layer: Optional[int] = None) -> None:
         """dense_buffer ((≥ dense.nbytes,) uint8) <- this part of the layer in `slot` (same device)."""
         _dequantize_entries(self.quant, _pieces(slot, self.entries, self.nbytes), self.dense.views(dense_buffer),
-                            self.dense.entries)
+                            self.dense.entries, layer)
 
 
 def _pieces(block: torch.Tensor, entries, nbytes: int) -> dict[str, torch.Tensor]:
@@ -386,14 +389,16 @@ def _pieces(block: torch.Tensor, entries, nbytes: int) -> dict[str, torch.Tensor
             for name, shape, offset, dtype in entries}
 
 
-def _dequantize_entries(quant: str, pieces: dict[str, torch.Tensor], out: LayerWeights, dense_entries) -> None:
+def _dequantize_entries(quant: str, pieces: dict[str, torch.Tensor], out: LayerWeights, dense_entries,
+                        layer: Optional[int] = None) -> None:
     """Each dense entry (name, shape, offset) of `out` <- its pieces: a matrix dequantized, a norm or bias copied."""
     for name, shape, _ in dense_entries:
         if len(shape) != 2:
             getattr(out, name).copy_(pieces[name])
             continue
         _dequantize_matrix(quant, {suffix: pieces[f"{name}.{suffix}"] for suffix, _, _ in
-                                   _matrix_pieces(quant, shape, getattr(out, name).dtype)}, getattr(out, name))
+                                   _matrix_pieces(quant, shape, getattr(out, name).dtype, name)},
+                           getattr(out, name), name, layer)
 
 
 def target_layout(cfg: ModelConfig, dtype: torch.dtype, quant: str = "none"):
@@ -413,11 +418,12 @@ class QuantizedResident:
     layout: QuantizedLayout
     block: torch.Tensor      # (layout.nbytes,) uint8 on the device, for good
     scratch: torch.Tensor    # (layout.dense.nbytes,) uint8 on the device, shared by every quantized resident layer
+    layer: Optional[int] = None   # which layer it is (a GGUF's matrix types can differ between layers)
 
     def weights(self) -> LayerWeights:
         """The layer as dense views into the scratch: valid until the next quantized resident layer's weights()
         (as a streamed layer is until the next layer is asked for)."""
-        self.layout.dequantize(self.block, self.scratch)
+        self.layout.dequantize(self.block, self.scratch, self.layer)
         return self.layout.dense.views(self.scratch)
 
 
@@ -426,11 +432,11 @@ def layer_weights(layer) -> LayerWeights:
     return layer.weights() if isinstance(layer, QuantizedResident) else layer
 
 
-def dequantized(layout, block: torch.Tensor) -> tuple[torch.Tensor, LayerWeights]:
-    """A block of `layout` (dense or quantized) as a dense layer on the block's device -> (the dense block,
-    its LayerWeights views). A dense block is returned as it is."""
+def dequantized(layout, block: torch.Tensor, layer: Optional[int] = None) -> tuple[torch.Tensor, LayerWeights]:
+    """A block of `layout` (dense or quantized; layer: which one it is) as a dense layer on the block's device ->
+    (the dense block, its LayerWeights views). A dense block is returned as it is."""
     if isinstance(layout, LayerLayout):
         return block, layout.views(block)
     dense_block = torch.empty(layout.dense.nbytes, dtype=torch.uint8, device=block.device)
-    layout.dequantize(block, dense_block)
+    layout.dequantize(block, dense_block, layer)
     return dense_block, layout.dense.views(dense_block)

@@ -174,7 +174,7 @@ class LayerStreamer:
                     k = self._take(n, comp_q)
                     if self._scratch is not None:          # compact: dequantize at use, then the slot is free
                         held = n
-                        weights = self._dequantize_at_use(k, self._parts[part], comp_q)
+                        weights = self._dequantize_at_use(k, layer, self._parts[part], comp_q)
                         held = None
                         self._release(n, comp_q)
                         yield layer, weights
@@ -208,11 +208,12 @@ class LayerStreamer:
             self._pending_waits.append((stall_start, stall_end))
         return k
 
-    def _dequantize_at_use(self, k: int, part: QuantizedPart, comp_q) -> LayerWeights:
-        """A compact ring: slot k's block (or part of one) -> the shared scratch, on the compute queue, timed."""
+    def _dequantize_at_use(self, k: int, layer: int, part: QuantizedPart, comp_q) -> LayerWeights:
+        """A compact ring: slot k's block (or part of one) of `layer` -> the shared scratch, on the compute queue,
+        timed."""
         start, end = self._timing_event(), self._timing_event()
         start.record(comp_q)
-        part.dequantize(self._slots[k], self._scratch)
+        part.dequantize(self._slots[k], self._scratch, layer)
         weights = part.dense.views(self._scratch)
         end.record(comp_q)
         with self._lock:
@@ -303,8 +304,8 @@ class LayerStreamer:
         if self.quantized and self._scratch is None:
             dequant_start, dequant_end = self._timing_event(), self._timing_event()
             dequant_start.record(copy_q)
-            self.backend.on_copy_queue(lambda block=self._slots[k], dense=self._dense[k], part=part:
-                                       part.dequantize(block, dense))
+            self.backend.on_copy_queue(lambda block=self._slots[k], dense=self._dense[k], part=part, layer=layer:
+                                       part.dequantize(block, dense, layer))
             dequant_end.record(copy_q)
         self._ready[k].record(copy_q)          # RAW: slot k holds `layer` once this completes
         with self._lock:

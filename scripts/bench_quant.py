@@ -24,7 +24,8 @@ Examples:
       --rows docs/bench_published_rows.jsonl --section bench_published --write-docs
 
 awq-g128 is the demo target as a published AWQ checkpoint (published_target: packed here once, then read as a hub
-AWQ folder is, with no flag).
+AWQ folder is, with no flag). gguf-q4_k_m is the GGUF file the demo target ships as, read as it is: the same weights
+as the bf16 folder (transformers dequantized that file into it), so its tokens must equal bf16's.
 """
 from __future__ import annotations
 
@@ -55,7 +56,8 @@ SECTION = "bench_quant"
 CPU = torch.device("cpu")
 OWN_QUANTS = ("none", "int8", "nf4")     # --target-quant: offspec quantizes the demo target itself
 PUBLISHED = "awq-g128"                   # the demo target packed as a published AWQ checkpoint (published_target)
-QUANTS = OWN_QUANTS + (PUBLISHED,)
+GGUF = "gguf-q4_k_m"    # the demo target's own published GGUF file (Q4_K_M), streamed as its blocks (ensure_demo_gguf)
+QUANTS = OWN_QUANTS + (PUBLISHED, GGUF)
 INTERLEAVED = "interleaved"   # speed rows measured by the alternating protocol (rows without it ran in blocks)
 PROSE_TOPICS = ("assignment", "exceptions", "import", "class", "function", "for", "try", "with")
 
@@ -193,7 +195,7 @@ def measure_speed(args, target_dir, draft_dir, rows: list[dict]) -> None:
     repeat, each quantization runs once, in an order shuffled per (prompt, repeat). A drive that changes speed
     for minutes (it did: bf16 passes went from 1.9 s to 1.07 s between two block-ordered runs) then slows every
     quantization alike, and each (prompt, repeat) is a pair measured seconds apart."""
-    from offspec.demo import humaneval_prompts
+    from offspec.demo import DEFAULT_TARGET, ensure_demo_gguf, humaneval_prompts
     from offspec.prompt import encode_prompt
 
     dtype = parse_dtype(args.dtype)
@@ -215,9 +217,10 @@ def measure_speed(args, target_dir, draft_dir, rows: list[dict]) -> None:
                 needs_store = regime == "disk" or quant in OWN_QUANTS[1:]
                 offload = OffloadConfig(mode=regime, n_slots=args.slots,
                                         store_dir=store_dir(args, quant) if needs_store else None)
-                published = quant == PUBLISHED              # read as published: its own quantization, no flag
-                engines[quant] = load_engine(published_target(args, target_dir) if published else target_dir,
-                                             draft_dir, offload,
+                published = quant in (PUBLISHED, GGUF)      # read as published: its own quantization, no flag
+                source = (published_target(args, target_dir) if quant == PUBLISHED else
+                          ensure_demo_gguf(DEFAULT_TARGET) if quant == GGUF else target_dir)
+                engines[quant] = load_engine(source, draft_dir, offload,
                                              RuntimeConfig(device=CPU, dtype=dtype, draft_quant="int8",
                                                            target_quant="none" if published else quant))
                 warm = encode_prompt(engines[quant].engine.tokenizer, prompts[0]["prompt"])
@@ -295,19 +298,31 @@ def speed_table(rows: list[dict], paired: bool) -> str:
                 line += [f"{med('seconds_per_token'):.3f}", f"{med('target_s_per_pass'):.2f}"]
             line += [f"{med('tokens_per_pass'):.2f}", f"{gb:.3f} ({ratio})", f"{med('wait_s_per_pass'):.2f}",
                      f"{med('dequant_s_per_pass'):.2f}", f"{med('draft_s_per_pass'):.2f}",
-                     f"{len({r['id'] for r in mine})} x {len(mine) // len({r['id'] for r in mine})}"]
+                     f"{len({r['id'] for r in mine})} x {len(mine) // len({r['id'] for r in mine})}",
+                     _same_tokens(mine, base)]
             table.append(line)
     headers = ["regime", "target", "s/token", "target s/pass"]
     if paired:
         headers += ["s/token vs bf16", "s/pass vs bf16"]
-    headers += ["tokens/pass", "GB per pass", "wait s/pass", "dequant s/pass", "draft s/round", "prompts x runs"]
+    headers += ["tokens/pass", "GB per pass", "wait s/pass", "dequant s/pass", "draft s/round", "prompts x runs",
+                "tokens = bf16's"]
     return _common.markdown_table(headers, table)
 
 
+def _same_tokens(mine: list[dict], base: list[dict]) -> str:
+    """How many of a row's runs made exactly the tokens of bf16's run of the same (prompt, repeat)."""
+    ref = {(r["id"], r.get("repeat")): r.get("tokens") for r in base}
+    pairs = [r.get("tokens") == ref[r["id"], r.get("repeat")] for r in mine if (r["id"], r.get("repeat")) in ref]
+    return f"{sum(pairs)}/{len(pairs)}" if pairs else "–"
+
+
+TITLES = {SECTION: "Quantized target (`--target-quant`): quality and speed on the demo pair",
+          "bench_published": "Published AWQ beside `--target-quant nf4` and bf16: speed on the demo pair",
+          "bench_gguf": "The demo target's own GGUF file (Q4_K_M) beside its bf16 folder and nf4: speed on the demo pair"}
+
+
 def report(args, rows: list[dict], started: float, load_at_start: str) -> str:
-    title = ("Quantized target (`--target-quant`): quality and speed on the demo pair"
-             if getattr(args, "section", SECTION) == SECTION else
-             "Published AWQ beside `--target-quant nf4` and bf16: speed on the demo pair")
+    title = TITLES.get(getattr(args, "section", SECTION), TITLES["bench_published"])
     out = [f"## {title}\n",
            _common.run_header(CPU, started, load_at_start), ""]
     quality = [r for r in rows if r["part"] == "quality" and r["dtype"] == args.dtype]

@@ -1,5 +1,6 @@
-"""Real models' shapes without their weights: config.json + safetensors headers only (no tensor data), made
-in tests, so plans for 7B–72B checkpoints can be made and checked here (offspec reads headers only to plan).
+"""Real models' shapes without their weights: config.json + safetensors headers only (no tensor data), or a GGUF
+file's header alone (a name ending in .gguf), made in tests, so plans for 7B–72B checkpoints can be made and checked
+here (offspec reads headers only to plan).
 
 The configs carry the public config.json values of each model (the fields offspec reads)."""
 from __future__ import annotations
@@ -49,6 +50,9 @@ MODELS["Meta-Llama-3.1-70B-Instruct-AWQ-INT4"] = dict(
     MODELS["Llama-3.1-70B-Instruct"], torch_dtype="float16",
     quantization_config=dict(quant_method="awq", bits=4, group_size=128, zero_point=True, version="gemm",
                              modules_to_not_convert=None))
+# GGUF files as llama.cpp's quantize writes them (bartowski's Meta-Llama-3.1-70B-Instruct-Q4_K_M.gguf: 42.5 GB).
+MODELS["Meta-Llama-3.1-70B-Instruct-Q4_K_M.gguf"] = dict(MODELS["Llama-3.1-70B-Instruct"], gguf="Q4_K_M")
+MODELS["Llama-3.2-1B-Instruct-Q8_0.gguf"] = dict(MODELS["Llama-3.2-1B-Instruct"], gguf="Q8_0")
 
 
 def tensor_shapes(cfg: dict) -> dict[str, tuple[int, ...]]:
@@ -81,8 +85,11 @@ def tensor_shapes(cfg: dict) -> dict[str, tuple[int, ...]]:
 
 
 def headers_only_checkpoint(folder: Path, name: str) -> Path:
-    """MODELS[name] as a folder of config.json and one model.safetensors that holds its header and no data."""
+    """MODELS[name] as a folder of config.json and one model.safetensors that holds its header and no data (a GGUF
+    name: a file of its header alone)."""
     cfg = MODELS[name]
+    if name.endswith(".gguf"):
+        return headers_only_gguf(Path(folder) / name, cfg)
     folder = Path(folder) / name
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "config.json").write_text(json.dumps(cfg))
@@ -98,3 +105,63 @@ def headers_only_checkpoint(folder: Path, name: str) -> Path:
     raw = json.dumps(header).encode()
     (folder / "model.safetensors").write_bytes(struct.pack("<Q", len(raw)) + raw)
     return folder
+
+
+GGUF_NAMES = {"input_layernorm.weight": "attn_norm.weight", "post_attention_layernorm.weight": "ffn_norm.weight",
+              "self_attn.q_proj.weight": "attn_q.weight", "self_attn.k_proj.weight": "attn_k.weight",
+              "self_attn.v_proj.weight": "attn_v.weight", "self_attn.o_proj.weight": "attn_output.weight",
+              "self_attn.q_proj.bias": "attn_q.bias", "self_attn.k_proj.bias": "attn_k.bias",
+              "self_attn.v_proj.bias": "attn_v.bias", "mlp.gate_proj.weight": "ffn_gate.weight",
+              "mlp.up_proj.weight": "ffn_up.weight", "mlp.down_proj.weight": "ffn_down.weight"}
+GGML = {"F32": (0, 1, 4), "Q8_0": (8, 32, 34), "Q4_K": (12, 256, 144), "Q6_K": (14, 256, 210)}  # id, block, bytes
+
+
+def gguf_types(cfg: dict, name: str, layer: int) -> str:
+    """llama.cpp's type for a tensor: Q8_0 throughout, or Q4_K_M's recipe: Q4_K, with attn_v and ffn_down in Q6_K
+    in the layers its use_more_bits picks (the first and last eighth, every third between) and output in Q6_K."""
+    if cfg["gguf"] == "Q8_0" or name.endswith(("norm.weight", ".bias", "rope_freqs.weight")):
+        return "Q8_0" if cfg["gguf"] == "Q8_0" and not name.endswith(("norm.weight", ".bias", "freqs.weight")) else "F32"
+    n = cfg["num_hidden_layers"]
+    more = layer < n // 8 or layer >= 7 * n // 8 or (layer - n // 8) % 3 == 2
+    return "Q6_K" if name == "output.weight" or (name in ("attn_v.weight", "ffn_down.weight") and more) else "Q4_K"
+
+
+def headers_only_gguf(path: Path, cfg: dict) -> Path:
+    """A GGUF of cfg's shape whose file ends after its header: metadata, tensor infos, no data."""
+    def string(s: str) -> bytes:
+        return struct.pack("<Q", len(s.encode())) + s.encode()
+
+    arch = cfg["model_type"]
+    hd = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    meta = [("general.architecture", 8, arch), (f"{arch}.block_count", 4, cfg["num_hidden_layers"]),
+            (f"{arch}.context_length", 4, cfg["max_position_embeddings"]),
+            (f"{arch}.embedding_length", 4, cfg["hidden_size"]), (f"{arch}.feed_forward_length", 4,
+                                                                  cfg["intermediate_size"]),
+            (f"{arch}.attention.head_count", 4, cfg["num_attention_heads"]),
+            (f"{arch}.attention.head_count_kv", 4, cfg["num_key_value_heads"]),
+            (f"{arch}.rope.dimension_count", 4, hd), (f"{arch}.rope.freq_base", 6, cfg["rope_theta"]),
+            (f"{arch}.attention.layer_norm_rms_epsilon", 6, cfg["rms_norm_eps"])]
+    kv = b"".join(string(k) + struct.pack("<I", t) + (string(v) if t == 8 else struct.pack("<I" if t == 4 else "<f", v))
+                  for k, t, v in meta)
+    tensors = {}
+    for hf_name, shape in tensor_shapes(cfg).items():
+        if hf_name.startswith("model.layers."):
+            i, rest = hf_name.removeprefix("model.layers.").split(".", 1)
+            name, layer = f"blk.{i}.{GGUF_NAMES[rest]}", int(i)
+        else:
+            name, layer = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+                           "lm_head.weight": "output.weight"}[hf_name], 0
+        tensors[name] = (shape, gguf_types(cfg, name.split(".", 2)[-1] if name.startswith("blk.") else name, layer))
+    if cfg.get("rope_scaling"):
+        tensors["rope_freqs.weight"] = ((hd // 2,), "F32")
+    infos, offset = b"", 0
+    for name, (shape, kind) in tensors.items():
+        type_id, block, size = GGML[kind]
+        infos += string(name) + struct.pack("<I", len(shape)) + b"".join(struct.pack("<Q", d) for d in shape[::-1])
+        infos += struct.pack("<IQ", type_id, offset)
+        n = 1
+        for d in shape:
+            n *= d
+        offset += -(-(n // block * size) // 32) * 32
+    path.write_bytes(b"GGUF" + struct.pack("<IQQ", 3, len(tensors), len(meta)) + kv + infos)
+    return path

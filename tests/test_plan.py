@@ -12,7 +12,7 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from offspec.checkpoint import Checkpoint
+from offspec.checkpoint import open_checkpoint
 from offspec.cli import main
 from offspec.config import OffloadConfig, RunLimits, RuntimeConfig
 from offspec.errors import BudgetError
@@ -35,7 +35,7 @@ def folders(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def specs(folders):
-    return {name: ModelSpec.of(Checkpoint(folder, headers_only=True)) for name, folder in folders.items()}
+    return {name: ModelSpec.of(open_checkpoint(folder, headers_only=True)) for name, folder in folders.items()}
 
 
 def plan_for(specs, target, draft, device_gb, host_gb, offload=OffloadConfig(mode="auto"), limits=RunLimits(context=4096)):

@@ -44,3 +44,44 @@ def test_demo_pair_speculative_greedy_equals_transformers():
               else [hf.generation_config.eos_token_id])
     cut = next((i for i, t in enumerate(reference) if t in eos), len(reference))
     assert report.tokens == reference[:cut]
+
+
+@needs_demo
+def test_the_demo_gguf_files_stream_as_their_converted_folders():
+    """The demo pair read from its GGUF files as they are: every weight equals the converted folder's (bf16, as
+    transformers dequantized it), and streamed speculative greedy gives the folder's tokens."""
+    from offspec.checkpoint import Checkpoint, open_checkpoint
+    from offspec.config import OffloadConfig, RuntimeConfig, TreeConfig
+    from offspec.demo import DEFAULT_DRAFT, DEFAULT_TARGET, ensure_demo_gguf, ensure_demo_models
+    from offspec.generate import GenerationRequest, run
+    from offspec.load import load_engine
+    from offspec.prompt import encode_prompt
+
+    cpu, bf16 = torch.device("cpu"), torch.bfloat16
+    folders = ensure_demo_models(progress=False)
+    files = ensure_demo_gguf(DEFAULT_TARGET, progress=False), ensure_demo_gguf(DEFAULT_DRAFT, progress=False)
+    for file, folder in zip(files, folders):
+        gguf, dense = open_checkpoint(file), Checkpoint(folder)
+        assert gguf.config == dense.config and gguf.quant.startswith("gguf:")
+        for i in (0, gguf.config.n_layers - 1):
+            a, b = gguf.layer_weights(i, cpu, bf16), dense.layer_weights(i, cpu, bf16)
+            assert all(torch.equal(getattr(a, f), getattr(b, f)) for f in ("q_proj", "v_proj", "down_proj", "q_bias"))
+        a, b = gguf.global_weights(cpu, bf16), dense.global_weights(cpu, bf16)
+        assert torch.equal(a.embed, b.embed) and torch.equal(a.lm_head, b.lm_head)
+        del a, b
+    tokens = []
+    for target, draft in (files, folders):
+        loaded = load_engine(target, draft, OffloadConfig(mode="cpu"), RuntimeConfig(device=cpu, dtype=bf16),
+                             progress=False)
+        ids = encode_prompt(loaded.tokenizer, "Write a Python function that checks whether a number is prime.")
+        request = GenerationRequest(prompt_ids=tuple(ids), max_new_tokens=16, tree=TreeConfig(policy="dyspec",
+                                                                                               budget=16))
+        try:
+            report, _ = run(loaded.engine, request)
+        finally:
+            loaded.engine.close()
+        tokens.append((ids, report.tokens, report.target_quant))
+        del loaded
+        gc.collect()
+    assert tokens[0][0] == tokens[1][0] and tokens[0][1] == tokens[1][1]
+    assert tokens[0][2].startswith("gguf:") and tokens[1][2] == "none"

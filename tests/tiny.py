@@ -163,3 +163,106 @@ def save_published_checkpoint(model, path: Path, quant: str = "awq-g32", act_ord
                                          "checkpoint_format": "gptq_v2" if v2 else "gptq"}
     (path / "config.json").write_text(json.dumps(config, indent=2))
     return path
+
+
+GGUF_TENSOR_NAMES = {      # transformers' parameter suffix -> llama.cpp's, as its converter names them
+    "input_layernorm.weight": "attn_norm.weight", "self_attn.q_proj.weight": "attn_q.weight",
+    "self_attn.k_proj.weight": "attn_k.weight", "self_attn.v_proj.weight": "attn_v.weight",
+    "self_attn.o_proj.weight": "attn_output.weight", "self_attn.q_proj.bias": "attn_q.bias",
+    "self_attn.k_proj.bias": "attn_k.bias", "self_attn.v_proj.bias": "attn_v.bias",
+    "self_attn.q_norm.weight": "attn_q_norm.weight", "self_attn.k_norm.weight": "attn_k_norm.weight",
+    "post_attention_layernorm.weight": "ffn_norm.weight", "mlp.gate_proj.weight": "ffn_gate.weight",
+    "mlp.up_proj.weight": "ffn_up.weight", "mlp.down_proj.weight": "ffn_down.weight",
+}
+
+
+def byte_level_tokens() -> list[str]:
+    """GPT-2's byte-level alphabet (every byte as one printable character), two merges, then the chat specials."""
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+    return [bytes_to_unicode()[b] for b in range(256)] + ["he", "ll"] + ["<|im_start|>", "<|im_end|>"]
+
+
+BYTE_LEVEL_MERGES = ["h e", "l l"]
+
+
+def _gguf_blocks(w: torch.Tensor, type_name: str, g: torch.Generator):
+    """w (N, K) float32 -> its GGML blocks (N, row bytes) uint8 numpy. Types gguf-py quantizes are quantized from
+    w; the K-quants (no quantizer in gguf-py) are random blocks whose scales give weights of about w's size."""
+    import numpy as np
+    import gguf
+    qtype = gguf.GGMLQuantizationType[type_name]
+    if type_name not in ("Q4_K", "Q5_K", "Q6_K"):
+        return gguf.quants.quantize(w.numpy(), qtype)
+    block, size = gguf.GGML_QUANT_SIZES[qtype]
+    blocks = torch.randint(0, 256, (w.numel() // block, size), generator=g, dtype=torch.uint8).numpy()
+    s = float(w.abs().mean())
+    d = np.full(len(blocks), s / (64 * 16) if type_name == "Q6_K" else s / (32 * 8), np.float16).view(np.uint8)
+    if type_name == "Q6_K":
+        blocks[:, 208:210] = d.reshape(-1, 2)
+    else:
+        blocks[:, 0:2] = d.reshape(-1, 2)
+        blocks[:, 2:4] = np.full(len(blocks), s / 32, np.float16).view(np.uint8).reshape(-1, 2)
+    return blocks.reshape(w.shape[0], -1)
+
+
+def save_gguf(model, path: Path, types=None, tokenizer: bool = True, rope_freqs=None, split_max_tensors: int = 0) -> Path:
+    """`model` written as llama.cpp writes a GGUF: its metadata, llama.cpp's tensor names, llama's q and k rows
+    permuted as its converter does, norms and biases in F32, the embedding and lm_head in Q8_0 and each decoder
+    matrix in types[field] (a type name, or one a layer; default Q8_0); a byte-level tokenizer with the chat
+    template (tokenizer=True); rope_freqs: llama 3's per-frequency divisors, stored as llama.cpp does;
+    split_max_tensors: split into files of that many tensors as gguf-split does (-> the first file)."""
+    import gguf
+    import numpy as np
+
+    cfg, types, path = model.config, dict(types or {}), Path(path)
+    arch = cfg.model_type
+    writer = gguf.GGUFWriter(str(path), arch, split_max_tensors=split_max_tensors)
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    for key, value in (("context_length", cfg.max_position_embeddings), ("embedding_length", cfg.hidden_size),
+                       ("feed_forward_length", cfg.intermediate_size), ("block_count", cfg.num_hidden_layers),
+                       ("attention.head_count", cfg.num_attention_heads),
+                       ("attention.head_count_kv", cfg.num_key_value_heads),
+                       ("attention.key_length", head_dim), ("attention.value_length", head_dim),
+                       ("rope.dimension_count", head_dim), ("vocab_size", cfg.vocab_size)):
+        writer.add_uint32(f"{arch}.{key}", value)
+    writer.add_float32(f"{arch}.rope.freq_base", float(cfg.rope_parameters["rope_theta"]))
+    writer.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", cfg.rms_norm_eps)
+    if tokenizer:
+        tokens = byte_level_tokens()
+        writer.add_tokenizer_model("gpt2")
+        writer.add_tokenizer_pre("default")
+        writer.add_token_list(tokens)
+        writer.add_token_types([1] * (len(tokens) - 2) + [3, 3])
+        writer.add_token_merges(BYTE_LEVEL_MERGES)
+        writer.add_bos_token_id(len(tokens) - 2)
+        writer.add_eos_token_id(len(tokens) - 1)
+        writer.add_chat_template(CHAT_TEMPLATE)
+    g = torch.Generator().manual_seed(5)
+    for name, p in model.state_dict().items():
+        w = p.detach().float()
+        if name == "lm_head.weight" and cfg.tie_word_embeddings:
+            continue
+        if name.startswith("model.layers."):
+            i, rest = name.removeprefix("model.layers.").split(".", 1)
+            gguf_name, field = f"blk.{i}.{GGUF_TENSOR_NAMES[rest]}", rest.split(".")[-2]
+            if arch == "llama" and field in ("q_proj", "k_proj"):     # llama.cpp's LlamaModel.permute
+                heads = cfg.num_attention_heads if field == "q_proj" else cfg.num_key_value_heads
+                w = w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+            kind = types.get(field, "Q8_0") if w.dim() == 2 else "F32"
+            kind = kind if isinstance(kind, str) else kind[int(i)]
+        else:
+            gguf_name = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+                         "lm_head.weight": "output.weight"}[name]
+            kind = "Q8_0" if w.dim() == 2 else "F32"
+        if kind == "F32":
+            writer.add_tensor(gguf_name, np.ascontiguousarray(w.numpy()))
+        else:
+            writer.add_tensor(gguf_name, np.ascontiguousarray(_gguf_blocks(w, kind, g)),
+                              raw_dtype=gguf.GGMLQuantizationType[kind])
+    if rope_freqs is not None:
+        writer.add_tensor("rope_freqs.weight", rope_freqs.float().numpy())
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return min(path.parent.glob(f"{path.stem}-00001-of-*.gguf")) if split_max_tensors else path

@@ -207,7 +207,7 @@ def _q5_k(b: torch.Tensor) -> torch.Tensor:
 def _q6_k(b: torch.Tensor) -> torch.Tensor:
     ql = b[:, :128].reshape(-1, 2, 1, 64)
     ql = torch.cat([ql & 0x0F, ql >> 4], dim=2).reshape(-1, 8, 32)
-    shifts = torch.tensor([0, 2, 4, 6], device=b.device, dtype=torch.uint8)[None, None, :, None]
+    shifts = torch.arange(0, 8, 2, device=b.device, dtype=torch.uint8)[None, None, :, None]   # (no host copy)
     qh = ((b[:, 128:192].reshape(-1, 2, 1, 32) >> shifts) & 3).reshape(-1, 8, 32)
     q = ((ql | (qh << 4)).to(torch.int8) - 32).reshape(-1, 16, 16).float()
     d = (_f16(b, 208) * b[:, 192:208].view(torch.int8).float())[:, :, None]     # (n, 16, 1)

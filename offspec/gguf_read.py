@@ -52,6 +52,10 @@ def is_gguf(path: str | Path) -> bool:
 class _Reader:
     def __init__(self, f, path: Path):
         self.f, self.path = f, path
+        self.size = os.fstat(f.fileno()).st_size
+
+    def corrupt(self, what: str) -> CheckpointError:
+        return CheckpointError(f"{self.path}: corrupt GGUF header ({what})")
 
     def take(self, fmt: str):
         n = struct.calcsize(fmt)
@@ -63,8 +67,11 @@ class _Reader:
     def string(self) -> str:
         n = self.take("<Q")
         if n > 1 << 24:
-            raise CheckpointError(f"{self.path}: corrupt GGUF header (a string of {n} bytes)")
-        return self.f.read(n).decode("utf-8", errors="replace")
+            raise self.corrupt(f"a string of {n} bytes")
+        raw = self.f.read(n)
+        if len(raw) < n:
+            raise CheckpointError(f"{self.path}: truncated GGUF header")
+        return raw.decode("utf-8", errors="replace")
 
     def value(self, kind: int):
         if kind in _SCALARS:
@@ -72,12 +79,17 @@ class _Reader:
         if kind == 8:
             return self.string()
         if kind != 9:
-            raise CheckpointError(f"{self.path}: corrupt GGUF header (metadata type {kind})")
+            raise self.corrupt(f"metadata type {kind}")
         item, count = self.take("<I"), self.take("<Q")
+        if count > self.size:
+            raise self.corrupt(f"an array of {count} items")
         if count <= KEEP_ARRAY:
             return [self.value(item) for _ in range(count)]
         if item in _SCALARS:                       # skipped whole
-            self.f.seek(count * struct.calcsize(_SCALARS[item]), os.SEEK_CUR)
+            skip = count * struct.calcsize(_SCALARS[item])
+            if self.f.tell() + skip > self.size:
+                raise CheckpointError(f"{self.path}: truncated GGUF header")
+            self.f.seek(skip, os.SEEK_CUR)
         else:
             for _ in range(count):
                 self.value(item)
@@ -95,7 +107,9 @@ def read_header(path: Path) -> tuple[dict, dict[str, tuple[int, tuple[int, ...],
                 raise CheckpointError(f"{path}: not a GGUF file (its first bytes are not 'GGUF')")
             version = r.take("<I")
             if version not in (2, 3):
-                raise CheckpointError(f"{path}: GGUF version {version} is not supported (2 or 3)")
+                swapped = int.from_bytes(version.to_bytes(4, "little"), "big")
+                raise CheckpointError(f"{path}: " + ("big-endian GGUF files are not supported" if swapped in (2, 3)
+                                                     else f"GGUF version {version} is not supported (2 or 3)"))
             n_tensors, n_kv = r.take("<Q"), r.take("<Q")
             meta, digest = {}, hashlib.sha1()
             for _ in range(n_kv):
@@ -110,9 +124,14 @@ def read_header(path: Path) -> tuple[dict, dict[str, tuple[int, tuple[int, ...],
             infos = []
             for _ in range(n_tensors):
                 name = r.string()
-                dims = tuple(r.take("<Q") for _ in range(r.take("<I")))
+                n_dims = r.take("<I")
+                if n_dims > 4:
+                    raise r.corrupt(f"tensor {name} has {n_dims} dimensions")
+                dims = tuple(r.take("<Q") for _ in range(n_dims))
                 infos.append((name, r.take("<I"), dims[::-1], r.take("<Q")))
-            align = int(meta.get("general.alignment", 32))
+            align = meta.get("general.alignment", 32)
+            if not isinstance(align, int) or align <= 0 or align & (align - 1):
+                raise r.corrupt(f"general.alignment {align!r}")
             start = -(-f.tell() // align) * align
     except OSError as e:
         raise CheckpointError(f"{path}: unreadable ({e.strerror})") from None
@@ -131,6 +150,8 @@ def split_files(path: Path) -> list[Path]:
     if not m:
         return [path]
     count = int(m.group(3))
+    if not 1 <= int(m.group(2)) <= count:
+        raise CheckpointError(f"{path}: not a part of a split GGUF (part {int(m.group(2))} of {count})")
     files = [path.with_name(f"{m.group(1)}-{i:05d}-of-{count:05d}.gguf") for i in range(1, count + 1)]
     missing = [f.name for f in files if not f.is_file()]
     if missing:
@@ -161,7 +182,8 @@ class GGUFCheckpoint(Checkpoint):
                 raise CheckpointError(f"{file}: truncated or corrupt ({size:,} bytes, its header needs {needed:,}); "
                                       f"download it again")
             if size < needed:
-                self.incomplete.append(f"{file.name} holds {size:,} of {needed:,} bytes")
+                self.incomplete.append(f"{file.name + ' ' if len(self._files) > 1 else ''}holds {size:,} of "
+                                       f"{needed:,} bytes")
         self.meta = meta
         self.raw_config = self._config_dict()
         self.config = parse_config(self.raw_config, str(self.path))
@@ -172,34 +194,49 @@ class GGUFCheckpoint(Checkpoint):
     # -------------------------------------------------------------- config and checks
 
     def _config_dict(self) -> dict:
-        """The metadata as the config.json it stands for (checkpoint.parse_config reads it)."""
+        """The metadata as the config.json it stands for (checkpoint.parse_config reads it), every value checked."""
         arch = self.meta.get("general.architecture")
         if arch not in ARCHITECTURES:
             raise CheckpointError(f"{self.path}: GGUF architecture {arch!r} is not supported (offspec runs "
                                   f"{', '.join(ARCHITECTURES)})")
 
-        def get(key: str, default=None):
+        def get(key: str, kind: type = int, default=None):
+            """{arch}.{key}: a positive int, or a float (kind float); missing without a default: refused."""
             value = self.meta.get(f"{arch}.{key}", default)
             if value is None:
-                raise CheckpointError(f"{self.path}: GGUF metadata {arch}.{key} is missing")
+                raise CheckpointError(f"{self.path}: GGUF metadata {arch}.{key} is missing"
+                                      + (" or a per-layer array (not supported)" if f"{arch}.{key}" in self.meta
+                                         else ""))
+            if isinstance(value, list):
+                raise CheckpointError(f"{self.path}: GGUF metadata {arch}.{key} is a per-layer array; offspec runs "
+                                      f"models whose layers are all alike")
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or (kind is int and (
+                    not isinstance(value, int) or value <= 0)) or not value > 0:
+                raise CheckpointError(f"{self.path}: GGUF metadata {arch}.{key} is {value!r}, not a positive "
+                                      f"{'integer' if kind is int else 'number'}")
             return value
 
-        if "token_embd.weight" not in self._tensors:
-            raise CheckpointError(f"{self.path}: tensor token_embd.weight is missing")
-        raw = {"architectures": [ARCHITECTURES[arch]], "model_type": arch,
-               "vocab_size": self._tensors["token_embd.weight"][1][0], "hidden_size": get("embedding_length"),
-               "intermediate_size": get("feed_forward_length"), "num_hidden_layers": get("block_count"),
-               "num_attention_heads": get("attention.head_count"),
-               "num_key_value_heads": get("attention.head_count_kv", get("attention.head_count")),
-               "rms_norm_eps": get("attention.layer_norm_rms_epsilon", 1e-6), "rope_theta": get("rope.freq_base", 1e4),
-               "max_position_embeddings": get("context_length", 4096),
+        embed = self._tensors.get("token_embd.weight")
+        if embed is None or len(embed[1]) != 2:
+            raise CheckpointError(f"{self.path}: tensor token_embd.weight is missing or not a matrix")
+        heads = get("attention.head_count")
+        head_dim = next((get(key) for key in ("attention.key_length", "rope.dimension_count")
+                         if f"{arch}.{key}" in self.meta), None) or get("embedding_length") // heads
+        for key in ("attention.value_length", "rope.dimension_count"):     # partial rotary, odd value heads
+            if self.meta.get(f"{arch}.{key}", head_dim) != head_dim:
+                raise CheckpointError(f"{self.path}: GGUF metadata {arch}.{key} is {self.meta[f'{arch}.{key}']!r}, "
+                                      f"not the head size {head_dim}: not supported")
+        raw = {"architectures": [ARCHITECTURES[arch]], "model_type": arch, "vocab_size": embed[1][0],
+               "hidden_size": get("embedding_length"), "intermediate_size": get("feed_forward_length"),
+               "num_hidden_layers": get("block_count"), "num_attention_heads": heads,
+               "num_key_value_heads": get("attention.head_count_kv", default=heads), "head_dim": head_dim,
+               "rms_norm_eps": get("attention.layer_norm_rms_epsilon", float),
+               "rope_theta": get("rope.freq_base", float, 10000.0), "max_position_embeddings": get("context_length"),
                "tie_word_embeddings": "output.weight" not in self._tensors,
                "attention_bias": "blk.0.attn_q.bias" in self._tensors}
-        if f"{arch}.attention.key_length" in self.meta:
-            raw["head_dim"] = self.meta[f"{arch}.attention.key_length"]
         scaling = self.meta.get(f"{arch}.rope.scaling.type")
         if scaling == "linear":
-            raw["rope_scaling"] = {"rope_type": "linear", "factor": get("rope.scaling.factor")}
+            raw["rope_scaling"] = {"rope_type": "linear", "factor": get("rope.scaling.factor", float)}
         elif scaling not in (None, "none"):
             raise CheckpointError(f"{self.path}: GGUF rope scaling {scaling!r} is not supported (linear, or llama3's "
                                   f"rope_freqs)")
@@ -211,8 +248,11 @@ class GGUFCheckpoint(Checkpoint):
         """llama.cpp stores llama 3's rope scaling as its per-frequency divisors: find the parameters that give
         them (Llama 3.1 and 3.3: factor 8; 3.2: 32), or refuse."""
         kind, shape, _, _ = self._tensors[ROPE_FREQS]
+        head_dim = raw["head_dim"]
+        if shape != (head_dim // 2,) or kind not in ("F32", "F16", "BF16"):
+            raise CheckpointError(f"{self.path}: tensor {ROPE_FREQS} is {kind} of shape {shape}; llama 3's rope "
+                                  f"scaling is F32 of shape ({head_dim // 2},)")
         stored = self._read_dense(ROPE_FREQS)
-        head_dim = raw.get("head_dim") or raw["hidden_size"] // raw["num_attention_heads"]
         inv = 1.0 / (float(raw["rope_theta"]) ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
         wavelen = 2 * math.pi / inv
         for factor in (8.0, 16.0, 32.0, 4.0, 2.0):
@@ -228,22 +268,20 @@ class GGUFCheckpoint(Checkpoint):
                               f"this rope scaling is not supported")
 
     def _check_tensors(self) -> None:
-        """Every tensor is one offspec understands, every layer tensor is there with the shape the config implies,
-        and every matrix's rows divide into its type's blocks."""
-        cfg, known = self.config, set(GGUF_GLOBAL_NAMES) | {ROPE_FREQS}
-        for name in self._tensors:
-            m = re.fullmatch(r"blk\.(\d+)\.(.+)", name)
-            if (m is None and name not in known) or (m and (m.group(2) not in GGUF_LAYER_NAMES
-                                                             or int(m.group(1)) >= cfg.n_layers)):
-                raise CheckpointError(f"{self.path}: tensor {name} is not one offspec understands (it runs dense "
-                                      f"llama, qwen2 and qwen3 decoders)")
-        for i in range(cfg.n_layers):
-            for field, shape in layer_shapes(cfg).items():
-                self._check(self._name(i, field), shape)
-        self._check("token_embd.weight", (cfg.vocab_size, cfg.hidden_size))
-        self._check("output_norm.weight", (cfg.hidden_size,))
+        """The file holds exactly the tensors this config's model has (one more would be a part of the model that
+        offspec would not run), each with the shape the config implies, each matrix's rows whole blocks."""
+        cfg = self.config
+        expected = {self._name(i, field): shape for i in range(cfg.n_layers)
+                    for field, shape in layer_shapes(cfg).items()}
+        expected.update({"token_embd.weight": (cfg.vocab_size, cfg.hidden_size), "output_norm.weight": (cfg.hidden_size,)})
         if not cfg.tie_word_embeddings:
-            self._check("output.weight", (cfg.vocab_size, cfg.hidden_size))
+            expected["output.weight"] = (cfg.vocab_size, cfg.hidden_size)
+        extra = next((name for name in self._tensors if name not in expected and name != ROPE_FREQS), None)
+        if extra:
+            raise CheckpointError(f"{self.path}: tensor {extra} is not one offspec runs in a {cfg.arch} model (it "
+                                  f"runs dense llama, qwen2 and qwen3 decoders)")
+        for name, shape in expected.items():
+            self._check(name, shape)
 
     def _check(self, name: str, shape: tuple[int, ...]) -> None:
         if name not in self._tensors:
@@ -272,10 +310,17 @@ class GGUFCheckpoint(Checkpoint):
         t = gguf_blocks.BY_NAME[kind]
         rows = math.prod(shape[:-1]) if len(shape) > 1 else shape[0]
         raw = torch.empty(math.prod(shape) // t.block * t.size, dtype=torch.uint8)
-        with open(file, "rb", buffering=0) as f:
-            f.seek(at)
-            if f.readinto(memoryview(raw.numpy())) != raw.numel():
-                raise CheckpointError(f"{file}: truncated; tensor {name} runs past its end")
+        view, done = memoryview(raw.numpy()), 0
+        try:
+            with open(file, "rb", buffering=0) as f:
+                f.seek(at)
+                while done < len(view):            # one read returns at most ~2 GiB
+                    n = f.readinto(view[done:])
+                    if not n:
+                        raise CheckpointError(f"{file}: truncated; tensor {name} runs past its end")
+                    done += n
+        except OSError as e:
+            raise CheckpointError(f"{file}: unreadable ({e.strerror})") from None
         raw = raw.view(rows, -1)
         if not name.startswith("blk.") or self.config.arch != "llama":
             return raw

@@ -109,6 +109,10 @@ class LayerLayout:
             offset += round_up(math.prod(shape) * itemsize, TENSOR_ALIGN)
         return LayerLayout(dtype=dtype, entries=tuple(entries), nbytes=offset)
 
+    def moved_nbytes(self, layer: Optional[int]) -> int:
+        """Bytes a load of `layer` copies: the whole block (a GGUF quantized layout may copy less)."""
+        return self.nbytes
+
     def views(self, block: torch.Tensor) -> LayerWeights:
         """LayerWeights whose tensors are views into `block` (uint8, (nbytes,)); nothing is copied."""
         return LayerWeights(**_views(block, self.dtype, self.entries, self.nbytes))
@@ -179,6 +183,10 @@ class PartLayout:
     def dense(self) -> "PartLayout":
         """What the consumer reads: this part itself (a quantized part dequantizes into its `dense`)."""
         return self
+
+    def runs_for(self, layer: Optional[int]) -> tuple[tuple[int, int, int], ...]:
+        """The runs a load of `layer` copies: all of them (a GGUF quantized part may copy less)."""
+        return self.runs
 
     def views(self, slot: torch.Tensor) -> LayerWeights:
         """The part's tensors as views into `slot` ((≥ nbytes,) uint8); the layer's other tensors None."""

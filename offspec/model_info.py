@@ -16,6 +16,7 @@ from typing import Optional
 import torch
 
 from .plan import DISK_GBPS, LINK_GBPS, Machine, MemoryPlan, predicted_pass_seconds
+from .gguf_blocks import is_gguf
 from .published import describe as describe_quant, short as short_quant
 
 
@@ -73,14 +74,20 @@ def model_info(target, draft, plan: MemoryPlan, dtype: torch.dtype, rates: Rates
         f"folder:          {target.path}",
         f"architecture:    {cfg.arch} ({', '.join(target.raw_config.get('architectures') or [])})",
         f"parameters:      {target.parameter_count() / 1e9:.3f} B",
-        f"stored dtype:    {str(target.dtype).replace('torch.', '')}",
+        f"stored dtype:    " + (f"GGML blocks (runs in {str(target.dtype).replace('torch.', '')} unless --dtype says)"
+                                 if is_gguf(target.quant) else str(target.dtype).replace("torch.", "")),
         f"layers:          {cfg.n_layers} (hidden {cfg.hidden_size}, heads {cfg.n_heads}/{cfg.n_kv_heads} kv, "
         f"mlp {cfg.intermediate_size}, vocab {cfg.vocab_size}, context {cfg.max_position_embeddings})",
         f"bytes per layer: {layer_bytes / 1e6:.1f} MB in {dtype_name}; all layers {cfg.n_layers * layer_bytes / 1e9:.2f} GB",
     ]
     if target.quant != "none":
         lines.append(f"quantization:    {describe_quant(target.quant)}, read as published ({quant})")
-    if plan.target_quant != "none":
+    if plan.layer_moved:            # a GGUF whose matrices' types differ between layers
+        moved = plan.moved_by(range(cfg.n_layers))
+        lines.append(f"{quant} layer:       {block / 1e6:.1f} MB stored (each matrix at its largest type), "
+                     f"{moved / cfg.n_layers / 1e6:.1f} MB moved on average ({moved / cfg.n_layers / layer_bytes:.2f}x); "
+                     f"all layers {moved / 1e9:.2f} GB moved")
+    elif plan.target_quant != "none":
         lines.append(f"{quant} layer:       {block / 1e6:.1f} MB stored and moved ({block / layer_bytes:.2f}x); "
                      f"all layers {cfg.n_layers * block / 1e9:.2f} GB")
     if draft is not None:
@@ -95,7 +102,7 @@ def model_info(target, draft, plan: MemoryPlan, dtype: torch.dtype, rates: Rates
     lines.append(plan.describe())
     if plan.streamed_bytes:
         seconds = predicted_pass_seconds(plan, rates.link_gbps, rates.disk_gbps)
-        disk = len(plan.placement.disk_layers) * plan.block_nbytes
+        disk = plan.moved_by(plan.placement.disk_layers)
         via = f"{rates.link_gbps:g} GB/s" + (f", {disk / 1e9:.2f} GB of it read at {rates.disk_gbps:g} GB/s" if disk else "")
         overlapped = " and dequantization" if quant != "none" and not plan.placement.compact else ""
         lines.append(f"PREDICTED pass:  {seconds:.3f} s to stream {plan.streamed_bytes / 1e9:.2f} GB at {via} "

@@ -39,7 +39,7 @@ from .errors import BudgetError, InputError
 from .layout import (BLOCK_ALIGN, LAYER_PARTS, N_STAGING, LayerLayout, arena_stride, layer_shapes, pinned_arena_layers,
                      round_up)
 from .layout import format_bytes as fmt
-from .published import describe as describe_quant, short as short_quant, weight_dtype
+from .published import describe as describe_quant, per_layer_sizes, short as short_quant, weight_dtype
 from .quant import HELD_DRAFT_QUANTS, TARGET_QUANTS, QuantizedLayout, held_matrix_nbytes, target_layout
 
 GB = 10**9
@@ -171,6 +171,12 @@ class TargetLayerSizes:
     slot: int         # a ring slot: the block, plus the dense layer it dequantizes into when quantized
     part: int = 0           # a split ring's slot: the largest part (layout.LAYER_PARTS) of the block
     part_scratch: int = 0   # quantized: the largest dense part, the split ring's parts dequantize into (dense: 0)
+    moved: tuple[int, ...] = ()   # bytes a load of each layer copies, by index, where they differ from `block`
+                                  # (a GGUF's matrices take their own type's bytes of their piece's reserve)
+
+    def moved_by(self, layers) -> int:
+        """Bytes the loads of these layers copy."""
+        return sum(self.moved[i] for i in layers) if self.moved else len(layers) * self.block
 
     def ring_min(self, min_slots: int, split_extra: Optional[int] = 0) -> int:
         """The least device memory a ring takes: min_slots whole slots; a quantized target's compact ring
@@ -190,9 +196,11 @@ class TargetLayerSizes:
     def of(cfg: ModelConfig, dtype: torch.dtype, quant: str) -> "TargetLayerSizes":
         layout = target_layout(cfg, dtype, quant)
         parts = layout.parts(split=True)
+        moved = tuple(layout.moved_nbytes(i) for i in range(cfg.n_layers)) if per_layer_sizes(quant) else ()
         return TargetLayerSizes(layout.dense.nbytes, layout.nbytes, ring_slot_nbytes(layout) or layout.nbytes,
                                 part=max(p.nbytes for p in parts),
-                                part_scratch=max(p.dense.nbytes for p in parts) if quant != "none" else 0)
+                                part_scratch=max(p.dense.nbytes for p in parts) if quant != "none" else 0,
+                                moved=moved)
 
 
 def split_activation_nbytes(cfg: ModelConfig, dtype: torch.dtype, rows: int) -> int:
@@ -593,6 +601,11 @@ class MemoryPlan:
     pinned_layers: int = 0          # of the host arena's layers, the first this many are pinned (the rest pageable)
     pinned_budget: int = 0          # host bytes that may be pinned (the arena's share of it, less any disk
                                     # staging, is layers.host_budget)
+    layer_moved: tuple[int, ...] = ()   # TargetLayerSizes.moved: bytes each layer's load copies, where they differ
+
+    def moved_by(self, layers) -> int:
+        """Bytes the loads of these target layers copy (block_nbytes each, unless layer_moved says otherwise)."""
+        return sum(self.layer_moved[i] for i in layers) if self.layer_moved else len(layers) * self.block_nbytes
 
     @property
     def placement(self) -> Placement:
@@ -628,8 +641,10 @@ class MemoryPlan:
                   "cpu+disk": f"{ram} ({len(p.host_layers)} layers) and the disk store ({len(p.disk_layers)} layers, "
                               f"spread through the pass)"}[self.mode]
         resident = f"layers {_ranges(p.resident)} resident{held}, " if p.resident else "no layer resident, "
-        per_layer = (f"{quant}: {fmt(self.block_nbytes)} moved per layer, {fmt(p.layer_nbytes)} dequantized"
-                     if quantized else f"{fmt(p.layer_nbytes)} per layer")
+        moved = (f"{fmt(self.streamed_bytes / len(p.streamed))} moved per layer on average, of "
+                 f"{fmt(self.block_nbytes)} blocks" if self.layer_moved else f"{fmt(self.block_nbytes)} moved per layer")
+        per_layer = (f"{quant}: {moved}, {fmt(p.layer_nbytes)} dequantized" if quantized else
+                     f"{fmt(p.layer_nbytes)} per layer")
         slots = f"{p.n_slots} slots of a layer's parts" if p.split else f"{p.n_slots} slots"
         return f"{resident}layers {_ranges(p.streamed)} streamed from {source} through {slots} ({per_layer})"
 
@@ -1033,7 +1048,6 @@ def _place(target: ModelSpec, offload: OffloadConfig, runtime: RuntimeConfig, ma
     if placement.resident and not placement.resident_held:
         items.append(PlanItem("device", f"resident target layers ({len(placement.resident)})",
                               len(placement.resident) * L))
-    streamed = len(placement.streamed)
     n_host = len(placement.host_layers)
     arena_budget = pinned_budget - (staging if placement.disk_layers else 0)   # the staging buffers pin first
     pinned_layers = 0 if shared else pinned_arena_layers(n_host, B, arena_budget)
@@ -1069,7 +1083,8 @@ def _place(target: ModelSpec, offload: OffloadConfig, runtime: RuntimeConfig, ma
                       prefill_chunk=limits.prefill_chunk, concurrency=limits.concurrency, layers=layers,
                       layer_budget=left if offload.gpu_budget is None else offload.gpu_budget,
                       host_pinned=host_pinned, items=tuple(items), notes=tuple(notes),
-                      streamed_bytes=streamed * B, block_nbytes=B, pinned_layers=pinned_layers,
+                      streamed_bytes=sizes.moved_by(placement.streamed), block_nbytes=B, layer_moved=sizes.moved,
+                      pinned_layers=pinned_layers,
                       pinned_budget=pinned_budget)
 
 
@@ -1107,9 +1122,9 @@ def predicted_pass_seconds(plan: MemoryPlan, link_gb_per_s: float, disk_gb_per_s
     streaming dominates): transfer_seconds of its bytes by tier (on a GPU the arena's layers past its pinned ones
     are pageable: the driver stages them through a bounce buffer), plus an lm_head kept in host memory, whose
     pageable chunks cross after the layers (not overlapped)."""
-    p, B = plan.placement, plan.block_nbytes
-    pageable = (len(p.host_layers) - plan.pinned_layers) * B if plan.machine.kind == "cuda" else 0
-    disk = len(p.disk_layers) * B
+    p = plan.placement
+    pageable = plan.moved_by(p.host_layers[plan.pinned_layers:]) if plan.machine.kind == "cuda" else 0
+    disk = plan.moved_by(p.disk_layers)
     return (transfer_seconds(plan.streamed_bytes - pageable - disk, pageable, disk, link_gb_per_s, pageable_gb_per_s,
                              disk_gb_per_s)
             + plan.host_head_bytes / (min(link_gb_per_s, pageable_gb_per_s) * GB))

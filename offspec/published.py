@@ -79,6 +79,17 @@ def describe(quant: str) -> str:
     return quant
 
 
+def per_layer_sizes(quant: str) -> bool:
+    """A matrix's stored bytes differ between layers (a GGUF whose types do)."""
+    return gguf_blocks.is_gguf(quant) and any(len(set(t)) > 1 for t in gguf_blocks.field_types(quant).values())
+
+
+def used_nbytes(quant: str, field: str, shape: tuple[int, int], layer: Optional[int]) -> int:
+    """Bytes of its piece an (N, K) GGUF matrix uses in this layer (its type's), of matrix_pieces' reserve."""
+    N, K = shape
+    return N * gguf_blocks.row_nbytes(gguf_blocks.type_of(quant, field, layer), K)
+
+
 def short(quant: str) -> str:
     """For file names and tables: the quantization itself, a GGUF's in brief ('gguf-q4_k+q6_k')."""
     return gguf_blocks.short(quant) if gguf_blocks.is_gguf(quant) else quant
@@ -301,10 +312,11 @@ def _step(rows: int, per_row: int, align: int) -> int:
 
 def dequantize(quant: str, pieces: dict[str, torch.Tensor], out: torch.Tensor, field: Optional[str] = None,
                layer: Optional[int] = None) -> None:
-    """out (N, K) in the compute dtype <- W = (q - z) * s in float16 (compressed-tensors: in the scales' dtype), a
-    chunk of rows at a time, so the temporaries stay about DEQUANT_ELEMENTS weights (and GPTQ's unpacked zeros, a
-    group's row each) whatever the matrix: within the plan's reserve. field, layer: which matrix of which layer
-    (a GGUF's type can differ between layers)."""
+    """out (N, K) in the compute dtype <- W = (q - z) * s in float16 (compressed-tensors: in the scales' dtype; a
+    GGUF matrix: its type's formula in float32, gguf_blocks.dequantize), a chunk of rows at a time, so the
+    temporaries stay about DEQUANT_ELEMENTS weights (and GPTQ's unpacked zeros, a group's row each) whatever the
+    matrix: within the plan's reserve. field, layer: which matrix of which layer (a GGUF's type can differ between
+    layers)."""
     if gguf_blocks.is_gguf(quant):
         gguf_blocks.dequantize(gguf_blocks.type_of(quant, field, layer), pieces["blocks"], out)
         return

@@ -355,6 +355,10 @@ class QuantizedLayout:
         _dequantize_entries(self.quant, _pieces(block, self.entries, self.nbytes), self.dense.views(dense_block),
                             self.dense.entries, layer)
 
+    def moved_nbytes(self, layer: Optional[int]) -> int:
+        """Bytes a load of `layer` copies (QuantizedPart.runs_for: a GGUF matrix's unused tail is left out)."""
+        return sum(n for _, _, n in self.parts(split=False)[0].runs_for(layer))
+
     def parts(self, split: bool) -> tuple["QuantizedPart", ...]:
         """How a ring slot holds this layer: whole (the block as it is), or split into LAYER_PARTS as the dense
         layout is, each part's pieces packed one after another from the slot's start."""
@@ -375,6 +379,26 @@ class QuantizedPart:
     entries: tuple[tuple[str, tuple[int, ...], int, torch.dtype], ...]  # (piece, shape, slot offset, dtype)
     nbytes: int                                                         # bytes of the slot it fills
     dense: PartLayout                                                   # what it dequantizes into
+
+    def runs_for(self, layer: Optional[int]) -> tuple[tuple[int, int, int], ...]:
+        """The runs a load of `layer` copies: `runs`, less the tail of each GGUF matrix that this layer's type
+        leaves unused (its piece holds the bytes of the matrix's largest type over the layers), so a pass moves
+        the bytes the file holds."""
+        if not published.per_layer_sizes(self.quant):
+            return self.runs
+        shapes = {name: shape for name, shape, _ in self.dense.entries}
+        ends = [entry[2] for entry in self.entries[1:]] + [self.nbytes]
+        runs: list[list[int]] = []
+        for (name, _, dst, _), end in zip(self.entries, ends):
+            src = next(s + dst - d for s, d, n in self.runs if d <= dst < d + n)    # where it sits in the block
+            field = name.split(".")[0]
+            used = (published.used_nbytes(self.quant, field, shapes[field], layer) if name.endswith(".blocks")
+                    else end - dst)
+            if runs and runs[-1][0] + runs[-1][2] == src and runs[-1][1] + runs[-1][2] == dst:
+                runs[-1][2] += used
+            else:
+                runs.append([src, dst, used])
+        return tuple(map(tuple, runs))
 
     def dequantize(self, slot: torch.Tensor, dense_buffer: torch.Tensor, layer: Optional[int] = None) -> None:
         """dense_buffer ((≥ dense.nbytes,) uint8) <- this part of the layer in `slot` (same device)."""

@@ -246,7 +246,7 @@ class LayerStreamer:
         done = [n for n in range(first, issued) if self._ready[n % self.n_slots].query()]
         with self._lock:
             self._stats.prefetched_layers += len(done)
-            self._stats.prefetched_bytes += sum(self._parts[self._piece(n)[1]].nbytes for n in done)
+            self._stats.prefetched_bytes += sum(self._moved_nbytes(n) for n in done)
 
     def _wait_issued(self, n: int) -> None:
         with self._cv:
@@ -284,9 +284,15 @@ class LayerStreamer:
                     self._loader_error = err
                 self._cv.notify_all()
 
+    def _moved_nbytes(self, n: int) -> int:
+        """Bytes load n copies (a GGUF layer's matrices may take less than their slot reserves)."""
+        layer, p = self._piece(n)
+        return sum(nbytes for _, _, nbytes in self._parts[p].runs_for(layer))
+
     def _load(self, n: int) -> None:
         (layer, p), k = self._piece(n), n % self.n_slots
         part = self._parts[p]
+        runs = part.runs_for(layer)
         if p == 0:                             # a layer's first load: its bytes from the store
             next_layer = self._piece(n + len(self._parts))[0]
             self._staged = self.store.acquire(layer, next_layer=next_layer)   # disk: waits for its read
@@ -295,7 +301,7 @@ class LayerStreamer:
         copy_start, copy_end = self._timing_event(), self._timing_event()
         self._free[k].wait(copy_q)             # WAR: slot k's previous load has been read
         copy_start.record(copy_q)
-        for src, dst, nbytes in part.runs:
+        for src, dst, nbytes in runs:
             self.backend.copy_async(self._slots[k][dst:dst + nbytes], staged.block[src:src + nbytes],
                                     src_pinned=staged.pinned)
         copy_end.record(copy_q)
@@ -309,7 +315,7 @@ class LayerStreamer:
             dequant_end.record(copy_q)
         self._ready[k].record(copy_q)          # RAW: slot k holds `layer` once this completes
         with self._lock:
-            self._pending_copies.append((copy_start, copy_end, part.nbytes))
+            self._pending_copies.append((copy_start, copy_end, sum(nbytes for _, _, nbytes in runs)))
             if self.quantized and self._scratch is None:
                 self._pending_dequants.append((dequant_start, dequant_end))
             self._stats.read_s += staged.read_s if p == 0 else 0.0

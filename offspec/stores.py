@@ -187,8 +187,9 @@ def prepare_disk_store(layer_tensors_fn: LayerTensorsFn, n_layers: int, layout: 
     block_bytes = memoryview(block.numpy())
     entries = []
     try:
-        what = (f"quantizing layers ({published.short(layout.quant)}) into" if layout.quant != "none" else
-                "packing layers into")
+        what = ("packing layers into" if layout.quant == "none" else
+                f"packing layers as published ({published.short(layout.quant)}) into"
+                if published.is_published(layout.quant) else f"quantizing layers ({layout.quant}) into")
         with open(tmp_bin, "wb") as f, tqdm(total=n_layers, desc=f"{what} {directory}",
                                             unit="layer", disable=not progress) as bar:
             for layer in range(n_layers):
@@ -513,9 +514,10 @@ def _check_manifest(manifest: dict, directory: str, layout: BlockLayout, n_layer
             raise StoreError(f"the store at {directory} holds {manifest['dtype']} weights, {dtype} was asked: {rebuild}")
         quant = manifest.get("quant", "none")      # stores from before quantized layers hold dense ones
         if quant != layout.quant:
-            raise StoreError(f"the store at {directory} holds {'unquantized' if quant == 'none' else published.short(quant)} layers, "
-                             f"--target-quant {published.short(layout.quant)} was asked: {rebuild}, or give another "
-                             f"--store-dir")
+            held, wanted = (("unquantized" if q == "none" else published.describe(q) if published.is_published(q)
+                             else q) for q in (quant, layout.quant))
+            raise StoreError(f"the store at {directory} holds {held} layers and {wanted} ones were asked for: "
+                             f"{rebuild}, or give another --store-dir")
         if manifest["layout"] != layout.describe() or manifest["layer_nbytes"] != layout.nbytes:
             raise StoreError(f"the store at {directory} has a different layer layout: {rebuild}")
         if manifest["n_layers"] != n_layers or len(manifest["layers"]) != n_layers:

@@ -61,6 +61,31 @@ def test_dequantization_equals_gguf_py_bitwise(type_name, dtype, monkeypatch):
     assert torch.equal(out, torch.from_numpy(np.ascontiguousarray(want)).to(dtype))
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_dequantization_equals_gguf_py_without_a_sync():
+    """On the device, on a side stream as the ring's copy queue runs it: every type's values, bit for bit, and no
+    hidden synchronization (a host tensor made inside a kernel would be one)."""
+    device = torch.device("cuda")
+    cases = [(name, random_blocks(name, 8, 512)) for name in TYPES]
+    on_device = [(name, torch.from_numpy(blocks.reshape(-1).copy()).to(device),
+                  torch.empty(8, 512, dtype=torch.bfloat16, device=device)) for name, blocks in cases]
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        with torch.cuda.stream(side):
+            for name, raw, out in on_device:
+                gguf_blocks.dequantize(name, raw, out)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    side.synchronize()
+    for (name, raw, out) in on_device:
+        want = torch.empty(8, 512, dtype=torch.bfloat16)
+        gguf_blocks.dequantize(name, raw.cpu(), want)
+        assert torch.equal(out.cpu(), want), name
+
+
 @pytest.fixture(scope="module", params=["llama", "qwen2"])
 def pair(tmp_path_factory, request):
     """A GGUF target of every type (llama's q and k rows permuted as llama.cpp's converter does), a Q8_0 GGUF draft
@@ -217,19 +242,34 @@ def _rewrite(path: Path, old: bytes, new: bytes) -> None:
 
 @pytest.mark.parametrize("case,needle", [
     ("type", "tensor blk.0.ffn_up.weight has GGML type Q2_K, which offspec does not read (supported: F32, F16"),
-    ("name", "tensor blk.0.ffn_XX.weight is not one offspec understands"),
+    ("name", "tensor blk.0.ffn_XX.weight is not one offspec runs in a qwen2 model"),
     ("arch", "GGUF architecture 'gemma' is not supported"),
     ("truncated", "truncated or corrupt"),
     ("magic", "not a GGUF file"),
+    ("big-endian", "big-endian GGUF files are not supported"),
+    ("alignment", "corrupt GGUF header (general.alignment 0)"),
+    ("extra", "tensor blk.0.attn_q_norm.weight is not one offspec runs in a qwen2 model"),
+    ("number", "GGUF metadata qwen2.attention.head_count is 'four', not a positive integer"),
+    ("partial rotary", "GGUF metadata qwen2.rope.dimension_count is 32, not the head size 64: not supported"),
 ])
 def test_what_is_not_supported_is_one_line(tmp_path, case, needle):
     """A type, a tensor or an architecture offspec does not read, a truncated or foreign file: one line naming it,
     and `offspec generate` exits non-zero with it."""
     from click.testing import CliRunner
     from offspec.cli import main
-    model = make_model(hf_config("qwen2", n_layers=1, hidden=256, heads=4, kv_heads=2, vocab=300))
-    path = save_gguf(model, tmp_path / "m.gguf", {"up_proj": "Q5_K"})
-    if case == "type":         # the tensor info's type id (13, Q5_K) -> 10 (Q2_K, whose blocks are as long)
+    model = make_model(hf_config("qwen3" if case == "extra" else "qwen2", n_layers=1, hidden=256, heads=4, kv_heads=2,
+                                 vocab=300))
+    meta = {"number": {"qwen2.attention.head_count": "four"}, "partial rotary": {"qwen2.rope.dimension_count": 32},
+            "alignment": {"general.alignment": 64}}.get(case)
+    path = save_gguf(model, tmp_path / "m.gguf", {"up_proj": "Q5_K"}, meta=meta)
+    if case == "extra":          # a qwen3 file (its q and k norms) that says it is qwen2
+        path.write_bytes(path.read_bytes().replace(b"qwen3", b"qwen2"))
+    elif case == "alignment":
+        _rewrite(path, b"general.alignment\x04\x00\x00\x00\x40\x00\x00\x00",
+                 b"general.alignment\x04\x00\x00\x00\x00\x00\x00\x00")
+    elif case == "big-endian":
+        _rewrite(path, b"GGUF\x03\x00\x00\x00", b"GGUF\x00\x00\x00\x03")
+    elif case == "type":         # the tensor info's type id (13, Q5_K) -> 10 (Q2_K, whose blocks are as long)
         name = b"blk.0.ffn_up.weight"
         data = bytearray(path.read_bytes())
         at = data.index(name) + len(name) + 4 + 2 * 8
@@ -242,7 +282,7 @@ def test_what_is_not_supported_is_one_line(tmp_path, case, needle):
         path.write_bytes(path.read_bytes().replace(b"qwen2", b"gemma"))
     elif case == "truncated":
         path.write_bytes(path.read_bytes()[:-1000])
-    else:
+    elif case == "magic":
         path.write_bytes(b"GGUX" + path.read_bytes()[4:])
     with pytest.raises(CheckpointError, match=needle.replace("(", r"\(").replace(")", r"\)")):
         open_checkpoint(path)
@@ -250,3 +290,35 @@ def test_what_is_not_supported_is_one_line(tmp_path, case, needle):
                                        "hi"])
     assert result.exit_code != 0 and "Traceback" not in result.output
     assert needle.split(" (")[0] in result.output, result.output
+
+
+def test_each_layer_moves_its_own_bytes_whole_or_split(pair):
+    """A matrix whose type differs between layers reserves its largest type's bytes in every block, but a load
+    copies only what the layer's own type takes: whole, or part by part through a split ring, whose layers (each
+    dequantized with its own types) equal the checkpoint's."""
+    from offspec.load import open_target_layers
+    from offspec.plan import LayerPlan, TargetLayerSizes
+    from offspec.quant import target_layout
+    ckpt = open_checkpoint(pair[0])
+    cfg, quant = ckpt.config, ckpt.quant
+    layout = target_layout(cfg, torch.float32, quant)
+    shapes = {name: shape for name, shape, _ in layout.dense.entries if len(shape) == 2}
+    for i in range(cfg.n_layers):
+        unused = sum(gguf_blocks.matrix_nbytes(quant, f, s) - s[0] * gguf_blocks.row_nbytes(
+            gguf_blocks.type_of(quant, f, i), s[1]) for f, s in shapes.items())
+        assert unused > 0           # every layer has a matrix of a smaller type than another layer's
+        assert layout.nbytes - unused - 7 * 256 <= layout.moved_nbytes(i) <= layout.nbytes - unused   # (alignment)
+        assert sum(n for part in layout.parts(split=True) for _, _, n in part.runs_for(i)) == layout.moved_nbytes(i)
+    sizes = TargetLayerSizes.of(cfg, torch.float32, quant)
+    assert sizes.moved == tuple(layout.moved_nbytes(i) for i in range(cfg.n_layers))
+    budget = 2 * sizes.part + sizes.part_scratch           # room for a split ring alone
+    plan = LayerPlan.of(cfg, OffloadConfig(mode="cpu", gpu_budget=budget), torch.float32, quant=quant)
+    assert plan.placement.split and not plan.placement.resident
+    with open_target_layers(ckpt.layer_tensors, cfg, plan, CPU, torch.float32, progress=False) as layers:
+        for _ in range(2):
+            for i, w in layers.pass_layers():
+                want = ckpt.layer_weights(i, CPU, torch.float32)
+                for name in (n for n in FIELDS if getattr(w, n) is not None):
+                    assert torch.equal(getattr(w, name), getattr(want, name)), (i, w.part, name)
+        copied = layers.stats().bytes - 2 * sum(sizes.moved)      # two passes, and the next one's first loads
+        assert 0 <= copied <= plan.placement.n_slots * sizes.part

@@ -472,7 +472,7 @@ def test_generate_batch_and_prepare_take_target_quant(pair, tmp_path):
             "--max-new-tokens", 4, "abc")
     assert r.exit_code == 0, r.output
     one_error_line(cli("generate", *models, "--offload", "disk", "--store-dir", store, "--target-quant", "int8",
-                       "--raw", "--max-new-tokens", 4, "abc"), "holds nf4 layers, --target-quant int8 was asked")
+                       "--raw", "--max-new-tokens", 4, "abc"), "holds nf4 layers and int8 ones were asked for")
 
 
 def test_cli_bad_quantization_inputs(pair, request):

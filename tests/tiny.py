@@ -205,16 +205,18 @@ def _gguf_blocks(w: torch.Tensor, type_name: str, g: torch.Generator):
     return blocks.reshape(w.shape[0], -1)
 
 
-def save_gguf(model, path: Path, types=None, tokenizer: bool = True, rope_freqs=None, split_max_tensors: int = 0) -> Path:
+def save_gguf(model, path: Path, types=None, tokenizer: bool = True, rope_freqs=None, split_max_tensors: int = 0,
+              meta: dict | None = None) -> Path:
     """`model` written as llama.cpp writes a GGUF: its metadata, llama.cpp's tensor names, llama's q and k rows
     permuted as its converter does, norms and biases in F32, the embedding and lm_head in Q8_0 and each decoder
     matrix in types[field] (a type name, or one a layer; default Q8_0); a byte-level tokenizer with the chat
     template (tokenizer=True); rope_freqs: llama 3's per-frequency divisors, stored as llama.cpp does;
-    split_max_tensors: split into files of that many tensors as gguf-split does (-> the first file)."""
+    split_max_tensors: split into files of that many tensors as gguf-split does (-> the first file); meta: metadata
+    values that replace the model's ({"qwen2.attention.head_count": "four"}: any value, its type as given)."""
     import gguf
     import numpy as np
 
-    cfg, types, path = model.config, dict(types or {}), Path(path)
+    cfg, types, path, meta = model.config, dict(types or {}), Path(path), dict(meta or {})
     arch = cfg.model_type
     writer = gguf.GGUFWriter(str(path), arch, split_max_tensors=split_max_tensors)
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
@@ -224,9 +226,13 @@ def save_gguf(model, path: Path, types=None, tokenizer: bool = True, rope_freqs=
                        ("attention.head_count_kv", cfg.num_key_value_heads),
                        ("attention.key_length", head_dim), ("attention.value_length", head_dim),
                        ("rope.dimension_count", head_dim), ("vocab_size", cfg.vocab_size)):
-        writer.add_uint32(f"{arch}.{key}", value)
-    writer.add_float32(f"{arch}.rope.freq_base", float(cfg.rope_parameters["rope_theta"]))
-    writer.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", cfg.rms_norm_eps)
+        meta.setdefault(f"{arch}.{key}", value)
+    meta.setdefault(f"{arch}.rope.freq_base", float(cfg.rope_parameters["rope_theta"]))
+    meta.setdefault(f"{arch}.attention.layer_norm_rms_epsilon", float(cfg.rms_norm_eps))
+    for key, value in meta.items():
+        kind = (gguf.GGUFValueType.STRING if isinstance(value, str) else gguf.GGUFValueType.FLOAT32
+                if isinstance(value, float) else gguf.GGUFValueType.UINT32)
+        writer.add_key_value(key, value, kind)
     if tokenizer:
         tokens = byte_level_tokens()
         writer.add_tokenizer_model("gpt2")

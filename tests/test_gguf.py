@@ -51,7 +51,7 @@ def random_blocks(type_name: str, rows: int, K: int, seed: int = 0) -> np.ndarra
 def test_dequantization_equals_gguf_py_bitwise(type_name, dtype, monkeypatch):
     """Several chunks of rows (a small DEQUANT_ELEMENTS), each type's exact float32 arithmetic, then one rounding
     into the compute dtype, as transformers' loader casts gguf-py's float32."""
-    monkeypatch.setattr(gguf_blocks, "DEQUANT_ELEMENTS", 2 * 512)
+    monkeypatch.setattr(gguf_blocks, "DEQUANT_ELEMENTS", {"cpu": 2 * 512})
     blocks = random_blocks(type_name, 6, 512)
     qtype = gguf.GGMLQuantizationType[type_name]
     want = (blocks.view(np.float32) if type_name == "F32" else blocks.view(np.float16).astype(np.float32)

@@ -144,7 +144,7 @@ def test_the_output_is_exactly_that_of_its_weights(pair):
     assert loaded.plan.placement.resident_held and torch.equal(got, want)
 
 
-@pytest.mark.parametrize("policy,budget", [("dyspec", 16), ("chain", 4)])
+@pytest.mark.parametrize("policy,budget", [("dyspec", 16), ("heap", 16), ("chain", 4), ("static", 8)])
 def test_speculative_greedy_equals_its_plain_greedy(pair, policy, budget):
     target, draft, _ = pair
     loaded = load_engine(target, draft, OffloadConfig(mode="cpu", n_slots=2), F32, progress=False)

@@ -155,7 +155,7 @@ def test_the_output_is_exactly_that_of_its_dequantized_weights(pair):
     assert loaded.plan.placement.resident_held and torch.equal(got, want)
 
 
-@pytest.mark.parametrize("policy,budget", [("dyspec", 16), ("chain", 4), ("heap", 16)])
+@pytest.mark.parametrize("policy,budget", [("dyspec", 16), ("chain", 4), ("heap", 16), ("static", 8)])
 def test_speculative_greedy_equals_its_plain_greedy(pair, policy, budget):
     awq, draft, _ = pair
     loaded = load_engine(awq, draft, OffloadConfig(mode="cpu", n_slots=2), F32, progress=False)

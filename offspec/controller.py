@@ -401,6 +401,8 @@ class Controller:
         return self.catch_up_fit() * backlog / max(left, 1)
 
     def _choose(self) -> None:
+        if not self.alloc:         # no row of the batch takes its budget from here (all fixed-budget rows)
+            return
         rows = [r for r in self.alloc if r in self.trees]
         # The rows' last trees say what a tree is worth; with none in flight (rows that joined while plain decoding
         # won), the finished rows' last trees do.

@@ -4,7 +4,8 @@ A job that knows all its prompts hands run_batch a list (`RequestFeed.of`, close
 stays open: the driver puts more prompts into it while the batch runs, so the worker's rows are refilled
 without a pause between the driver's hand-outs, and it closes the feed when it has nothing more to give.
 run_batch never waits on the feed while rows are decoding (it takes what is there); with every row idle it
-waits until a prompt comes or the feed is closed.
+waits until a prompt comes or the feed is closed. A request may be cancelled (a server's client that went away):
+taken out if it still waits, its row freed before the next pass if it runs.
 
 Thread-safe: the driver's puts arrive on another thread of the worker than the one running the batch.
 """
@@ -29,6 +30,7 @@ class RequestFeed:
         self._requests: dict[Hashable, object] = {}     # key -> request, from put until forget
         self._put = 0                                    # requests put so far
         self._closed_after: Optional[int] = None         # closed once this many were put (close)
+        self._cancelled: set = set()                     # keys cancelled while running (run_batch drops them)
         self._changed = threading.Condition()
 
     @classmethod
@@ -76,6 +78,24 @@ class RequestFeed:
         """The oldest waiting (key, request), or None."""
         with self._changed:
             return self._items.popleft() if self._items else None
+
+    def cancel(self, key: Hashable) -> None:
+        """Drop the request under `key`: out of the queue if it waits, else run_batch frees its row before its next
+        pass (and yields nothing more for it)."""
+        with self._changed:
+            waiting = [item for item in self._items if item[0] == key]
+            for item in waiting:
+                self._items.remove(item)
+            if not waiting and key in self._requests:
+                self._cancelled.add(key)
+            self._requests.pop(key, None)
+            self._changed.notify_all()
+
+    def take_cancelled(self) -> set:
+        """The running requests cancelled since the last call (run_batch's)."""
+        with self._changed:
+            cancelled, self._cancelled = self._cancelled, set()
+            return cancelled
 
     def request(self, key: Hashable):
         """The request put under `key` (until forget)."""

@@ -268,6 +268,7 @@ class Engine:
             adapt_rows = concurrency is None and self.plan is not None and self.plan.concurrency_auto
         batch = self._open_batch(feed, self._concurrency(concurrency, prefill_per_pass), prefill_per_pass, adapt_rows)
         while batch.rows or feed.wait():          # with no row in flight: wait for a request, or end with the feed
+            self._drop_cancelled(batch, feed)
             yield from self._admit_waiting(batch, feed)
             if batch.rows:
                 yield from self._round(batch)
@@ -307,6 +308,15 @@ class Engine:
                                                  prefill_per_pass=prefill_per_pass, adapt_rows=adapt_rows))
         return _Batch(t_cache, d_cache, capacity, B, controller, self.device, free=list(range(B))[::-1],
                       stream_seen=stream_seen)
+
+    def _drop_cancelled(self, batch: _Batch, feed: RequestFeed) -> None:
+        """Rows whose request was cancelled (RequestFeed.cancel) leave before the next pass; their cache rows are
+        free for waiting requests."""
+        cancelled = feed.take_cancelled()
+        gone = [row for row in batch.rows if row.index in cancelled]
+        for row in gone:
+            batch.controller.forget(row.index)
+        self._retire(batch, gone)
 
     def _admit_waiting(self, batch: _Batch, feed: RequestFeed) -> Iterator["RowStep"]:
         """The next waiting requests take free rows (auto concurrency: as many as the controller wants in

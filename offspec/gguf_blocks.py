@@ -27,6 +27,7 @@ matrix the bytes of its largest type over the layers, so every block has one siz
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Optional
 
@@ -81,6 +82,7 @@ def quant_string(types: dict[str, list[str]]) -> str:
     return "gguf:" + ",".join(entry(types[field]) for field in MATRICES)
 
 
+@functools.lru_cache(maxsize=64)
 def field_types(quant: str) -> dict[str, tuple[str, ...]]:
     """The string's types: {field: (one type for every layer,) or (the type of layer 0, 1, ...)}."""
     entries = quant.removeprefix("gguf:").split(",")

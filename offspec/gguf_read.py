@@ -251,7 +251,7 @@ class GGUFCheckpoint(Checkpoint):
         head_dim = raw["head_dim"]
         if shape != (head_dim // 2,) or kind not in ("F32", "F16", "BF16"):
             raise CheckpointError(f"{self.path}: tensor {ROPE_FREQS} is {kind} of shape {shape}; llama 3's rope "
-                                  f"scaling is F32 of shape ({head_dim // 2},)")
+                                  f"scaling is F32, F16 or BF16 of shape ({head_dim // 2},)")
         stored = self._read_dense(ROPE_FREQS)
         inv = 1.0 / (float(raw["rope_theta"]) ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
         wavelen = 2 * math.pi / inv

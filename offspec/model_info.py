@@ -74,7 +74,7 @@ def model_info(target, draft, plan: MemoryPlan, dtype: torch.dtype, rates: Rates
         f"folder:          {target.path}",
         f"architecture:    {cfg.arch} ({', '.join(target.raw_config.get('architectures') or [])})",
         f"parameters:      {target.parameter_count() / 1e9:.3f} B",
-        f"stored dtype:    " + (f"GGML blocks (runs in {str(target.dtype).replace('torch.', '')} unless --dtype says)"
+        "stored dtype:    " + (f"GGML blocks (runs in {str(target.dtype).replace('torch.', '')} unless --dtype says)"
                                  if is_gguf(target.quant) else str(target.dtype).replace("torch.", "")),
         f"layers:          {cfg.n_layers} (hidden {cfg.hidden_size}, heads {cfg.n_heads}/{cfg.n_kv_heads} kv, "
         f"mlp {cfg.intermediate_size}, vocab {cfg.vocab_size}, context {cfg.max_position_embeddings})",
@@ -102,7 +102,7 @@ def model_info(target, draft, plan: MemoryPlan, dtype: torch.dtype, rates: Rates
     lines.append(plan.describe())
     if plan.streamed_bytes:
         seconds = predicted_pass_seconds(plan, rates.link_gbps, rates.disk_gbps)
-        disk = plan.moved_by(plan.placement.disk_layers)
+        disk = plan.disk_read_bytes
         via = f"{rates.link_gbps:g} GB/s" + (f", {disk / 1e9:.2f} GB of it read at {rates.disk_gbps:g} GB/s" if disk else "")
         overlapped = " and dequantization" if quant != "none" and not plan.placement.compact else ""
         lines.append(f"PREDICTED pass:  {seconds:.3f} s to stream {plan.streamed_bytes / 1e9:.2f} GB at {via} "

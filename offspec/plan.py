@@ -434,12 +434,14 @@ def best_host_layers(n_streamed: int, n_ram: int, block_nbytes: int, pinned_budg
 
 
 def transfer_seconds(pinned: int, pageable: int, disk: int, link_gb_per_s: float, pageable_gb_per_s: float,
-                     disk_gb_per_s: Optional[float]) -> float:
+                     disk_gb_per_s: Optional[float], disk_read: Optional[int] = None) -> float:
     """PREDICTION: a pass's transfer from its bytes by tier. Pinned and disk-staged bytes cross the link at its
-    rate and pageable ones at pageable_gb_per_s, one after another on the copy stream; the disk bytes are also
-    read from the drive, the reads overlapping the copies:  max(copies, disk / drive)."""
+    rate and pageable ones at pageable_gb_per_s, one after another on the copy stream; the drive reads disk_read
+    bytes (default: disk; the store reads whole blocks where a copy may move less of them), the reads overlapping
+    the copies:  max(copies, disk_read / drive)."""
     copies = (pinned + disk) / link_gb_per_s + pageable / min(link_gb_per_s, pageable_gb_per_s)
-    return max(copies, disk / disk_gb_per_s if disk_gb_per_s else 0.0) / GB
+    read = disk if disk_read is None else disk_read
+    return max(copies, read / disk_gb_per_s if disk_gb_per_s else 0.0) / GB
 
 
 def split_tiers(placement: Placement, n_host: int) -> Placement:
@@ -606,6 +608,11 @@ class MemoryPlan:
     def moved_by(self, layers) -> int:
         """Bytes the loads of these target layers copy (block_nbytes each, unless layer_moved says otherwise)."""
         return sum(self.layer_moved[i] for i in layers) if self.layer_moved else len(layers) * self.block_nbytes
+
+    @property
+    def disk_read_bytes(self) -> int:
+        """Bytes a pass reads from the disk store: its layers' whole blocks, each BLOCK_ALIGN-rounded."""
+        return len(self.placement.disk_layers) * round_up(self.block_nbytes, BLOCK_ALIGN)
 
     @property
     def placement(self) -> Placement:
@@ -1126,7 +1133,7 @@ def predicted_pass_seconds(plan: MemoryPlan, link_gb_per_s: float, disk_gb_per_s
     pageable = plan.moved_by(p.host_layers[plan.pinned_layers:]) if plan.machine.kind == "cuda" else 0
     disk = plan.moved_by(p.disk_layers)
     return (transfer_seconds(plan.streamed_bytes - pageable - disk, pageable, disk, link_gb_per_s, pageable_gb_per_s,
-                             disk_gb_per_s)
+                             disk_gb_per_s, plan.disk_read_bytes)
             + plan.host_head_bytes / (min(link_gb_per_s, pageable_gb_per_s) * GB))
 
 

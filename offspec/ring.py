@@ -110,8 +110,10 @@ class LayerStreamer:
         self.quantized = isinstance(self.layout, QuantizedLayout)
         if scratch is not None and not self.quantized:
             raise ValueError("a compact ring is for quantized layers")
-        # What one load copies: the whole block, or one part's byte runs of it; and what it reads (part.dense).
+        # What one load copies: the whole block, or one part's byte runs of it (of a GGUF layer, only the bytes its
+        # own types take: QuantizedPart.runs_for); and what it reads (part.dense).
         self._parts = self.layout.parts(split)
+        self._runs = {layer: [part.runs_for(layer) for part in self._parts] for layer in self.streamed}
         self._per_pass = len(self.streamed) * len(self._parts)     # loads a pass
         # Allocated once, never freed or reallocated (docs/streaming.md §3), so no record_stream is needed.
         slot_nbytes = max(part.nbytes for part in self._parts)
@@ -287,12 +289,12 @@ class LayerStreamer:
     def _moved_nbytes(self, n: int) -> int:
         """Bytes load n copies (a GGUF layer's matrices may take less than their slot reserves)."""
         layer, p = self._piece(n)
-        return sum(nbytes for _, _, nbytes in self._parts[p].runs_for(layer))
+        return sum(nbytes for _, _, nbytes in self._runs[layer][p])
 
     def _load(self, n: int) -> None:
         (layer, p), k = self._piece(n), n % self.n_slots
         part = self._parts[p]
-        runs = part.runs_for(layer)
+        runs = self._runs[layer][p]
         if p == 0:                             # a layer's first load: its bytes from the store
             next_layer = self._piece(n + len(self._parts))[0]
             self._staged = self.store.acquire(layer, next_layer=next_layer)   # disk: waits for its read

@@ -161,6 +161,51 @@ def test_requests_put_while_the_batch_runs_take_free_rows_at_the_next_pass(engin
         assert tokens[i] == alone(engine, request)[0]
 
 
+def test_a_cancelled_request_leaves_at_the_next_pass_and_the_others_run_as_alone(engine):
+    """RequestFeed.cancel (a server's client that went away): a running request yields nothing after the pass
+    it was cancelled in and its row takes the next waiting request; a waiting one never runs; the others'
+    outputs are their outputs alone."""
+    from offspec.feed import RequestFeed
+
+    requests = [GenerationRequest(prompt_ids=p, max_new_tokens=n, tree=TreeConfig(policy="dyspec", budget=12),
+                                  ignore_eos=True) for p, n in zip(prompts(4), (30, 10, 10, 10))]
+    feed = RequestFeed(tokens_a_row=max(len(r.prompt_ids) + r.max_new_tokens for r in requests))
+    feed.put(enumerate(requests))
+    feed.close()
+    feed.cancel(3)                                   # waiting: taken out before it runs
+    tokens, steps_of_0 = {i: [] for i in range(4)}, 0
+    for event in engine.run_batch(feed, concurrency=2):
+        tokens[event.request] += event.step.tokens
+        if event.request == 0:
+            steps_of_0 += 1
+            assert steps_of_0 <= 2, "a cancelled row went on after the next pass"
+            if steps_of_0 == 2:
+                feed.cancel(0)                       # running: its row is freed before the next pass
+    assert steps_of_0 == 2 and not tokens[3] and len(tokens[0]) < 30
+    for i in (1, 2):
+        assert tokens[i] == alone(engine, requests[i])[0]
+
+
+def test_fixed_budget_rows_after_auto_budget_rows_finished(engine):
+    """A batch whose auto-budget rows have all finished goes on with fixed-budget rows alone (the controller
+    then has no row to budget: it must not divide by their count)."""
+    from offspec.feed import RequestFeed
+
+    auto = GenerationRequest(prompt_ids=prompts(1)[0], max_new_tokens=3, ignore_eos=True)
+    fixed = GenerationRequest(prompt_ids=prompts(2)[1], max_new_tokens=12, ignore_eos=True,
+                              tree=TreeConfig(policy="dyspec", budget=8))
+    feed = RequestFeed(tokens_a_row=64)
+    feed.put([(0, auto)])
+    tokens = {0: [], 1: []}
+    for event in engine.run_batch(feed, concurrency=2):
+        tokens[event.request] += event.step.tokens
+        if event.request == 0 and event.step.finish_reason is not None:
+            feed.put([(1, fixed)])
+        if event.request == 1 and event.step.finish_reason is not None:
+            feed.close()
+    assert tokens[1] == alone(engine, fixed)[0] and tokens[0] == alone(engine, auto)[0]
+
+
 def test_with_no_row_in_flight_the_batch_waits_for_the_feed(engine):
     """An open, empty feed: run_batch waits (no busy loop, no early end) until another thread puts a
     request, and ends when that thread closes the feed."""

@@ -1,0 +1,217 @@
+"""`offspec serve`: the OpenAI API over one engine, on loopback, with the official `openai` client and raw HTTP.
+Each answer equals the same request run alone; concurrent streams share passes; clients that leave free their
+rows; bad requests and wrong keys are OpenAI-style errors while the others carry on."""
+import json
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+
+pytest.importorskip("fastapi")
+pytest.importorskip("uvicorn")
+openai = pytest.importorskip("openai")
+httpx = pytest.importorskip("httpx")
+
+from offspec.config import OffloadConfig, RunLimits, RuntimeConfig, SamplingConfig, TreeConfig  # noqa: E402
+from offspec.generate import GenerationRequest, run  # noqa: E402
+from offspec.load import load_engine  # noqa: E402
+from offspec.prompt import encode_prompt  # noqa: E402
+from offspec.serve import EngineService, ServeConfig, make_app, run_in_thread  # noqa: E402
+from tiny import save_agreeing_pair  # noqa: E402
+
+KEY = "sk-test"
+TREE = TreeConfig(policy="dyspec", budget=8)
+CONCURRENCY = 8
+
+
+class Server:
+    """The app on a free loopback port, in a thread; .url, .service, .engine."""
+
+    def __init__(self, target, draft, max_waiting=64, api_key=KEY, concurrency=CONCURRENCY):
+        self.loaded = load_engine(target, draft, OffloadConfig(), RuntimeConfig(torch.device("cpu"), torch.float32),
+                                  limits=RunLimits(context=160, tree_budget=8, concurrency=concurrency, sampling=True),
+                                  progress=False)
+        self.engine = self.loaded.engine
+        self.service = EngineService(self.engine, concurrency, max_waiting)
+        self.cfg = ServeConfig(model="tiny", tree=TREE, sampling=SamplingConfig(), max_tokens=64,
+                               max_waiting=max_waiting, context=160, api_key=api_key)
+        self.server, self.thread, self.url = run_in_thread(make_app(self.service, self.cfg, self.engine.tokenizer))
+
+    def client(self, key=KEY):
+        return openai.OpenAI(base_url=f"{self.url}/v1", api_key=key, max_retries=0, timeout=60)
+
+    def close(self):
+        self.server.should_exit = True
+        self.thread.join(timeout=10)
+        self.service.close()
+        self.engine.close()
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    target, draft, _ = save_agreeing_pair(tmp_path_factory.mktemp("serve"), n_layers=2)
+    return target, draft
+
+
+@pytest.fixture(scope="module")
+def server(pair):
+    s = Server(*pair)
+    yield s
+    s.close()
+
+
+def solo(server, prompt, chat=True, max_tokens=24, sampling=SamplingConfig(), stop=()):
+    """The request run alone on the same engine (as `offspec generate` runs it): (text, tokens)."""
+    ids = encode_prompt(server.engine.tokenizer, prompt, raw=not chat)
+    report, _ = run(server.engine, GenerationRequest(prompt_ids=tuple(ids), max_new_tokens=max_tokens, tree=TREE,
+                                                     sampling=sampling, stop_strings=stop))
+    return report.text, report.tokens
+
+
+PROMPTS = ["abc", "hello there", "the quick brown fox", "0123", "zzz", "What is 2+2?", "x", "Tell me a story"]
+
+
+def test_chat_and_completions_with_the_openai_client(server):
+    """Non-streaming and streaming, chat and completions: each text is the request run alone; usage and offspec's
+    own figures come with it."""
+    client = server.client()
+    messages = [{"role": "user", "content": "hello"}]
+    want, tokens = solo(server, messages)
+    got = client.chat.completions.create(model="tiny", messages=messages, max_tokens=24)
+    assert got.choices[0].message.content == want and got.choices[0].message.role == "assistant"
+    assert got.usage.completion_tokens == len(tokens) and got.usage.prompt_tokens > 0
+    assert got.model_extra["offspec"]["passes"] >= 1 and got.choices[0].finish_reason in ("stop", "length")
+    chunks = list(client.chat.completions.create(model="tiny", messages=messages, max_tokens=24, stream=True))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == want
+    assert chunks[-1].usage.completion_tokens == len(tokens) and chunks[-1].choices[0].finish_reason is not None
+    want, _ = solo(server, "abc", chat=False)
+    assert client.completions.create(model="tiny", prompt="abc", max_tokens=24).choices[0].text == want
+    streamed = client.completions.create(model="tiny", prompt="abc", max_tokens=24, stream=True)
+    assert "".join(c.choices[0].text for c in streamed) == want
+    assert [m.id for m in client.models.list().data] == ["tiny"]
+
+
+def test_a_seeded_sampled_request_is_reproducible(server):
+    client = server.client()
+    ask = dict(model="tiny", messages=[{"role": "user", "content": "abc"}], max_tokens=20, temperature=1.0, seed=7)
+    first, second = (client.chat.completions.create(**ask).choices[0].message.content for _ in range(2))
+    assert first == second
+    want, _ = solo(server, ask["messages"], max_tokens=20, sampling=SamplingConfig(temperature=1.0, seed=7))
+    assert first == want
+
+
+def test_32_concurrent_streams_share_passes_and_answer_as_alone(server):
+    """32 streaming clients at once (8 rows in flight, the rest waiting for a row): every one completes with the
+    text of its request run alone, in the passes it took alone, and the passes the engine ran are far fewer than
+    the solo runs' sum."""
+    prompts = [PROMPTS[i % len(PROMPTS)] + " " * (i // len(PROMPTS)) for i in range(32)]
+    want = [solo(server, [{"role": "user", "content": p}]) for p in prompts]
+    passes_before = server.service.passes
+
+    def ask(prompt):
+        stream = server.client().chat.completions.create(model="tiny", messages=[{"role": "user", "content": prompt}],
+                                                          max_tokens=24, stream=True)
+        chunks = list(stream)
+        return "".join(c.choices[0].delta.content or "" for c in chunks if c.choices), chunks[-1].model_extra
+
+    with ThreadPoolExecutor(32) as pool:
+        answers = list(pool.map(ask, prompts))
+    shared = server.service.passes - passes_before
+    assert [text for text, _ in answers] == [text for text, _ in want]
+    alone = [server.client().chat.completions.create(model="tiny", messages=[{"role": "user", "content": p}],
+                                                     max_tokens=24).model_extra["offspec"]["passes"] for p in prompts]
+    assert alone == [extra["offspec"]["passes"] for _, extra in answers]     # each row's own passes, as alone
+    solo_passes = sum(extra["offspec"]["passes"] for _, extra in answers)
+    assert shared < solo_passes / 3, (shared, solo_passes)
+
+
+def test_bad_requests_are_openai_errors_and_the_others_carry_on(server):
+    """Malformed JSON, a wrong model, empty messages, max_tokens <= 0, a negative temperature, n > 1, an unsupported
+    field, a prompt longer than the context, a wrong key: each one status and {"error": {...}} naming the field,
+    mixed into streaming load that completes."""
+    cases = [
+        (b"{not json", 400, None), ({"model": "other", "messages": [{"role": "user", "content": "a"}]}, 400, "model"),
+        ({"model": "tiny", "messages": []}, 400, "messages"),
+        ({"model": "tiny", "messages": [{"role": "user", "content": "a"}], "max_tokens": 0}, 400, "max_tokens"),
+        ({"model": "tiny", "messages": [{"role": "user", "content": "a"}], "temperature": -1}, 400, "temperature"),
+        ({"model": "tiny", "messages": [{"role": "user", "content": "a"}], "n": 2}, 400, "n"),
+        ({"model": "tiny", "messages": [{"role": "user", "content": "a"}], "logprobs": True}, 400, "logprobs"),
+        ({"model": "tiny", "messages": [{"role": "user", "content": "a" * 400}]}, 400, "messages"),
+    ]
+    with ThreadPoolExecutor(8) as pool:
+        load = [pool.submit(lambda p=p: "".join(c.choices[0].delta.content or "" for c in server.client()
+                                                 .chat.completions.create(model="tiny", stream=True, max_tokens=16,
+                                                                          messages=[{"role": "user", "content": p}])
+                                                 if c.choices)) for p in PROMPTS]
+        for body, status, param in cases:
+            r = httpx.post(f"{server.url}/v1/chat/completions", headers={"Authorization": f"Bearer {KEY}"},
+                           content=body if isinstance(body, bytes) else json.dumps(body))
+            assert r.status_code == status, (body, r.text)
+            error = r.json()["error"]
+            assert error["param"] == param and error["message"] and error["type"] == "invalid_request_error"
+        r = httpx.post(f"{server.url}/v1/chat/completions", headers={"Authorization": "Bearer wrong"},
+                       json={"model": "tiny", "messages": [{"role": "user", "content": "a"}]})
+        assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+        assert httpx.get(f"{server.url}/health").json()["status"] == "ok"       # no key needed
+        assert httpx.get(f"{server.url}/v1/models").status_code == 401
+        texts = [f.result() for f in load]
+    assert texts == [solo(server, [{"role": "user", "content": p}], max_tokens=16)[0] for p in PROMPTS]
+
+
+def test_clients_that_leave_free_their_rows(server):
+    """Streams closed after their first chunk: their requests are cancelled (rows freed at the next pass, not run
+    to max_tokens), and the requests after them complete."""
+    before = server.service.passes
+    for _ in range(6):
+        with httpx.stream("POST", f"{server.url}/v1/chat/completions", headers={"Authorization": f"Bearer {KEY}"},
+                          json={"model": "tiny", "messages": [{"role": "user", "content": "abc"}], "max_tokens": 64,
+                                "stream": True}) as r:
+            next(r.iter_lines())
+    deadline = time.time() + 20
+    while server.service.in_flight() and time.time() < deadline:
+        time.sleep(0.05)
+    assert server.service.in_flight() == 0
+    assert server.service.passes - before < 6 * 64 / 2       # not every one ran to the end
+    text = server.client().chat.completions.create(model="tiny", messages=[{"role": "user", "content": "abc"}],
+                                                   max_tokens=8).choices[0].message.content
+    assert text == solo(server, [{"role": "user", "content": "abc"}], max_tokens=8)[0]
+
+
+def test_a_full_queue_is_429_with_retry_after(pair):
+    """One row, no room to wait: while a request holds the row, another is 429 with Retry-After; once it is
+    answered, the next one runs."""
+    s = Server(*pair, max_waiting=0, concurrency=1)
+    try:
+        holder = s.service.submit(GenerationRequest(prompt_ids=(5, 6, 7), max_new_tokens=4), lambda row_step: None)
+        r = httpx.post(f"{s.url}/v1/completions", headers={"Authorization": f"Bearer {KEY}"},
+                       json={"model": "tiny", "prompt": "abc", "max_tokens": 4})
+        assert r.status_code == 429 and r.headers["retry-after"] == "1"
+        assert r.json()["error"]["type"] == "rate_limit_error"
+        s.service.done(holder, cancel=True)
+        r = httpx.post(f"{s.url}/v1/completions", headers={"Authorization": f"Bearer {KEY}"},
+                       json={"model": "tiny", "prompt": "abc", "max_tokens": 4})
+        assert r.status_code == 200            # the row is free again
+    finally:
+        s.close()
+
+
+def test_a_non_loopback_host_needs_a_key(pair):
+    from click.testing import CliRunner
+    from offspec.cli import main
+    r = CliRunner().invoke(main, ["serve", "--target", str(pair[0]), "--host", "0.0.0.0"])
+    assert r.exit_code != 0 and "--api-key" in r.output and "Traceback" not in r.output
+
+
+def test_bench_serve_reports_its_rows():
+    """scripts/bench_serve.py's table from rows (no model): tokens/s, the concurrent run against the sequential one
+    before it, passes, and how many answers matched."""
+    from types import SimpleNamespace
+    from scripts_module import load_script
+    bench = load_script("bench_serve")
+    rows = [dict(way=way, seconds=s, tokens=64, tokens_per_s=64 / s, passes=p, request_passes=rp, texts=texts,
+                 repeat=r) for r, (way, s, p, rp, texts) in enumerate([
+                     ("one at a time", 16.0, 12, 12, ["a", "b"]), ("all at once", 8.0, 6, 12, ["a", "c"])])]
+    text = bench.report(SimpleNamespace(clients=2, dtype="bfloat16", tree_budget=16, new_tokens=32), rows, 0.0,
+                        "0 / 0 / 0")
+    assert "| all at once | 2 | 8.00 [8.00, 8.00] | 2.00x [2.00, 2.00] | 8.0 | 64 | 6 | 5.33 | 1/2 | 1 |" in text

@@ -614,6 +614,8 @@ def serve(host, port, api_key, no_key_ok, model_name, concurrency, max_waiting, 
     (streaming or not), GET /v1/models and /health. Requests in flight share every target pass; a request waits for a
     free row at most --max-waiting deep. Needs the serve extra: pip install -e ".[serve]". Supported fields and
     errors: docs/serving.md."""
+    if api_key is not None and not api_key.strip():
+        raise InputError("--api-key (or $OFFSPEC_API_KEY) is empty: give a key, or leave it out")
     if host not in LOOPBACK and api_key is None and not no_key_ok:
         raise InputError(f"--host {host} listens beyond this machine: give --api-key (or $OFFSPEC_API_KEY), or "
                          f"--no-key-ok to let anyone who reaches port {port} use the model")
@@ -639,7 +641,8 @@ def serve(host, port, api_key, no_key_ok, model_name, concurrency, max_waiting, 
     name = model_name or Path(str(models.target.path)).name
     cfg = ServeConfig(model=name, tree=tree, sampling=sampling, max_tokens=min(max_tokens, loaded.plan.context - 2),
                       max_waiting=max_waiting, context=loaded.plan.context, api_key=api_key)
-    click.echo(f"offspec: serving {name} at http://{host}:{port}/v1 ({loaded.plan.concurrency} requests in flight, "
+    shown = f"[{host}]" if ":" in host else host
+    click.echo(f"offspec: serving {name} at http://{shown}:{port}/v1 ({loaded.plan.concurrency} requests in flight, "
                f"context {loaded.plan.context} tokens; {loaded.plan.layers_line()})", err=True)
     try:
         uvicorn.run(make_app(service, cfg, models.tokenizer), host=host, port=port, log_level="warning")

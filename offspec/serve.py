@@ -19,7 +19,9 @@ full, 500 when the engine failed (and /health says so).
 """
 
 import asyncio
+import hmac
 import json
+import secrets
 import threading
 import time
 import uuid
@@ -100,7 +102,7 @@ def _stop(body: dict) -> tuple[str, ...]:
 
 
 def _check_supported(body: dict) -> None:
-    if body.get("n", 1) != 1:
+    if body.get("n") not in (None, 1):
         raise ApiError(400, f"n must be 1: offspec returns one choice a request (asked for {body.get('n')!r})", "n")
     for name in UNSUPPORTED:
         if body.get(name) not in (None, False, [], {}):
@@ -164,19 +166,20 @@ def parse_request(body: dict, cfg: ServeConfig, tokenizer, chat: bool) -> tuple[
     if sampling.top_p <= 0:
         raise ApiError(400, "top_p must be above 0", "top_p")
     seed = body.get("seed")
-    if seed is not None:
-        if isinstance(seed, bool) or not isinstance(seed, int):
-            raise ApiError(400, f"seed must be an integer, not {seed!r}", "seed")
-        sampling = replace(sampling, seed=seed % 2**63)
-    stream = body.get("stream", False)
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+        raise ApiError(400, f"seed must be an integer, not {seed!r}", "seed")
+    # No seed: a fresh one, as OpenAI draws (the same sampled request twice gives two answers).
+    sampling = replace(sampling, seed=secrets.randbits(63) if seed is None else seed % 2**63)
+    stream = body.get("stream") or False
     if not isinstance(stream, bool):
         raise ApiError(400, "stream must be true or false", "stream")
     field = "messages" if chat else "prompt"
     max_tokens, stop = _max_tokens(body, cfg), _stop(body)
     try:
         ids = encode_prompt(tokenizer, prompt, raw=not chat)
-    except InputError as e:
-        raise ApiError(400, str(e), field) from None
+    except Exception as e:       # InputError, or the chat template's own refusal (roles must alternate, ...)
+        raise ApiError(400, f"{field} cannot be encoded: {(str(e).splitlines() or [type(e).__name__])[0]}",
+                       field) from None
     if len(ids) + 1 >= cfg.context:
         raise ApiError(400, f"the prompt is {len(ids)} tokens; this server's context holds {cfg.context} (prompt and "
                        f"new tokens together)", field, code="context_length_exceeded")
@@ -213,8 +216,8 @@ class EngineService:
                 if callback is not None:
                     callback(row_step)
         except BaseException as err:       # the engine is gone: tell every request in flight, and /health
-            self.failure = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
             with self._lock:
+                self.failure = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
                 callbacks = list(self._callbacks.values())
             for callback in callbacks:
                 callback(None)
@@ -222,9 +225,9 @@ class EngineService:
     def submit(self, request: GenerationRequest, callback) -> int:
         """Queue `request`; -> its key. ApiError 429 when every row is taken and max_waiting requests already wait
         for one."""
-        if self.failure is not None:
-            raise ApiError(500, f"the engine failed: {self.failure}", kind="server_error")
         with self._lock:
+            if self.failure is not None:
+                raise ApiError(500, f"the engine failed: {self.failure}", kind="server_error")
             if len(self._callbacks) >= self.rows + self.max_waiting:
                 raise ApiError(429, f"all {self.rows} rows are taken and {self.max_waiting} requests wait for one; "
                                f"retry shortly", kind="rate_limit_error", headers={"Retry-After": "1"})
@@ -281,12 +284,12 @@ def _steps(service: EngineService, request: GenerationRequest, loop: asyncio.Abs
     return key, queue
 
 
-def _take(answer: Answer, row_step) -> None:
-    """One RowStep into the answer; ApiError if the engine refused the request or failed."""
+def _take(answer: Answer, row_step, field: str) -> None:
+    """One RowStep into the answer; ApiError if the engine refused the request (naming `field`) or failed."""
     if row_step is None:
         raise ApiError(500, "the engine failed while running this request", kind="server_error")
     if row_step.error is not None:
-        raise ApiError(400, str(row_step.error), "messages")
+        raise ApiError(400, str(row_step.error), field)
     step = row_step.step
     if step.tokens or step.finish_reason:
         answer.passes += 1
@@ -300,6 +303,8 @@ def make_app(service: EngineService, cfg: ServeConfig, tokenizer):
     """The FastAPI application."""
     from fastapi import FastAPI, Request
     from fastapi.responses import JSONResponse, StreamingResponse
+    from starlette.concurrency import run_in_threadpool
+    from starlette.exceptions import HTTPException as StarletteHTTPException
 
     from .prompt import IncrementalText
 
@@ -309,26 +314,22 @@ def make_app(service: EngineService, cfg: ServeConfig, tokenizer):
     async def api_error(_, err: ApiError):
         return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
 
-    @app.middleware("http")
-    async def guard(request: Request, call_next):
-        if cfg.api_key is not None and request.url.path != "/health" and \
-                request.headers.get("authorization", "") != f"Bearer {cfg.api_key}":
-            err = ApiError(401, "incorrect or missing API key (Authorization: Bearer <key>)", code="invalid_api_key")
-            return JSONResponse(err.body(), status_code=401)
-        length = request.headers.get("content-length")
-        if length is not None and (not length.isdigit() or int(length) > MAX_BODY_BYTES):
-            err = ApiError(413, f"the request body is over {MAX_BODY_BYTES} bytes")
-            return JSONResponse(err.body(), status_code=413)
-        return await call_next(request)
+    app.add_middleware(_Guard, api_key=cfg.api_key)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(_, err: StarletteHTTPException):       # 404, 405, ...: OpenAI's shape too
+        return JSONResponse(ApiError(err.status_code, str(err.detail)).body(), status_code=err.status_code)
 
     async def body_of(request: Request) -> dict:
-        raw = await request.body()
-        if len(raw) > MAX_BODY_BYTES:
-            raise ApiError(413, f"the request body is over {MAX_BODY_BYTES} bytes")
+        raw = bytearray()
+        async for piece in request.stream():          # a chunked upload is counted as it arrives
+            raw += piece
+            if len(raw) > MAX_BODY_BYTES:
+                raise ApiError(413, f"the request body is over {MAX_BODY_BYTES} bytes")
         try:
             return json.loads(raw)
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise ApiError(400, f"the request body is not valid JSON ({e})") from None
+        except (ValueError, RecursionError) as e:     # (JSONDecodeError and UnicodeDecodeError are ValueErrors)
+            raise ApiError(400, f"the request body is not valid JSON ({str(e)[:200]})") from None
 
     @app.get("/health")
     async def health():
@@ -341,7 +342,8 @@ def make_app(service: EngineService, cfg: ServeConfig, tokenizer):
         return {"object": "list", "data": [{"id": cfg.model, "object": "model", "created": 0, "owned_by": "offspec"}]}
 
     async def complete(request: Request, chat: bool):
-        gen, stream, options = parse_request(await body_of(request), cfg, tokenizer, chat)
+        # Tokenizing a long prompt takes a while: off the event loop, so the other streams keep flowing.
+        gen, stream, options = await run_in_threadpool(parse_request, await body_of(request), cfg, tokenizer, chat)
         loop = asyncio.get_running_loop()
         key, queue = _steps(service, gen, loop)
         answer = Answer(tokens=[], started=time.perf_counter())
@@ -351,17 +353,16 @@ def make_app(service: EngineService, cfg: ServeConfig, tokenizer):
         text = IncrementalText(tokenizer, gen.stop_strings)
         if stream:
             return StreamingResponse(_stream(service, key, queue, gen, answer, text, head, chat, request),
-                                     media_type="text/event-stream")
+                                     media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
         finished = False
         try:
             while answer.finish is None:
                 try:
-                    row_step = await asyncio.wait_for(queue.get(), timeout=1.0)
+                    _take(answer, await asyncio.wait_for(queue.get(), timeout=1.0), "messages" if chat else "prompt")
                 except asyncio.TimeoutError:
-                    if await request.is_disconnected():
-                        return JSONResponse({}, status_code=499)
-                    continue
-                _take(answer, row_step)
+                    pass
+                if answer.finish is None and await request.is_disconnected():    # (checked every pass, or second)
+                    return JSONResponse({}, status_code=499)
             finished = True
         finally:
             service.done(key, cancel=not finished)
@@ -380,6 +381,30 @@ def make_app(service: EngineService, cfg: ServeConfig, tokenizer):
         return await complete(request, chat=False)
 
     return app
+
+
+class _Guard:
+    """Pure ASGI middleware (it leaves `receive` alone, so a handler still sees its client disconnect): the API key
+    on every route but /health (401), and a declared body over the cap (413)."""
+
+    def __init__(self, app, api_key: Optional[str]):
+        self.app, self.api_key = app, api_key
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http":
+            from fastapi.responses import JSONResponse
+            headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
+            err = None
+            if self.api_key is not None and scope.get("path") != "/health" and not hmac.compare_digest(
+                    headers.get("authorization", "").encode(), f"Bearer {self.api_key}".encode()):
+                err = ApiError(401, "incorrect or missing API key (Authorization: Bearer <key>)", code="invalid_api_key")
+            length = headers.get("content-length")
+            if err is None and length is not None and (not length.isdigit() or int(length) > MAX_BODY_BYTES):
+                err = ApiError(413, f"the request body is over {MAX_BODY_BYTES} bytes")
+            if err is not None:
+                await JSONResponse(err.body(), status_code=err.status)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
 
 
 def _sse(data: dict) -> str:
@@ -404,7 +429,7 @@ async def _stream(service, key, queue, gen, answer, text, head, chat, request):
             yield _sse(chunk(None, None, first=True))
         while answer.finish is None:
             try:
-                _take(answer, await queue.get())
+                _take(answer, await queue.get(), "messages" if chat else "prompt")
             except ApiError as err:
                 yield _sse(err.body())
                 finished = True

@@ -102,12 +102,15 @@ def test_a_seeded_sampled_request_is_reproducible(server):
 
 
 def test_32_concurrent_streams_share_passes_and_answer_as_alone(server):
-    """32 streaming clients at once (8 rows in flight, the rest waiting for a row): every one completes with the
-    text of its request run alone, in the passes it took alone, and the passes the engine ran are far fewer than
-    the solo runs' sum."""
+    """32 streaming clients at once (8 rows in flight, the rest waiting for a row), with clients that leave after
+    their first chunk, malformed requests and wrong keys mixed in: every stream completes with the text of its
+    request run alone, in the passes it took alone; the engine ran far fewer passes than the solo runs' sum; the
+    rows of the clients that left are free afterwards."""
     prompts = [PROMPTS[i % len(PROMPTS)] + " " * (i // len(PROMPTS)) for i in range(32)]
     want = [solo(server, [{"role": "user", "content": p}]) for p in prompts]
     passes_before = server.service.passes
+    headers = {"Authorization": f"Bearer {KEY}"}
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "abc"}], "max_tokens": 64, "stream": True}
 
     def ask(prompt):
         stream = server.client().chat.completions.create(model="tiny", messages=[{"role": "user", "content": prompt}],
@@ -115,15 +118,34 @@ def test_32_concurrent_streams_share_passes_and_answer_as_alone(server):
         chunks = list(stream)
         return "".join(c.choices[0].delta.content or "" for c in chunks if c.choices), chunks[-1].model_extra
 
-    with ThreadPoolExecutor(32) as pool:
-        answers = list(pool.map(ask, prompts))
+    def leave():
+        with httpx.stream("POST", f"{server.url}/v1/chat/completions", headers=headers, json=body) as r:
+            next(r.iter_lines())
+        return 200
+
+    def malformed():
+        return httpx.post(f"{server.url}/v1/chat/completions", headers=headers, content=b"{nope").status_code
+
+    def wrong_key():
+        return httpx.post(f"{server.url}/v1/chat/completions", headers={"Authorization": "Bearer no"},
+                          json=body).status_code
+
+    with ThreadPoolExecutor(48) as pool:
+        streams = [pool.submit(ask, p) for p in prompts]
+        noise = [pool.submit(f) for f in [leave] * 6 + [malformed] * 5 + [wrong_key] * 5]
+        answers = [f.result() for f in streams]
+        assert [f.result() for f in noise] == [200] * 6 + [400] * 5 + [401] * 5
     shared = server.service.passes - passes_before
     assert [text for text, _ in answers] == [text for text, _ in want]
+    solo_passes = sum(extra["offspec"]["passes"] for _, extra in answers)
+    assert shared < solo_passes / 3, (shared, solo_passes)
     alone = [server.client().chat.completions.create(model="tiny", messages=[{"role": "user", "content": p}],
                                                      max_tokens=24).model_extra["offspec"]["passes"] for p in prompts]
     assert alone == [extra["offspec"]["passes"] for _, extra in answers]     # each row's own passes, as alone
-    solo_passes = sum(extra["offspec"]["passes"] for _, extra in answers)
-    assert shared < solo_passes / 3, (shared, solo_passes)
+    deadline = time.time() + 20
+    while server.service.in_flight() and time.time() < deadline:
+        time.sleep(0.05)
+    assert server.service.in_flight() == 0
 
 
 def test_bad_requests_are_openai_errors_and_the_others_carry_on(server):
@@ -194,6 +216,67 @@ def test_a_full_queue_is_429_with_retry_after(pair):
         assert r.status_code == 200            # the row is free again
     finally:
         s.close()
+
+
+def test_an_engine_failure_is_500_and_health_says_so(pair):
+    """The engine's thread fails mid-run: the request in flight ends with 500 and a message, /health answers 503
+    with the failure, and later requests are 500 at once (not queued forever)."""
+    s = Server(*pair)
+    try:
+        def fail(*args, **kwargs):
+            raise RuntimeError("simulated device failure")
+        s.engine._round = fail
+        body = {"model": "tiny", "messages": [{"role": "user", "content": "abc"}], "max_tokens": 8}
+        headers = {"Authorization": f"Bearer {KEY}"}
+        r = httpx.post(f"{s.url}/v1/chat/completions", headers=headers, json=body, timeout=30)
+        assert r.status_code == 500 and r.json()["error"]["type"] == "server_error"
+        health = httpx.get(f"{s.url}/health")
+        assert health.status_code == 503 and "simulated device failure" in health.json()["error"]
+        r = httpx.post(f"{s.url}/v1/chat/completions", headers=headers, json=body, timeout=30)
+        assert r.status_code == 500 and "simulated device failure" in r.json()["error"]["message"]
+    finally:
+        s.close()
+
+
+def test_a_body_over_the_cap_is_413(server):
+    r = httpx.post(f"{server.url}/v1/completions", headers={"Authorization": f"Bearer {KEY}"},
+                   content=b'{"model": "tiny", "prompt": "' + b"a" * (1 << 20) + b'"}')
+    assert r.status_code == 413 and r.json()["error"]["message"]
+
+
+def test_a_non_streaming_client_that_leaves_is_cancelled(pair):
+    """A client that gives up on a non-streaming answer (its timeout) frees its row: the server notices the
+    disconnect while the engine runs (slowed here to a round per 0.5 s, so its 64 tokens would take 5 s or more)
+    and cancels the request within a few rounds."""
+    s = Server(*pair)
+    try:
+        rounds = s.engine._round
+
+        def slow(*args, **kwargs):
+            time.sleep(0.5)
+            return rounds(*args, **kwargs)
+        s.engine._round = slow
+        with pytest.raises(httpx.TimeoutException):
+            httpx.post(f"{s.url}/v1/completions", headers={"Authorization": f"Bearer {KEY}"}, timeout=0.5,
+                       json={"model": "tiny", "prompt": "abc", "max_tokens": 64, "stop": ["NEVER"]})
+        started = time.time()
+        while s.service.in_flight() and time.time() - started < 3:
+            time.sleep(0.05)
+        assert s.service.in_flight() == 0 and s.service.passes < 8, s.service.passes
+    finally:
+        s.close()
+
+
+def test_a_chunked_body_over_the_cap_is_413(server):
+    def chunks():
+        yield b'{"model": "tiny", "prompt": "'
+        for _ in range(40):
+            yield b"a" * 50_000
+        yield b'"}'
+    r = httpx.post(f"{server.url}/v1/completions", headers={"Authorization": f"Bearer {KEY}"}, content=chunks())
+    assert r.status_code == 413 and r.json()["error"]["message"]
+    r = httpx.get(f"{server.url}/v1/nothing", headers={"Authorization": f"Bearer {KEY}"})
+    assert r.status_code == 404 and r.json()["error"]["message"]
 
 
 def test_a_non_loopback_host_needs_a_key(pair):

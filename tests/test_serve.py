@@ -298,3 +298,38 @@ def test_bench_serve_reports_its_rows():
     text = bench.report(SimpleNamespace(clients=2, dtype="bfloat16", tree_budget=16, new_tokens=32), rows, 0.0,
                         "0 / 0 / 0")
     assert "| all at once | 2 | 8.00 [8.00, 8.00] | 2.00x [2.00, 2.00] | 8.0 | 64 | 6 | 5.33 | 1/2 | 1 |" in text
+
+
+def test_the_offspec_serve_command_answers_a_client(pair, tmp_path):
+    """The command itself, as a user starts it: `offspec serve` in its own process, /health, then a streamed chat
+    answer with the `openai` client; Ctrl-C (SIGINT) stops it."""
+    import signal
+    import subprocess
+    import sys
+
+    with __import__("socket").socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    code = "import sys; from offspec.cli import main; sys.exit(main())"
+    proc = subprocess.Popen([sys.executable, "-c", code, "serve", "--target", str(pair[0]), "--draft", str(pair[1]),
+                             "--device", "cpu", "--dtype", "float32", "--port", str(port), "--api-key", KEY,
+                             "--model-name", "tiny", "--tree-budget", "8"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**__import__("os").environ, "OFFSPEC_HOME": str(tmp_path / "home")})
+    try:
+        url, deadline = f"http://127.0.0.1:{port}", time.time() + 120
+        while time.time() < deadline:
+            assert proc.poll() is None, proc.stdout.read()
+            try:
+                if httpx.get(f"{url}/health").json()["status"] == "ok":
+                    break
+            except httpx.TransportError:
+                time.sleep(0.2)
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key=KEY, max_retries=0, timeout=60)
+        chunks = list(client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "abc"}],
+                                                     max_tokens=8, stream=True))
+        assert chunks[-1].usage.completion_tokens > 0
+    finally:
+        proc.send_signal(signal.SIGINT)
+        output = proc.communicate(timeout=30)[0]
+    assert f"serving tiny at http://127.0.0.1:{port}/v1" in output and "Traceback" not in output, output

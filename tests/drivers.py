@@ -39,3 +39,35 @@ def grow(tree_cfg: TreeConfig, sampling: SamplingConfig, root_token: int, root_d
             request = steps.send(draft_step(*request))
     except StopIteration as done:
         return done.value
+
+
+def on_a_side_stream_without_syncs(work: Callable[[], None]) -> None:
+    """work() issued on a CUDA side stream (as the ring's copy queue runs dequantization) with the sync debug mode
+    at "error", so any hidden host synchronization inside it raises; then the stream is waited for."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        with torch.cuda.stream(side):
+            work()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    side.synchronize()
+
+
+def loaded_prompt_logits(model, prompt: Sequence[int], offload=None, resident_quant: str = "auto"):
+    """The target `model` (a folder or file) loaded alone in float32 on the CPU as `offload` (default resident)
+    says -> (its logits over `prompt` in one pass, (T, V); the load.Loaded, closed)."""
+    from offspec.config import OffloadConfig, RuntimeConfig
+    from offspec.load import load_engine
+
+    cpu = torch.device("cpu")
+    loaded = load_engine(model, None, offload or OffloadConfig(),
+                         RuntimeConfig(device=cpu, dtype=torch.float32, resident_quant=resident_quant), progress=False)
+    try:
+        eng, T = loaded.engine, len(prompt)
+        cache = KVCache.for_model(eng.target.cfg, T, eng.target.dtype, cpu)
+        mask = torch.arange(T)[:, None] >= torch.arange(T)[None]
+        return forward_one(eng.target, torch.tensor(prompt), torch.arange(T), torch.arange(T), mask, cache), loaded
+    finally:
+        loaded.engine.close()

@@ -16,6 +16,7 @@ from offspec.config import OffloadConfig, RuntimeConfig, TreeConfig
 from offspec.errors import CheckpointError
 from offspec.generate import GenerationRequest, run
 from offspec.load import load_engine
+from drivers import loaded_prompt_logits, on_a_side_stream_without_syncs
 from tiny import hf_config, make_model, perturbed_copy, save_gguf
 
 gguf = pytest.importorskip("gguf")
@@ -70,16 +71,7 @@ def test_cuda_dequantization_equals_gguf_py_without_a_sync():
     cases = [(name, random_blocks(name, 8, 512)) for name in TYPES]
     on_device = [(name, torch.from_numpy(blocks.reshape(-1).copy()).to(device),
                   torch.empty(8, 512, dtype=torch.bfloat16, device=device)) for name, blocks in cases]
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        with torch.cuda.stream(side):
-            for name, raw, out in on_device:
-                gguf_blocks.dequantize(name, raw, out)
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
-    side.synchronize()
+    on_a_side_stream_without_syncs(lambda: [gguf_blocks.dequantize(name, raw, out) for name, raw, out in on_device])
     for (name, raw, out) in on_device:
         want = torch.empty(8, 512, dtype=torch.bfloat16)
         gguf_blocks.dequantize(name, raw.cpu(), want)
@@ -117,18 +109,8 @@ def test_the_weights_are_transformers_gguf_loaders(pair):
     assert all(torch.equal(getattr(got, k), getattr(want, k)) for k in ("embed", "lm_head", "final_norm"))
 
 
-def prompt_logits(model, offload=OffloadConfig(), resident_quant="auto"):
-    from dataclasses import replace
-    from drivers import forward_one
-    from offspec.kv_cache import KVCache
-    loaded = load_engine(model, None, offload, replace(F32, resident_quant=resident_quant), progress=False)
-    try:
-        eng, T = loaded.engine, len(PROMPT)
-        cache = KVCache.for_model(eng.target.cfg, T, eng.target.dtype, CPU)
-        mask = torch.arange(T)[:, None] >= torch.arange(T)[None]
-        return forward_one(eng.target, torch.tensor(PROMPT), torch.arange(T), torch.arange(T), mask, cache), loaded
-    finally:
-        loaded.engine.close()
+def prompt_logits(model, offload=None, resident_quant="auto"):
+    return loaded_prompt_logits(model, PROMPT, offload, resident_quant)
 
 
 def test_the_output_is_exactly_that_of_its_weights(pair):

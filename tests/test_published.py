@@ -4,7 +4,6 @@ scripts/awq_reference.py and scripts/gptq_reference.py), the model's output is e
 weights, streamed == resident, speculative greedy == its plain greedy, plans from headers, and one line for what is
 not supported."""
 import json
-from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -16,9 +15,8 @@ from offspec.checkpoint import Checkpoint
 from offspec.config import OffloadConfig, RuntimeConfig, TreeConfig
 from offspec.errors import CheckpointError, InputError
 from offspec.generate import GenerationRequest, run
-from offspec.kv_cache import KVCache
 from offspec.load import load_engine
-from drivers import forward_one
+from drivers import loaded_prompt_logits, on_a_side_stream_without_syncs
 from tiny import hf_config, make_model, perturbed_copy, save_checkpoint, save_published_checkpoint
 
 CPU = torch.device("cpu")
@@ -123,16 +121,8 @@ def generation(tree: TreeConfig, new_tokens: int) -> GenerationRequest:
     return GenerationRequest(prompt_ids=PROMPT, max_new_tokens=new_tokens, tree=tree, ignore_eos=True)
 
 
-def prompt_logits(target_dir, offload=OffloadConfig(), resident_quant="auto"):
-    loaded = load_engine(target_dir, None, offload, replace(F32, resident_quant=resident_quant), progress=False)
-    try:
-        eng = loaded.engine
-        T = len(PROMPT)
-        cache = KVCache.for_model(eng.target.cfg, T, eng.target.dtype, CPU)
-        mask = torch.arange(T)[:, None] >= torch.arange(T)[None]
-        return forward_one(eng.target, torch.tensor(PROMPT), torch.arange(T), torch.arange(T), mask, cache), loaded
-    finally:
-        loaded.engine.close()
+def prompt_logits(model, offload=None, resident_quant="auto"):
+    return loaded_prompt_logits(model, PROMPT, offload, resident_quant)
 
 
 @pytest.fixture(autouse=True)
@@ -288,16 +278,8 @@ def test_cuda_dequantization_equals_the_references_without_a_sync():
                               + ("-asym" if "_asym_" in case else "") + "-" + case.split("_")[-1])]
     on_device = [(quant, {k: t.to(device) for k, t in pieces.items()},
                   torch.empty(want.shape, dtype=torch.bfloat16, device=device)) for quant, pieces, want in cases]
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        with torch.cuda.stream(side):
-            for quant, pieces, out in on_device:
-                published.dequantize(quant, pieces, out)
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
-    side.synchronize()
+    on_a_side_stream_without_syncs(lambda: [published.dequantize(quant, pieces, out)
+                                            for quant, pieces, out in on_device])
     for (quant, _, want), (_, _, out) in zip(cases, on_device):
         assert torch.equal(out.cpu(), want.to(torch.bfloat16)), quant      # (the references are float16 or bfloat16)
 

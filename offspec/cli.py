@@ -782,7 +782,7 @@ def models_demo(gguf):
 @models.command("info")
 @click.argument("model_dir", type=click.Path())
 @click.option("--draft", "draft_dir", type=click.Path(), default=None,
-              help="Draft model folder (or hub id, as MODEL_DIR) to plan beside the target. Default: none.")
+              help="Draft model folder, GGUF file or hub id (as MODEL_DIR) to plan beside the target. Default: none.")
 @click.option("--device-memory", default=None,
               help="Plan for a GPU with this much free memory (e.g. 24GB), present or not. Default: this machine's "
                    "GPU (its free memory now), or this CPU.")
@@ -824,10 +824,12 @@ def models_info(model_dir, draft_dir, device_memory, host_memory, dtype, offload
     """The model(s), and the memory plan of a run on a given machine: where every layer lives, what the
     device and host hold, the predicted pass time; for a GPU, every target quantization and offload mode
     planned side by side, the one auto uses and the fastest marked. Reads config.json and the safetensors
-    headers only, so the weights need not be here (plan a 70B on a 24 GB GPU from its headers).
+    headers (or a GGUF file's header) only, so the weights need not be here (plan a 70B on a 24 GB GPU from its
+    headers).
 
-    MODEL_DIR: a model folder, or a hub id (owner/name): from the local Hugging Face cache when it holds the
-    model, else its config, tokenizer and safetensors headers are read from the hub, never its weights."""
+    MODEL_DIR: a model folder, a GGUF file, or a hub id (owner/name): from the local Hugging Face cache when it
+    holds the model, else its config, tokenizer and safetensors headers are read from the hub, never its
+    weights."""
     import torch
 
     from .load import parse_dtype

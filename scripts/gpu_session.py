@@ -12,8 +12,10 @@ Parts, in order, each in its own process with its own time limit (a hang or a cr
            streamed logits against the resident ones (bitwise)
   drafts   one call of a 1B-shaped (Llama-3.2-1B) and an 8B-shaped (Llama-3.1-8B) draft, resident, at the
            same widths, after the same prefix
-  dequant  int8 and nf4 dequantization of one 70B layer on the GPU (nf4 where bitsandbytes imports), the
-           block's bytes against the dense layer's
+  dequant  the dequantization of one 70B layer on the GPU, for every layer format offspec streams: int8 and nf4
+           (nf4 where bitsandbytes imports), and the published ones read as they are: AWQ g128, GPTQ 4-bit g128,
+           compressed-tensors int4 g128 and GGUF Q4_K_M (Q4_K, Q6_K for v and down; random blocks); the block's
+           bytes against the dense layer's (costmodel.dequant_s_per_gb takes these)
 OUT/gpu_70b.json holds the parts' results (rewritten after every row); OUT/gpu_70b.md renders them.
 
 Examples:
@@ -52,7 +54,7 @@ from offspec.model import Model  # noqa: E402
 from offspec.plan import LayerPlan, layer_nbytes  # noqa: E402
 
 PARTS = ("check", "pass70b", "drafts", "dequant")
-PART_LIMIT_S = {"check": 260, "pass70b": 150, "drafts": 60, "dequant": 40}   # 510 s in all
+PART_LIMIT_S = {"check": 260, "pass70b": 150, "drafts": 60, "dequant": 90}   # 560 s in all
 WIDTHS = (1, 64, 256, 1024)
 
 LLAMA_70B = ModelConfig(arch="llama", vocab_size=128256, hidden_size=8192, intermediate_size=28672, n_layers=16,
@@ -64,7 +66,7 @@ DRAFTS = {
                       n_heads=32, n_kv_heads=8, head_dim=128, rms_norm_eps=1e-5),
 }
 # --tiny: the same code on shapes a CPU runs in seconds (a smoke test; its figures mean nothing)
-TINY = dict(vocab_size=512, hidden_size=128, intermediate_size=256, n_heads=4, n_kv_heads=2, head_dim=32)
+TINY = dict(vocab_size=512, hidden_size=256, intermediate_size=512, n_heads=4, n_kv_heads=2, head_dim=64)   # (K-quant rows)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -145,19 +147,33 @@ def drafts_part(args, device: torch.device, results: Results) -> None:
             torch.cuda.empty_cache()
 
 
+def dequant_quants(cfg: ModelConfig) -> tuple[str, ...]:
+    """The layer formats timed: offspec's own, and the published ones at the group size the shape divides into
+    (128 for the 70B; a --tiny shape's is smaller), GGUF where rows are whole 256-weight K-quant blocks."""
+    group = next(g for g in (128, 32, 16, 8) if cfg.hidden_size % g == 0 and cfg.intermediate_size % g == 0)
+    gguf = ("gguf:q4_k,q4_k,q6_k,q4_k,q4_k,q4_k,q6_k",) if cfg.hidden_size % 256 == 0 == cfg.intermediate_size % 256 \
+        else ()
+    return ("int8", "nf4", f"awq-g{group}", f"gptq-b4-g{group}-v2", f"ct-b4-g{group}-bf16") + gguf
+
+
 def dequant_part(args, device: torch.device, results: Results) -> None:
     from offspec.errors import InputError
+    from offspec.published import is_published, short
     from offspec.quant import QuantizedLayout
     cfg = shape(LLAMA_70B, args, 1)
     weights = random_layers(cfg, device, torch.bfloat16)(0)
-    for quant in ("int8", "nf4"):
+    for quant in dequant_quants(cfg):
         try:
             layout = QuantizedLayout.of(cfg, torch.bfloat16, quant)
             block = torch.empty(layout.nbytes, dtype=torch.uint8, device=device)     # (nbytes,) the moved block
-            layout.pack(weights, block)
+            if quant.startswith("gguf:"):          # GGML blocks, random (timing only: the values do not matter)
+                block.copy_(torch.randint(0, 256, (layout.nbytes,), dtype=torch.uint8, device=device))
+            else:
+                layout.pack(weights, block)
         except InputError as err:                  # nf4 without bitsandbytes
             results.add_row("dequant", {"quant": quant, "skipped": str(err)})
             continue
+        quant = short(quant) if is_published(quant) else quant
         dense = torch.empty(layout.dense.nbytes, dtype=torch.uint8, device=device)   # (dense nbytes,)
         layout.dequantize(block, dense)                                               # warm-up
         with Timer(device) as timer:

@@ -78,7 +78,7 @@ def test_cuda_dequantization_equals_gguf_py_without_a_sync():
         assert torch.equal(out.cpu(), want), name
 
 
-@pytest.fixture(scope="module", params=["llama", "qwen2"])
+@pytest.fixture(scope="module", params=["llama", "qwen2", "qwen3"])
 def pair(tmp_path_factory, request):
     """A GGUF target of every type (llama's q and k rows permuted as llama.cpp's converter does), a Q8_0 GGUF draft
     that often agrees with it, and transformers' own reading of the target (its GGUF loader, dequantizing with
@@ -169,11 +169,13 @@ def test_models_info_plans_it_from_its_blocks(pair):
     ckpt = open_checkpoint(pair[0])
     cfg = ckpt.config
     sizes = TargetLayerSizes.of(cfg, torch.float32, ckpt.quant)
-    D, F, kv = cfg.hidden_size, cfg.intermediate_size, cfg.n_kv_heads * cfg.head_dim
-    largest = {"q_proj": 144 / 256 * D * D, "k_proj": 176 / 256 * kv * D, "v_proj": 2 * kv * D,
-               "o_proj": 18 / 32 * D * D, "gate_proj": 2 * F * D, "up_proj": 20 / 32 * F * D,
+    D, F = cfg.hidden_size, cfg.intermediate_size
+    q, kv = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
+    largest = {"q_proj": 144 / 256 * q * D, "k_proj": 176 / 256 * kv * D, "v_proj": 2 * kv * D,
+               "o_proj": 18 / 32 * D * q, "gate_proj": 2 * F * D, "up_proj": 20 / 32 * F * D,
                "down_proj": 210 / 256 * D * F}
-    vectors = 4 * (2 * D + (D + 2 * kv if cfg.attention_bias else 0))      # norms and biases in float32
+    vectors = 4 * (2 * D + (q + 2 * kv if cfg.attention_bias else 0)       # norms, biases, head norms in float32
+                   + (2 * cfg.head_dim if cfg.qk_norm else 0))
     assert 0 <= sizes.block - sum(largest.values()) - vectors < 12 * 256       # each entry aligned to 256 bytes
     result = CliRunner().invoke(main, ["models", "info", str(pair[0]), "--device-memory", "1GB", "--host-memory",
                                        "8GB", "--dtype", "float32"])
@@ -304,3 +306,17 @@ def test_each_layer_moves_its_own_bytes_whole_or_split(pair):
                     assert torch.equal(getattr(w, name), getattr(want, name)), (i, w.part, name)
         copied = layers.stats().bytes - 2 * sum(sizes.moved)      # two passes, and the next one's first loads
         assert 0 <= copied <= plan.placement.n_slots * sizes.part
+
+
+def test_a_tied_model_without_output_weight(tmp_path):
+    """llama.cpp writes no output.weight for a model whose lm_head is its embedding (Qwen2.5's small models): read
+    tied, its logits are those of transformers' reading of the file."""
+    from offspec.demo import convert_gguf
+    model = make_model(hf_config("qwen2", n_layers=2, hidden=256, heads=4, kv_heads=2, vocab=300, tie=True), seed=4)
+    path = save_gguf(model, tmp_path / "tied.gguf", {"down_proj": "Q6_K"})
+    ckpt = open_checkpoint(path)
+    assert ckpt.config.tie_word_embeddings and not ckpt.has_lm_head
+    convert_gguf(path, tmp_path / "reference", torch.float32)
+    want, _ = prompt_logits(tmp_path / "reference")
+    got, _ = prompt_logits(path, OffloadConfig(mode="cpu", n_slots=2))
+    assert torch.equal(got, want)

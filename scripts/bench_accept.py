@@ -91,7 +91,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "plot (suffix _ngram-on, _calibrate-on)")
     p.add_argument("--calibrate", choices=("on", "off"), default="off",
                    help="calibrated node values (TreeConfig.calibrate); each row also records predicted vs observed "
-                        "acceptance (scripts/calibration_plot.py plots it)")
+                        "acceptance (scripts/devtools/calibration_plot.py plots it)")
     p.add_argument("--prompts", type=int, default=None, help="the first N prompts of the set [default 32; 1 with "
                                                              "--quick]")
     p.add_argument("--new-tokens", type=int, default=None, help="tokens generated per run, EOS ignored "

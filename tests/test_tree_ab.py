@@ -1,4 +1,4 @@
-"""scripts/tree_ab.py's model-free parts: the per-prompt table across commits, and its refusals."""
+"""scripts/devtools/tree_ab.py's model-free parts: the per-prompt table across commits, and its refusals."""
 import pytest
 
 from offspec.errors import InputError

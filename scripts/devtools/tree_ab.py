@@ -16,9 +16,9 @@ per-round accepted lengths are identical to the first commit's.
 
 Example (issue 15: the trees with both levers off against the engine before the levers, 44660a4):
   git worktree add /tmp/wt-44660a4 44660a4
-  python scripts/tree_ab.py --checkout /tmp/wt-44660a4 --budget 64 --prompt-set code --raw --prompts 6 \\
+  python scripts/devtools/tree_ab.py --checkout /tmp/wt-44660a4 --budget 64 --prompt-set code --raw --prompts 6 \\
       --rows docs/tree_ab_rows.jsonl
-  python scripts/tree_ab.py --checkout . --budget 64 --prompt-set code --raw --prompts 6 --rows docs/tree_ab_rows.jsonl
+  python scripts/devtools/tree_ab.py --checkout . --budget 64 --prompt-set code --raw --prompts 6 --rows docs/tree_ab_rows.jsonl
 """
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ import json
 import subprocess
 import sys
 from pathlib import Path
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # this checkout's offspec: the prompt ids
+sys.path[:0] = [str(Path(__file__).resolve().parents[2]), str(Path(__file__).resolve().parents[1])]   # this checkout's offspec (prompt ids), scripts/
 import _common  # noqa: E402
 import _stats  # noqa: E402
 from bench_accept import append_row, read_rows  # noqa: E402

@@ -12,7 +12,7 @@ own table, HumanEval/0-5 without the chat template, so rows of `bench_accept.py 
 how sure that is. The code figures' lines say how those figures were counted (GOAL_NOTES).
 
 Example (the rows of `bench_accept.py ... --rows docs/bench_accept_levers.jsonl`, and of its --raw code runs):
-  python scripts/levers_report.py --rows docs/bench_accept_levers.jsonl docs/bench_accept_raw.jsonl --write-docs
+  python scripts/devtools/levers_report.py --rows docs/bench_accept_levers.jsonl docs/bench_accept_raw.jsonl --write-docs
 
 --write-docs replaces the levers_report section of docs/benchmarks.md with what it prints (nothing is hand-edited).
 """
@@ -21,10 +21,12 @@ from __future__ import annotations
 import argparse
 import sys
 from collections import defaultdict
+from pathlib import Path
 
-import _common
-import _stats
-from bench_accept import read_rows
+sys.path[:0] = [str(Path(__file__).resolve().parents[2]), str(Path(__file__).resolve().parents[1])]   # offspec, scripts/
+import _common  # noqa: E402
+import _stats  # noqa: E402
+from bench_accept import read_rows  # noqa: E402
 
 RAW_CODE = "code, no template"
 GOALS = {("chat", 64): 5.8, ("chat", 256): 7.5, ("chat", 1024): 8.5,    # issue 15, chat set, both levers on

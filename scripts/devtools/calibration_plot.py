@@ -8,7 +8,7 @@ Observations (calibrate.py): at T = 0 every tree node is one (accepted iff the t
 is its token); at T > 0 the children of the nodes verification visited.
 
 Example:
-  python scripts/calibration_plot.py --rows docs/bench_accept.jsonl --prompt-set chat --out docs/calibration.png
+  python scripts/devtools/calibration_plot.py --rows docs/bench_accept.jsonl --prompt-set chat --out docs/calibration.png
 """
 from __future__ import annotations
 
@@ -17,8 +17,10 @@ import json
 import os
 import sys
 from collections import defaultdict
+from pathlib import Path
 
-import _common
+sys.path[:0] = [str(Path(__file__).resolve().parents[2]), str(Path(__file__).resolve().parents[1])]   # offspec, scripts/
+import _common  # noqa: E402
 
 
 def parse_args(argv=None) -> argparse.Namespace:

@@ -7,8 +7,8 @@ tokens must be identical. Prints one line per run and a summary per configuratio
 --out as a JSON line (tokens included) so a later look can check them.
 
   git worktree add /tmp/base HEAD~1
-  python scripts/ab_checkouts.py --base /tmp/base --new . --configs all --max-new-tokens 24 --order base,new
-  python scripts/ab_checkouts.py --base /tmp/base --new . --configs gen-none-dyspec,batch4-none-dyspec \\
+  python scripts/devtools/ab_checkouts.py --base /tmp/base --new . --configs all --max-new-tokens 24 --order base,new
+  python scripts/devtools/ab_checkouts.py --base /tmp/base --new . --configs gen-none-dyspec,batch4-none-dyspec \\
       --max-new-tokens 32 --order base,new,new,base
 
 A run loads both models each time (tens of seconds on a 2-core CPU): plan ~1 minute per run.
@@ -25,7 +25,8 @@ import tempfile
 import time
 from pathlib import Path
 
-import _common
+sys.path[:0] = [str(Path(__file__).resolve().parents[2]), str(Path(__file__).resolve().parents[1])]   # offspec, scripts/
+import _common  # noqa: E402
 
 PROMPTS = ["Write a Python function that returns the n-th Fibonacci number.",
            "What is the capital of France? Answer in one sentence.",

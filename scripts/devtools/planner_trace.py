@@ -5,8 +5,8 @@ chose after (plain decoding or trees, its miss ratio, the budgets it gave). For 
 benchmark: one run, no repeats (scripts/bench_batch.py measures; its cpu and disk regimes have the same settings
 as --offload none and disk).
 
-  python scripts/planner_trace.py --concurrency 16 --prompts 32 --prompt-set chat --out trace.jsonl
-  python scripts/planner_trace.py --concurrency 8 --prompts 16 --tree none      # the plain baseline's wall time
+  python scripts/devtools/planner_trace.py --concurrency 16 --prompts 32 --prompt-set chat --out trace.jsonl
+  python scripts/devtools/planner_trace.py --concurrency 8 --prompts 16 --tree none      # the plain baseline's wall time
 
 Per line of --out: rows, grown, nodes, draft_s (growth), catch_up (tokens fed), catch_up_s, target_s, pass_tokens,
 timed (False: a round that prefilled), yielded, then plain (plain decoding chosen for the next round), miss,
@@ -24,8 +24,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path[:0] = [str(Path(__file__).resolve().parents[2]), str(Path(__file__).resolve().parents[1])]   # offspec, scripts/
 import _common  # noqa: E402
 from offspec import controller  # noqa: E402
 from offspec.config import OffloadConfig, RunLimits, RuntimeConfig, TreeConfig  # noqa: E402

@@ -36,8 +36,8 @@ import torch
 from .errors import CheckpointError
 
 QK_K = 256                          # weights in a K-quant super-block
-# Weights dequantized at a time: bounds the float32 temporaries. A CPU is fastest with a chunk its caches hold (4x
-# faster at 1M weights than at 4M); a GPU, with fewer, larger chunks (each one launches a dozen kernels).
+# Weights dequantized at a time: bounds the float32 temporaries. A CPU is fastest with a chunk its caches hold; a
+# GPU, with fewer, larger chunks (each one launches a dozen kernels).
 DEQUANT_ELEMENTS = {"cpu": 1 << 20, "cuda": 1 << 22}
 
 

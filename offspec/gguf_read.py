@@ -13,6 +13,7 @@ interleaved); they are put back here, row by row of blocks, so no weight changes
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import math
 import os
@@ -30,14 +31,16 @@ from .errors import CheckpointError
 from .layout import layer_shapes
 
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
-GGUF_LAYER_NAMES = {
-    "attn_norm.weight": "input_norm", "attn_q.weight": "q_proj", "attn_k.weight": "k_proj",
-    "attn_v.weight": "v_proj", "attn_output.weight": "o_proj", "attn_q.bias": "q_bias", "attn_k.bias": "k_bias",
-    "attn_v.bias": "v_bias", "attn_q_norm.weight": "q_norm", "attn_k_norm.weight": "k_norm",
-    "ffn_norm.weight": "post_norm", "ffn_gate.weight": "gate_proj", "ffn_up.weight": "up_proj",
-    "ffn_down.weight": "down_proj",
+# LayerWeights field -> llama.cpp's name within "blk.{i}."; Hugging Face global name -> llama.cpp's.
+LAYER_TENSORS = {
+    "input_norm": "attn_norm.weight", "q_proj": "attn_q.weight", "k_proj": "attn_k.weight",
+    "v_proj": "attn_v.weight", "o_proj": "attn_output.weight", "q_bias": "attn_q.bias", "k_bias": "attn_k.bias",
+    "v_bias": "attn_v.bias", "q_norm": "attn_q_norm.weight", "k_norm": "attn_k_norm.weight",
+    "post_norm": "ffn_norm.weight", "gate_proj": "ffn_gate.weight", "up_proj": "ffn_up.weight",
+    "down_proj": "ffn_down.weight",
 }
-GGUF_GLOBAL_NAMES = {"token_embd.weight": "embed", "output_norm.weight": "final_norm", "output.weight": "lm_head"}
+GLOBAL_TENSORS = {GLOBAL_NAMES["embed"]: "token_embd.weight", GLOBAL_NAMES["final_norm"]: "output_norm.weight",
+                  GLOBAL_NAMES["lm_head"]: "output.weight"}
 ROPE_FREQS = "rope_freqs.weight"     # llama 3.1+'s rope scaling, stored as one divisor per frequency
 SPLIT_NAME = re.compile(r"(.*)-(\d{5})-of-(\d{5})\.gguf$")
 _SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
@@ -98,8 +101,19 @@ class _Reader:
 
 def read_header(path: Path) -> tuple[dict, dict[str, tuple[int, tuple[int, ...], int]], int]:
     """-> (metadata, {tensor: (GGML type id, torch shape (outermost first), absolute offset)}, bytes the file must
-    have). Reads the header only. metadata[TOKENIZER_DIGEST]: a digest of every tokenizer.* entry's bytes, which
-    two files with one tokenizer share."""
+    have). Reads the header only, once per file version (opening a model reads it for the checkpoint and again for
+    its tokenizer): the result is shared, not to be changed. metadata[TOKENIZER_DIGEST]: a digest of every
+    tokenizer.* entry's bytes, which two files with one tokenizer share."""
+    try:
+        st = path.stat()
+    except OSError as e:
+        raise CheckpointError(f"{path}: unreadable ({e.strerror})") from None
+    return _read_header(path.resolve(), st.st_size, st.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=16)
+def _read_header(path: Path, size: int, mtime_ns: int):
+    """read_header's work, keyed by the file's size and time as well: a file written again is read again."""
     try:
         with open(path, "rb") as f:
             r = _Reader(f, path)
@@ -298,7 +312,7 @@ class GGUFCheckpoint(Checkpoint):
     # -------------------------------------------------------------- tensors
 
     def _name(self, i: int, field: str) -> str:
-        return f"blk.{i}.{next(k for k, v in GGUF_LAYER_NAMES.items() if v == field)}"
+        return f"blk.{i}.{LAYER_TENSORS[field]}"
 
     def _type(self, i: int, field: str) -> str:
         return self._tensors[self._name(i, field)][0]
@@ -352,8 +366,7 @@ class GGUFCheckpoint(Checkpoint):
     def tensor(self, name: str, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """A global tensor by its Hugging Face name (GLOBAL_NAMES), dequantized in `dtype` (a chunk of rows at a
         time: no float32 copy of a whole embedding)."""
-        field = next(k for k, v in GLOBAL_NAMES.items() if v == name)
-        return self._read_dense(next(k for k, v in GGUF_GLOBAL_NAMES.items() if v == field), dtype)
+        return self._read_dense(GLOBAL_TENSORS[name], dtype)
 
     def layer_tensors(self, i: int, dense: bool = False) -> dict[str, torch.Tensor]:
         """Layer i: vectors in float32; each matrix as '<field>.blocks', its GGML blocks padded with zeros to the

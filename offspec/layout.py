@@ -109,10 +109,6 @@ class LayerLayout:
             offset += round_up(math.prod(shape) * itemsize, TENSOR_ALIGN)
         return LayerLayout(dtype=dtype, entries=tuple(entries), nbytes=offset)
 
-    def moved_nbytes(self, layer: Optional[int]) -> int:
-        """Bytes a load of `layer` copies: the whole block (a GGUF quantized layout may copy less)."""
-        return self.nbytes
-
     def views(self, block: torch.Tensor) -> LayerWeights:
         """LayerWeights whose tensors are views into `block` (uint8, (nbytes,)); nothing is copied."""
         return LayerWeights(**_views(block, self.dtype, self.entries, self.nbytes))

@@ -174,10 +174,6 @@ class TargetLayerSizes:
     moved: tuple[int, ...] = ()   # bytes a load of each layer copies, by index, where they differ from `block`
                                   # (a GGUF's matrices take their own type's bytes of their piece's reserve)
 
-    def moved_by(self, layers) -> int:
-        """Bytes the loads of these layers copy."""
-        return sum(self.moved[i] for i in layers) if self.moved else len(layers) * self.block
-
     def ring_min(self, min_slots: int, split_extra: Optional[int] = 0) -> int:
         """The least device memory a ring takes: min_slots whole slots; a quantized target's compact ring
         (min_slots blocks and the one shared scratch layer; Placement.compact); or a split ring (min_slots part
@@ -201,6 +197,11 @@ class TargetLayerSizes:
                                 part=max(p.nbytes for p in parts),
                                 part_scratch=max(p.dense.nbytes for p in parts) if quant != "none" else 0,
                                 moved=moved)
+
+
+def moved_by(moved: tuple[int, ...], block_nbytes: int, layers) -> int:
+    """Bytes the loads of these layers copy: moved[i] each (TargetLayerSizes.moved), or the whole block each."""
+    return sum(moved[i] for i in layers) if moved else len(layers) * block_nbytes
 
 
 def split_activation_nbytes(cfg: ModelConfig, dtype: torch.dtype, rows: int) -> int:
@@ -607,7 +608,7 @@ class MemoryPlan:
 
     def moved_by(self, layers) -> int:
         """Bytes the loads of these target layers copy (block_nbytes each, unless layer_moved says otherwise)."""
-        return sum(self.layer_moved[i] for i in layers) if self.layer_moved else len(layers) * self.block_nbytes
+        return moved_by(self.layer_moved, self.block_nbytes, layers)
 
     @property
     def disk_read_bytes(self) -> int:
@@ -1090,7 +1091,7 @@ def _place(target: ModelSpec, offload: OffloadConfig, runtime: RuntimeConfig, ma
                       prefill_chunk=limits.prefill_chunk, concurrency=limits.concurrency, layers=layers,
                       layer_budget=left if offload.gpu_budget is None else offload.gpu_budget,
                       host_pinned=host_pinned, items=tuple(items), notes=tuple(notes),
-                      streamed_bytes=sizes.moved_by(placement.streamed), block_nbytes=B, layer_moved=sizes.moved,
+                      streamed_bytes=moved_by(sizes.moved, B, placement.streamed), block_nbytes=B, layer_moved=sizes.moved,
                       pinned_layers=pinned_layers,
                       pinned_budget=pinned_budget)
 

@@ -141,8 +141,9 @@ def _messages(body: dict) -> list[dict]:
     return out
 
 
-def parse_request(body: dict, cfg: ServeConfig, tokenizer, chat: bool) -> tuple[GenerationRequest, bool, dict]:
-    """An OpenAI request body -> (the engine's request, stream?, stream_options), or ApiError naming the field."""
+def parse_request(body: dict, cfg: ServeConfig, tokenizer, chat: bool) -> tuple[GenerationRequest, bool]:
+    """An OpenAI request body -> (the engine's request, stream?), or ApiError naming the field. (stream_options is
+    checked and otherwise not needed: the last chunk always carries usage.)"""
     from .prompt import encode_prompt
 
     if not isinstance(body, dict):
@@ -185,7 +186,7 @@ def parse_request(body: dict, cfg: ServeConfig, tokenizer, chat: bool) -> tuple[
                        f"new tokens together)", field, code="context_length_exceeded")
     request = GenerationRequest(prompt_ids=tuple(ids), max_new_tokens=min(max_tokens, cfg.context - len(ids) - 1),
                                 stop_strings=stop, tree=cfg.tree, sampling=sampling)
-    return request, stream, body.get("stream_options") or {}
+    return request, stream
 
 
 # ---------------------------------------------------------------- the engine's thread
@@ -343,7 +344,7 @@ def make_app(service: EngineService, cfg: ServeConfig, tokenizer):
 
     async def complete(request: Request, chat: bool):
         # Tokenizing a long prompt takes a while: off the event loop, so the other streams keep flowing.
-        gen, stream, options = await run_in_threadpool(parse_request, await body_of(request), cfg, tokenizer, chat)
+        gen, stream = await run_in_threadpool(parse_request, await body_of(request), cfg, tokenizer, chat)
         loop = asyncio.get_running_loop()
         key, queue = _steps(service, gen, loop)
         answer = Answer(tokens=[], started=time.perf_counter())
@@ -352,7 +353,7 @@ def make_app(service: EngineService, cfg: ServeConfig, tokenizer):
                 "model": cfg.model}
         text = IncrementalText(tokenizer, gen.stop_strings)
         if stream:
-            return StreamingResponse(_stream(service, key, queue, gen, answer, text, head, chat, request),
+            return StreamingResponse(_stream(service, key, queue, gen, answer, text, head, chat),
                                      media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
         finished = False
         try:
@@ -411,7 +412,7 @@ def _sse(data: dict) -> str:
     return f"data: {json.dumps(data)}\n\n"
 
 
-async def _stream(service, key, queue, gen, answer, text, head, chat, request):
+async def _stream(service, key, queue, gen, answer, text, head, chat):
     """Server-sent events: a chunk per pass that brought text, the last with finish_reason and usage, then
     [DONE]. A client that goes away (the generator is closed) cancels the request."""
     chunk_head = {**head, "object": "chat.completion.chunk" if chat else "text_completion"}

@@ -71,3 +71,42 @@ def loaded_prompt_logits(model, prompt: Sequence[int], offload=None, resident_qu
         return forward_one(eng.target, torch.tensor(prompt), torch.arange(T), torch.arange(T), mask, cache), loaded
     finally:
         loaded.engine.close()
+
+
+def assert_logits_as_published(model, reference, prompt: Sequence[int]) -> None:
+    """A checkpoint read as published (`model`: a quantized folder or a GGUF file, loaded with no flag) gives the
+    logits of `reference`, the dense folder of its dequantized weights, bit for bit: resident (dequantized at load),
+    streamed from RAM and from the disk store, and held as published on the device (--resident-quant on); every
+    load runs the checkpoint's own quantization."""
+    from offspec.checkpoint import open_checkpoint
+    from offspec.config import OffloadConfig
+
+    want, _ = loaded_prompt_logits(reference, prompt)
+    quant = open_checkpoint(model).quant
+    for offload in (OffloadConfig(), OffloadConfig(mode="cpu", n_slots=2), OffloadConfig(mode="disk", n_slots=2)):
+        got, loaded = loaded_prompt_logits(model, prompt, offload)
+        assert loaded.plan.target_quant == quant == loaded.engine.target_quant
+        assert torch.equal(got, want), offload.mode
+    got, loaded = loaded_prompt_logits(model, prompt, OffloadConfig(), resident_quant="on")
+    assert loaded.plan.placement.resident_held and torch.equal(got, want)
+
+
+def assert_speculative_greedy_is_plain(target, draft, prompt: Sequence[int], tree: TreeConfig) -> None:
+    """`target` read as published (no flag), streamed from RAM beside `draft`, float32: speculative greedy with
+    `tree` gives the plain greedy tokens of that quantized target, with trees that pay (more than 1.2 tokens a
+    pass), and the report names the checkpoint's quantization."""
+    from offspec.checkpoint import open_checkpoint
+    from offspec.config import OffloadConfig, RuntimeConfig
+    from offspec.generate import GenerationRequest, run
+    from offspec.load import load_engine
+
+    loaded = load_engine(target, draft, OffloadConfig(mode="cpu", n_slots=2),
+                         RuntimeConfig(device=torch.device("cpu"), dtype=torch.float32), progress=False)
+    try:
+        plain, spec = (run(loaded.engine, GenerationRequest(prompt_ids=tuple(prompt), max_new_tokens=30, tree=t,
+                                                            ignore_eos=True))[0]
+                       for t in (TreeConfig(policy="none"), tree))
+        assert spec.tokens == plain.tokens and spec.target_quant == open_checkpoint(target).quant
+        assert spec.tokens_per_pass > 1.2
+    finally:
+        loaded.engine.close()

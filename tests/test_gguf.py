@@ -12,17 +12,14 @@ import torch
 
 from offspec import gguf_blocks, published
 from offspec.checkpoint import Checkpoint, open_checkpoint, same_tokenizer_files
-from offspec.config import OffloadConfig, RuntimeConfig, TreeConfig
+from offspec.config import OffloadConfig, TreeConfig
 from offspec.errors import CheckpointError
-from offspec.generate import GenerationRequest, run
-from offspec.load import load_engine
-from drivers import loaded_prompt_logits, on_a_side_stream_without_syncs
+from drivers import assert_logits_as_published, assert_speculative_greedy_is_plain, loaded_prompt_logits, on_a_side_stream_without_syncs
 from tiny import hf_config, make_model, perturbed_copy, save_gguf
 
 gguf = pytest.importorskip("gguf")
 
 CPU = torch.device("cpu")
-F32 = RuntimeConfig(device=CPU, dtype=torch.float32)
 PROMPT = tuple(range(5, 25))
 TYPES = ["F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K"]
 # Every supported type in one file, two of them differing between layers (as Q4_K_M's attn_v and ffn_down do).
@@ -109,36 +106,17 @@ def test_the_weights_are_transformers_gguf_loaders(pair):
     assert all(torch.equal(getattr(got, k), getattr(want, k)) for k in ("embed", "lm_head", "final_norm"))
 
 
-def prompt_logits(model, offload=None, resident_quant="auto"):
-    return loaded_prompt_logits(model, PROMPT, offload, resident_quant)
-
-
 def test_the_output_is_exactly_that_of_its_weights(pair):
     """Resident (dequantized at load, or held as its blocks), streamed from RAM or from the store, the logits are
     the reference folder's bit for bit: each layer's blocks dequantized with that layer's types."""
     target, _, reference = pair
-    want, _ = prompt_logits(reference)
-    for offload in (OffloadConfig(), OffloadConfig(mode="cpu", n_slots=2), OffloadConfig(mode="disk", n_slots=2)):
-        got, loaded = prompt_logits(target, offload)
-        assert loaded.engine.target_quant == open_checkpoint(target).quant
-        assert torch.equal(got, want), offload.mode
-    got, loaded = prompt_logits(target, resident_quant="on")
-    assert loaded.plan.placement.resident_held and torch.equal(got, want)
+    assert_logits_as_published(target, reference, PROMPT)
 
 
 @pytest.mark.parametrize("policy,budget", [("dyspec", 16), ("heap", 16), ("chain", 4), ("static", 8)])
 def test_speculative_greedy_equals_its_plain_greedy(pair, policy, budget):
     target, draft, _ = pair
-    loaded = load_engine(target, draft, OffloadConfig(mode="cpu", n_slots=2), F32, progress=False)
-    try:
-        request = GenerationRequest(prompt_ids=PROMPT, max_new_tokens=30, tree=TreeConfig(policy="none"),
-                                    ignore_eos=True)
-        plain, _ = run(loaded.engine, request)
-        spec, _ = run(loaded.engine, GenerationRequest(prompt_ids=PROMPT, max_new_tokens=30, ignore_eos=True,
-                                                       tree=TreeConfig(policy=policy, budget=budget)))
-        assert spec.tokens == plain.tokens and spec.tokens_per_pass > 1.2
-    finally:
-        loaded.engine.close()
+    assert_speculative_greedy_is_plain(target, draft, PROMPT, TreeConfig(policy=policy, budget=budget))
 
 
 def test_generate_reads_the_files_and_their_tokenizer(pair, tmp_path):
@@ -317,6 +295,6 @@ def test_a_tied_model_without_output_weight(tmp_path):
     ckpt = open_checkpoint(path)
     assert ckpt.config.tie_word_embeddings and not ckpt.has_lm_head
     convert_gguf(path, tmp_path / "reference", torch.float32)
-    want, _ = prompt_logits(tmp_path / "reference")
-    got, _ = prompt_logits(path, OffloadConfig(mode="cpu", n_slots=2))
+    want, _ = loaded_prompt_logits(tmp_path / "reference", PROMPT)
+    got, _ = loaded_prompt_logits(path, PROMPT, OffloadConfig(mode="cpu", n_slots=2))
     assert torch.equal(got, want)

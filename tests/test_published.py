@@ -16,7 +16,7 @@ from offspec.config import OffloadConfig, RuntimeConfig, TreeConfig
 from offspec.errors import CheckpointError, InputError
 from offspec.generate import GenerationRequest, run
 from offspec.load import load_engine
-from drivers import loaded_prompt_logits, on_a_side_stream_without_syncs
+from drivers import assert_logits_as_published, assert_speculative_greedy_is_plain, on_a_side_stream_without_syncs
 from tiny import hf_config, make_model, perturbed_copy, save_checkpoint, save_published_checkpoint
 
 CPU = torch.device("cpu")
@@ -121,10 +121,6 @@ def generation(tree: TreeConfig, new_tokens: int) -> GenerationRequest:
     return GenerationRequest(prompt_ids=PROMPT, max_new_tokens=new_tokens, tree=tree, ignore_eos=True)
 
 
-def prompt_logits(model, offload=None, resident_quant="auto"):
-    return loaded_prompt_logits(model, PROMPT, offload, resident_quant)
-
-
 @pytest.fixture(autouse=True)
 def offspec_home(tmp_path, monkeypatch):
     monkeypatch.setenv("OFFSPEC_HOME", str(tmp_path / "home"))
@@ -135,27 +131,13 @@ def test_the_output_is_exactly_that_of_its_dequantized_weights(pair):
     or streamed (from RAM or from the store), the logits are those of the dense checkpoint holding its
     dequantized weights, bit for bit."""
     awq, _, reference = pair
-    want, _ = prompt_logits(reference)
-    for offload in (OffloadConfig(), OffloadConfig(mode="cpu", n_slots=2), OffloadConfig(mode="disk", n_slots=2)):
-        got, loaded = prompt_logits(awq, offload)
-        assert loaded.plan.target_quant == Checkpoint(awq).quant == loaded.engine.target_quant
-        assert torch.equal(got, want), offload.mode
-    # Held as published on the device (--resident-quant on), each layer dequantized at its turn.
-    got, loaded = prompt_logits(awq, OffloadConfig(), resident_quant="on")
-    assert loaded.plan.placement.resident_held and torch.equal(got, want)
+    assert_logits_as_published(awq, reference, PROMPT)
 
 
 @pytest.mark.parametrize("policy,budget", [("dyspec", 16), ("chain", 4), ("heap", 16), ("static", 8)])
 def test_speculative_greedy_equals_its_plain_greedy(pair, policy, budget):
     awq, draft, _ = pair
-    loaded = load_engine(awq, draft, OffloadConfig(mode="cpu", n_slots=2), F32, progress=False)
-    try:
-        plain, _ = run(loaded.engine, generation(TreeConfig(policy="none"), 30))
-        spec, _ = run(loaded.engine, generation(TreeConfig(policy=policy, budget=budget), 30))
-        assert spec.tokens == plain.tokens and spec.target_quant == Checkpoint(awq).quant
-        assert spec.tokens_per_pass > 1.2
-    finally:
-        loaded.engine.close()
+    assert_speculative_greedy_is_plain(awq, draft, PROMPT, TreeConfig(policy=policy, budget=budget))
 
 
 def test_a_published_draft_runs_dequantized(pair):

@@ -11,6 +11,7 @@ import json
 import os
 import re
 import sys
+from dataclasses import replace
 from pathlib import Path
 from typing import NoReturn, Optional
 
@@ -658,60 +659,113 @@ def device_given() -> bool:
 # ------------------------------------------------------------------ bench
 @main.command(cls=GroupedCommand)
 @click.argument("prompt_file", type=click.Path(dir_okay=False))
+@click.option("--systems", default="default,none", show_default=True,
+              help="Comma-separated systems, all on one loaded engine: default (the tree options given), none "
+                   "(plain autoregressive), or <policy>-<N>, a policy at a fixed budget of N nodes (chain-8, "
+                   "dyspec-16: the ablations a default is judged against). Speedups are over none.")
 @click.option("--prompt-tokens", type=int, default=128, show_default=True, help="Cut each prompt to this many tokens.")
 @click.option("--new-tokens", type=int, default=128, show_default=True, help="Tokens generated per prompt (EOS ignored).")
 @click.option("--temperatures", default="0,0.6", show_default=True, help="Comma-separated temperatures to run.")
+@click.option("--repeats", type=int, default=1, show_default=True,
+              help="Timed runs per system and prompt, in an order drawn per prompt and repeat; a prompt's s/token is "
+                   "their median.")
 @click.option("--limit", type=int, default=None, help="Use only the first N prompts. Default: all.")
+@click.option("--rows", "rows_path", type=click.Path(dir_okay=False), default=None,
+              help="Append each prompt's row to this JSONL file as it is measured; a rerun measures only the "
+                   "(prompt, temperature) rows it lacks and summarizes them all. Default: none.")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None,
               help="Write the summary and every row to this JSON file. Default: none.")
 @model_options
-def bench(prompt_file, prompt_tokens, new_tokens, temperatures, limit, json_path, **o):
-    """Plain autoregressive vs speculative on the same engine and token counts (Sequoia/DySpec protocol)."""
-    from .batch import read_prompt_file
-    from .bench import bench_prompts, format_table, run_bench, summarize
+def bench(prompt_file, systems, prompt_tokens, new_tokens, temperatures, repeats, limit, rows_path, json_path, **o):
+    """Systems measured side by side on one engine, loaded as generate loads it: the same prompts, a fixed
+    number of new tokens (EOS ignored, the Sequoia/DySpec protocol), interleaved per prompt, with medians and
+    bootstrap 95% intervals over prompts."""
+    from . import bench as b
 
-    try:
-        temps = [float(t) for t in temperatures.split(",") if t.strip()]
-    except ValueError:
-        raise InputError(f"--temperatures must be comma-separated numbers, not {temperatures!r}") from None
-    if not temps or any(t < 0 for t in temps):
-        raise InputError(f"--temperatures must be one or more numbers >= 0, not {temperatures!r}")
-    if prompt_tokens < 1 or new_tokens < 1:
-        raise InputError("--prompt-tokens and --new-tokens must be at least 1")
+    temps = parse_temperatures(temperatures)
+    if prompt_tokens < 1 or new_tokens < 1 or repeats < 1:
+        raise InputError("--prompt-tokens, --new-tokens and --repeats must be at least 1")
     if limit is not None and limit < 1:
         raise InputError("--limit must be at least 1")
-    items, bad = read_prompt_file(prompt_file)
-    for b in bad:
-        click.echo(f"offspec: skipping {prompt_file} {b}", err=True)
-    if not items:
-        raise InputError(f"{prompt_file}: no usable prompts")
-    items = items[:limit] if limit else items
-    if json_path:
-        check_writable(json_path)
+    names = list(dict.fromkeys(x.strip() for x in systems.split(",") if x.strip()))
+    for name in names:
+        b.system_tree(name, TreeConfig())       # an unknown name fails here, before any model is opened
+    if b.PLAIN not in names or len(names) < 2:
+        raise InputError(f"--systems must name {b.PLAIN} (the speedups' reference) and at least one other system")
     if o["policy"] == "none":
         raise InputError("bench compares against a tree policy; choose one with --tree")
     if o["target"] is not None and o["draft"] is None:
         raise InputError("bench compares plain and speculative decoding: give a --draft for the --target")
+    for path in (rows_path, json_path):
+        if path:
+            check_writable(path)
+    items = read_bench_prompts(prompt_file, limit)
     models, (runtime, offload, tree, sampling) = open_from_options(o)
-    prompts = bench_prompts(models.tokenizer, items, prompt_tokens)
-    longest = max(len(ids) for _, ids in prompts) + new_tokens
-    loaded = models.load(offload, runtime, run_limits(o, tree, any(t > 0 for t in temps), longest))
-
-    def on_result(row):
-        click.echo(f"T={row['temperature']:.1f} {row['system']:<18} {row['id']}: {row['seconds_per_token']:.4f} s/token, "
-                   f"{row['tokens_per_pass']:.2f} tokens/pass", err=True)
-
-    try:
-        rows = run_bench(loaded.engine, prompts, tree, sampling, temps, new_tokens, on_result)
-    finally:
-        loaded.engine.close()
-    table = summarize(rows)
-    click.echo(format_table(table))
+    trees = {name: b.system_tree(name, tree) for name in names}
+    prompts = b.bench_prompts(models.tokenizer, items, prompt_tokens)
+    old = b.read_rows(rows_path, warn)
+    wanted = {(pid, None if t == 0 else sampling.seed, t) for pid, _ in prompts for t in temps}
+    done = {b.row_key(r): r for r in old if b.row_key(r) in wanted and set(trees) <= set(r.get("systems", ()))}
+    rows = list(done.values())
+    if len(done) < len(wanted):
+        longest = max(len(ids) for _, ids in prompts) + new_tokens
+        limits = b.bench_limits(trees.values(), longest, any(t > 0 for t in temps))
+        limits = replace(limits, context=parse_context(o["context"]) or limits.context,
+                         prefill_chunk=o["prefill_chunk"])
+        loaded = models.load(offload, runtime, limits)
+        try:
+            rows += measure_bench(loaded.engine, prompts, trees, sampling, temps, new_tokens, repeats, done, rows_path)
+        finally:
+            loaded.engine.close()
+    report = []
+    for t in temps:
+        summary = b.summarize([r for r in rows if r["temperature"] == t])
+        click.echo(f"temperature {t:g}:\n{b.format_table(summary)}")
+        report += [{"temperature": t, **s} for s in summary]
     if json_path:
-        write_report(json_path, {"summary": table, "rows": rows, "device": str(loaded.engine.device),
-                                 "dtype": str(loaded.engine.target.dtype), "offload": loaded.plan.mode,
-                                 "target_quant": loaded.engine.target_quant, "draft_quant": loaded.engine.draft_quant,
-                                 "memory_plan": loaded.plan.to_dict()}, *models_of(models))
+        write_report(json_path, {"summary": report, "rows": rows}, *models_of(models))
+
+
+def parse_temperatures(text: str) -> list[float]:
+    try:
+        temps = [float(t) for t in text.split(",") if t.strip()]
+    except ValueError:
+        raise InputError(f"--temperatures must be comma-separated numbers, not {text!r}") from None
+    if not temps or any(t < 0 for t in temps):
+        raise InputError(f"--temperatures must be one or more numbers >= 0, not {text!r}")
+    return list(dict.fromkeys(temps))
+
+
+def read_bench_prompts(prompt_file: str, limit: Optional[int]):
+    from .batch import read_prompt_file
+
+    items, bad = read_prompt_file(prompt_file)
+    for line in bad:
+        click.echo(f"offspec: skipping {prompt_file} {line}", err=True)
+    if not items:
+        raise InputError(f"{prompt_file}: no usable prompts")
+    return items[:limit] if limit else items
+
+
+def measure_bench(engine, prompts, trees: dict, sampling, temps, new_tokens: int, repeats: int, done: dict,
+                  rows_path: Optional[str]) -> list[dict]:
+    """The rows `done` lacks, each printed (and appended to rows_path) as it is made."""
+    from . import bench as b
+
+    def on_row(row):
+        if rows_path:
+            b.append_row(rows_path, row)
+        click.echo(f"T={row['temperature']:g} {row['id']}: " + ", ".join(
+            f"{name} {cell['seconds_per_token']:.4f} s/token, {cell['tokens_per_pass']:.2f} tokens/pass"
+            for name, cell in row["systems"].items()), err=True)
+
+    rows = []
+    for t in temps:
+        s = replace(sampling, temperature=t)
+        runners = {name: b.offspec_runner(engine, tree, s, ignore_eos=True) for name, tree in trees.items()}
+        rows += b.measure(prompts, runners, new_tokens, temperature=t, seeds=(None,) if t == 0 else (sampling.seed,),
+                          repeats=repeats, done=done, on_row=on_row)
+    return rows
 
 
 # ------------------------------------------------------------------ doctor

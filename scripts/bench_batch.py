@@ -262,10 +262,10 @@ def offspec_cell(models: Models, regime: str, requests: list[GenerationRequest],
 
 def peer_cell(target_dir, regime: str, prompt_ids: list[list[int]], B: int, args, offload_folder) -> dict:
     """transformers generate over left-padded batches of B prompts (greedy, exactly --new-tokens each)."""
-    from bench_peers import HfSystems
+    from peer_hf import HfSystems
     from offspec.stores import drop_page_cache
     device = args.device
-    hf = HfSystems(target_dir, None, parse_dtype(args.dtype), regime, offload_folder, cold=True, assist=None,
+    hf = HfSystems(target_dir, None, parse_dtype(args.dtype), regime, offload_folder, cold=True,
                    device=device)
     passes = [0]
     hook = hf.target.register_forward_pre_hook(lambda module, a: passes.__setitem__(0, passes[0] + 1))

@@ -7,7 +7,7 @@ from scripts_module import load_script
 from tiny import save_agreeing_pair
 
 bench = load_script("bench_batch")
-peers = load_script("bench_peers")
+peers = load_script("peer_hf")
 
 GPU = pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
                                                                        reason="needs a CUDA device")])

@@ -382,7 +382,7 @@ def test_every_json_report_says_which_offspec_models_settings_and_tokens_per_sec
             "batch": (["batch", prompts, "-o", tmp_path / "out.jsonl", *m.models, *FAST, "--max-new-tokens", 4],
                       "tokens_per_second"),
             "bench": (["bench", prompts, *m.models, *FAST, "--prompt-tokens", 8, "--new-tokens", 4, "--temperatures",
-                       "0"], "median_tokens_per_second")}
+                       "0"], "seconds_per_token")}
     for command, (args, speed) in runs.items():
         out = tmp_path / f"{command}.json"
         ok(cli(*args, "--json", out))
@@ -393,7 +393,8 @@ def test_every_json_report_says_which_offspec_models_settings_and_tokens_per_sec
         assert (options["target"], options["device"], options["dtype"], options["json_path"]) == (
             str(m.target), "cpu", "float32", str(out))
         assert options["policy"] == "dyspec" and options["tree_budget"] == "auto"      # defaults filled in
-        assert (report["summary"][0] if command == "bench" else report)[speed] > 0
+        speed_of = report["summary"][0][speed]["median"] if command == "bench" else report[speed]
+        assert speed_of > 0
 
 
 def test_batch_with_no_valid_line_fails_and_a_finished_one_has_nothing_to_do(m, tmp_path):
@@ -417,21 +418,33 @@ def test_batch_with_no_valid_line_fails_and_a_finished_one_has_nothing_to_do(m, 
 
 
 # ------------------------------------------------------------------ bench
-def test_bench_table_and_json(m, tmp_path):
+def test_bench_table_rows_resume_and_json(m, tmp_path):
+    """Every system on every prompt and temperature, one row each; at T=0 every system writes plain greedy's
+    tokens; a rerun with the same --rows measures nothing and reports the same rows."""
     prompts = write_jsonl(tmp_path / "p.jsonl", [{"id": "x", "prompt": "a prompt that is long enough"},
                                                  {"id": "y", "messages": [{"role": "user", "content": "hello"}]}])
-    out = tmp_path / "bench.json"
-    result = ok(cli("bench", prompts, *m.models, *FAST, "--prompt-tokens", 8, "--new-tokens", 6,
-                    "--temperatures", "0,0.6", "--tree-budget", 4, "--json", out))
-    assert "speedup" in result.stdout and "autoregressive" in result.stdout and "offspec-dyspec" in result.stdout
+    out, rows = tmp_path / "bench.json", tmp_path / "rows.jsonl"
+    args = ("bench", prompts, *m.models, *FAST, "--prompt-tokens", 8, "--new-tokens", 6, "--temperatures", "0,0.6",
+            "--tree-budget", 4, "--systems", "default,none,chain-3", "--repeats", 2, "--rows", rows)
+    result = ok(cli(*args, "--json", out))
+    assert "vs none" in result.stdout and "chain-3" in result.stdout and result.stdout.count("temperature") == 2
     data = json.loads(out.read_text())
     assert {(r["temperature"], r["system"]) for r in data["summary"]} == {
-        (t, s) for t in (0.0, 0.6) for s in ("autoregressive", "offspec-dyspec")}
-    assert len(data["rows"]) == 2 * 2 * 2 and all(r["new_tokens"] == 6 for r in data["rows"])
-    greedy_rows = [r for r in data["rows"] if r["temperature"] == 0.0]
-    for prompt_id in ("x", "y"):                    # at T=0 both systems write the same tokens
-        a, b = (r["tokens"] for r in greedy_rows if r["id"] == prompt_id)
-        assert a == b
+        (t, s) for t in (0.0, 0.6) for s in ("default", "none", "chain-3")}
+    assert len(data["rows"]) == 2 * 2 and len(rows.read_text().splitlines()) == 4
+    for row in data["rows"]:
+        assert row["new_tokens"] == 6 and set(row["stamp"]) == {"commit", "time", "load_average", "machine"}
+        for cell in row["systems"].values():
+            assert len(cell["tokens"]) == 6 and len(cell["repeat_seconds_per_token"]) == 2
+        assert row["systems"]["chain-3"]["mean_tree_size"] <= 3
+        if row["temperature"] == 0.0:
+            assert row["systems"]["default"]["tokens"] == row["systems"]["none"]["tokens"] == \
+                row["systems"]["chain-3"]["tokens"]
+    greedy = [s for s in data["summary"] if s["temperature"] == 0.0]
+    assert all(s["identical"] == 2 for s in greedy)
+    again = ok(cli(*args))
+    assert "T=0" not in again.stderr and len(rows.read_text().splitlines()) == 4    # nothing measured again
+    assert "chain-3" in again.stdout
 
 
 # ------------------------------------------------------------------ models
@@ -649,6 +662,8 @@ def test_bad_bench_and_models_options(m, tmp_path):
     assert_clean_error(cli("bench", prompts, *m.models, *FAST, "--temperatures", "0,hot"), "--temperatures")
     assert_clean_error(cli("bench", prompts, *m.models, *FAST, "--new-tokens", 0), "--new-tokens")
     assert_clean_error(cli("bench", prompts, "--target", m.target, *FAST), "--draft")
+    assert_clean_error(cli("bench", prompts, *m.models, *FAST, "--systems", "none,forest-3"), "unknown system")
+    assert_clean_error(cli("bench", prompts, *m.models, *FAST, "--systems", "default,chain-8"), "--systems must name")
     assert_clean_error(cli("models", "info", m.target, "--dtype", "int8"), "unknown dtype")
     assert_clean_error(cli("models", "prepare", tmp_path / "nope", "--store-dir", tmp_path / "s"),
                        "no such model folder")

@@ -1,6 +1,7 @@
-"""scripts/bench_peers.py's transformers peer on tiny random models (CPU, seconds): the assisted settings reach
-transformers (read back from the candidate generator it built), the target's passes are counted, and the old way
-of passing them (on the target's generation_config, issue #13) is shown to leave transformers' defaults in force."""
+"""scripts/peer_hf.py, the transformers peer, on tiny random models (CPU, seconds): the assisted settings reach
+transformers (read back from the candidate generator it built), the target's passes are counted, the old way of
+passing them (on the target's generation_config) is shown to leave transformers' defaults in force, and the sweep's
+best setting is the one with the lowest median."""
 
 import pytest
 import torch
@@ -14,7 +15,7 @@ NEW_TOKENS = 40
 
 @pytest.fixture(scope="module")
 def bp():
-    return load_script("bench_peers")
+    return load_script("peer_hf")
 
 
 @pytest.fixture(scope="module")
@@ -34,7 +35,7 @@ def test_plain_generate_counts_one_pass_per_token(bp, plain):
     assert 0 < len(run.tokens) <= NEW_TOKENS
     assert run.passes == len(run.tokens) and run.max_draft_tokens == 0 and run.settings is None
     cell = bp.peer_cell(run)
-    assert cell["peer_passes"] == run.passes and cell["tokens_per_pass"] == 1.0 and "peer_settings" not in cell
+    assert cell["passes"] == run.passes and cell["tokens_per_pass"] == 1.0 and "peer_settings" not in cell
 
 
 @pytest.mark.parametrize("k, threshold", [(2, 0.0), (4, 0.0), (8, 0.25)])
@@ -54,7 +55,7 @@ def test_assisted_settings_reach_transformers_and_are_read_back(bp, models, plai
     if threshold == 0.0:                               # nothing cuts a draft short of k (nor re-fits a threshold)
         assert run.max_draft_tokens == k and used["assistant_confidence_threshold_final"] == 0.0
     cell = bp.peer_cell(run)
-    assert cell["peer_settings"] == used and cell["peer_passes"] == run.passes
+    assert cell["peer_settings"] == used and cell["passes"] == run.passes
     assert cell["tokens_per_pass"] == pytest.approx(len(run.tokens) / run.passes) and cell["tokens_per_pass"] <= k + 1
     assert draft.generation_config.num_assistant_tokens is None     # the assistant's own config is left as it was
     assert draft.generation_config.assistant_confidence_threshold is None
@@ -103,22 +104,31 @@ def test_negative_control_settings_on_the_targets_config_are_not_used(bp, models
     assert out[0, len(PROMPT):].tolist() == plain.tokens
 
 
-def test_settings_change_with_the_assist_options_and_old_rows_do_not_resume(bp):
-    args = type("Args", (), dict(new_tokens=8, policy="dyspec", budget="auto", slots=8, cold=True, assist_tokens=4,
-                                 assist_schedule="constant", assist_threshold=0.0, assist_defaults=False,
-                                 prompt_set="code", temperature=0.0, repeats=3, chain_length=8,
-                                 device=torch.device("cpu")))()
-    settings = bp.run_settings(args, torch.bfloat16)
-    assert settings["assist"] == {"num_assistant_tokens": 4, "schedule": "constant", "confidence_threshold": 0.0}
-    args.assist_defaults = True
-    assert bp.run_settings(args, torch.bfloat16)["assist"] == "transformers defaults"
-    # A row from before issue #13 records assist_tokens but not what the assistant ran: it must not be resumed.
-    old = {k: v for k, v in settings.items() if k in ("new_tokens", "dtype", "policy", "budget", "slots", "cold")}
-    old["assist_tokens"] = 4
-    assert bp.settings_mismatches([{"settings": old}], settings) == [
-        "assist: the file has rows that do not record it, this run "
-        "{'num_assistant_tokens': 4, 'schedule': 'constant', 'confidence_threshold': 0.0}",
-        # what the rows before issue #13's statistics ran, known without their recording it
-        "repeats: the file has 1, this run 3",
-        f"stop: the file has 'transformers at EOS, offspec ignoring EOS', this run {bp.STOP_RULE!r}",
-        "chain_length: the file has None, this run 8"]
+def test_best_setting_is_the_lowest_median_over_the_prompts_every_setting_ran(bp):
+    def row(pid, regime, times):
+        return {"kind": bp.SWEEP_KIND, "regime": regime, "prompt_set": "code", "id": pid,
+                "systems": {label: {"seconds_per_token": t} for label, t in times.items()}}
+
+    defaults, four = bp.assist_label(None), bp.assist_label(bp.SWEEP[1])
+    rows = [row("a", "cpu", {defaults: 0.30, four: 0.20}), row("b", "cpu", {defaults: 0.10, four: 0.25}),
+            row("c", "cpu", {defaults: 0.12, four: 0.22}), row("a", "disk", {defaults: 0.1})]
+    best = bp.best_setting(rows, "cpu", "code")
+    assert best["label"] == defaults and best["prompts"] == 3                  # medians 0.12 against 0.22
+    assert best["assist"] == "transformers defaults" and bp.assist_of(best["assist"]) is None
+    assert bp.assist_of(bp.assist_record(bp.SWEEP[1])) == bp.SWEEP[1]
+    assert bp.best_setting(rows, "cpu", "chat") is None
+
+
+def test_runner_cells_are_offspec_bench_cells(bp, models):
+    """HfSystems.runner's cells carry what offspec.bench.measure and the tables read."""
+    from offspec import bench
+
+    target, draft = models
+    hf = bp.HfSystems.__new__(bp.HfSystems)
+    hf.target, hf.draft = target, draft
+    rows = bench.measure([("p", PROMPT)], {"hf-plain": hf.runner(False), "hf-assisted": hf.runner(True, bp.SWEEP[1])},
+                         8)
+    cells = rows[0]["systems"]
+    assert cells["hf-plain"]["tokens"] == cells["hf-assisted"]["tokens"] and len(cells["hf-plain"]["tokens"]) <= 8
+    assert cells["hf-assisted"]["peer_settings"]["num_assistant_tokens"] == 4
+    assert cells["hf-plain"]["passes"] == len(cells["hf-plain"]["tokens"]) and cells["hf-plain"]["seconds_per_token"] > 0

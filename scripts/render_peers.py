@@ -1,0 +1,180 @@
+#!/usr/bin/env python3
+"""The peer comparison's tables, rendered from the rows scripts/bench_peers.py measured (no model is loaded).
+
+Per group (regime, prompt set; a GPU's rows apart from a CPU's): each system's median s/token over prompts with
+a bootstrap 95% interval, its speedup over hf-assisted and over offspec's plain decoding (`none`) with paired
+bootstrap intervals, tokens per target pass, and how many prompts gave plain greedy's tokens. Then, per group,
+whether offspec's default is within 5% of the best fixed policy measured there (DEFAULT_MARGIN), and what the
+peer ran, as transformers read it back.
+
+  python scripts/render_peers.py --rows docs/bench_peers/*-*.jsonl --write-docs
+writes the bench_peers section of docs/benchmarks.md and the benchmark block of README.md.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "scripts"))
+
+import _common  # noqa: E402
+import _stats  # noqa: E402
+import bench_peers  # noqa: E402
+
+from offspec import bench  # noqa: E402
+
+DEFAULT_MARGIN = 1.05    # the default's median s/token may be at most this times the best fixed policy's
+README = ROOT / "README.md"
+
+
+def groups_of(rows: list[dict]) -> dict[tuple, list[dict]]:
+    """Timing rows by (regime, prompt set, GPU or ""), disk before cpu; a later row for the same prompt wins."""
+    groups: dict[tuple, dict] = {}
+    for r in rows:
+        if r.get("kind") is None:
+            groups.setdefault((r["regime"], r["prompt_set"], r.get("gpu", "")), {})[r["id"]] = r
+    order = {"disk": 0, "cpu": 1}
+    return {k: list(groups[k].values()) for k in sorted(groups, key=lambda k: (order.get(k[0], 2), k[1], k[2]))}
+
+
+def group_title(key: tuple) -> str:
+    regime, prompt_set, gpu = key
+    return f"{'cold disk' if regime == 'disk' else 'host RAM'}, {prompt_set}" + (f", {gpu}" if gpu else "")
+
+
+def fixed_policies(systems) -> list[str]:
+    """The systems that are a policy at a fixed budget (chain-8, dyspec-16)."""
+    return [s for s in systems if s.rpartition("-")[0] in bench.POLICIES]
+
+
+def default_check(rows: list[dict]) -> dict | None:
+    """{"best", "ratio": default / best fixed policy's s/token (paired CI), "ok": within DEFAULT_MARGIN}."""
+    systems = rows[0]["systems"]
+    fixed = fixed_policies(systems)
+    if bench.DEFAULT not in systems or not fixed:
+        return None
+    medians = {s: statistics.median(r["systems"][s]["seconds_per_token"] for r in rows) for s in fixed}
+    best = min(medians, key=medians.get)
+    ratio = bench.ratio_ci([r["systems"][bench.DEFAULT]["seconds_per_token"] for r in rows],
+                           [r["systems"][best]["seconds_per_token"] for r in rows])
+    return {"best": best, "ratio": ratio, "ok": ratio["ratio"] <= DEFAULT_MARGIN}
+
+
+def identity(rows: list[dict], checks: dict) -> dict:
+    counts = {"identical": 0, "rounding": 0, "fail": 0, "unchecked": 0}
+    fp32 = rows[0]["settings"]["dtype"] == "float32"
+    for r in rows:
+        counts[bench_peers.verdict(r, checks, fp32)] += 1
+    return counts
+
+
+def identity_text(counts: dict, n: int) -> str:
+    parts = [f"{counts['identical']}/{n} identical"]
+    if counts["rounding"]:
+        parts.append(f"{counts['rounding']} differ in bf16 and are identical in float32 (rechecked)")
+    if counts["unchecked"]:
+        parts.append(f"{counts['unchecked']} differ, not yet rechecked in float32")
+    if counts["fail"]:
+        parts.append(f"**{counts['fail']} FAIL** (differ in float32)")
+    return "; ".join(parts)
+
+
+def peer_text(rows: list[dict]) -> str:
+    """What hf-assisted ran, as transformers read it back (every row's first run)."""
+    used = {tuple(sorted(r["systems"]["hf-assisted"]["peer_settings"].items()))
+            for r in rows if "peer_settings" in r["systems"].get("hf-assisted", {})}
+    if not used:
+        return "no hf-assisted cells"
+    texts = []
+    for settings in sorted(used):
+        s = dict(settings)
+        texts.append(f"{s['num_assistant_tokens']} draft tokens a pass, schedule {s['num_assistant_tokens_schedule']}, "
+                     f"confidence threshold {s['assistant_confidence_threshold']:g} (transformers {s['transformers']})")
+    return "; ".join(texts)
+
+
+def group_table(key: tuple, rows: list[dict], checks: dict) -> tuple[list[str], dict]:
+    """Markdown rows of one group and its facts for the text under the table."""
+    vs_plain = {s["system"]: s for s in bench.summarize(rows, bench.PLAIN)}
+    vs_peer = {s["system"]: s for s in bench.summarize(rows, "hf-assisted")} if "hf-assisted" in vs_plain else {}
+    lines = []
+    for name, s in vs_plain.items():
+        peer = vs_peer.get(name, {}).get("speedup") if name != "hf-assisted" else None
+        plain = s["speedup"] if name != bench.PLAIN else None
+        same = "-" if s["identical"] is None else f"{s['identical']}/{s['paired']}"
+        lines.append(f"| {group_title(key)} | {name} | {_stats.fmt_ci(s['seconds_per_token'])} | "
+                     f"{_stats.fmt_ci(peer, 2, 'ratio', 'x')} | {_stats.fmt_ci(plain, 2, 'ratio', 'x')} | "
+                     f"{s['tokens_per_pass']:.2f} | {same} |")
+    facts = {"check": default_check(rows), "identity": identity(rows, checks), "n": len(rows),
+             "peer": peer_text(rows), "default": vs_plain.get(bench.DEFAULT), "vs_peer": vs_peer.get(bench.DEFAULT)}
+    return lines, facts
+
+
+HEADER = ("| group | system | s/token [95% CI] | speedup over hf-assisted | speedup over none | tokens/pass | "
+          "same tokens as none |\n|---|---|---|---|---|---|---|")
+
+
+def render(rows: list[dict], files: list[str]) -> tuple[str, str]:
+    """(the docs section, the README block)."""
+    checks = {r["id"]: r for r in rows if r.get("kind") == bench_peers.FP32_CHECK}
+    groups = groups_of(rows)
+    table, notes, headline = [HEADER], [], []
+    for key, group in groups.items():
+        lines, facts = group_table(key, group, checks)
+        table += lines
+        check = facts["check"]
+        judged = ("" if check is None else
+                  f" Default against the best fixed policy here ({check['best']}): "
+                  f"{_stats.fmt_ci(check['ratio'], 2, 'ratio', 'x')} its s/token, "
+                  + ("within 5%." if check["ok"] else "**more than 5% slower**."))
+        notes.append(f"- {group_title(key)} ({facts['n']} prompts): tokens {identity_text(facts['identity'], facts['n'])}."
+                     f" hf-assisted ran {facts['peer']}.{judged}")
+        if facts["vs_peer"] is not None:
+            headline.append(f"| {group_title(key)} | {_stats.fmt_ci(facts['default']['seconds_per_token'])} | "
+                            f"{_stats.fmt_ci(facts['vs_peer']['speedup'], 2, 'ratio', 'x')} | "
+                            f"{_stats.fmt_ci(facts['default']['speedup'], 2, 'ratio', 'x')} |")
+    s0 = next(iter(groups.values()))[0]["settings"]
+    command = f"python scripts/render_peers.py --rows {' '.join(files)} --write-docs"
+    section = "\n".join([
+        "## offspec against transformers + accelerate, and against its own ablations (`scripts/bench_peers.py`)", "",
+        "Each row: one system over the group's prompts, greedy, at most "
+        f"{s0['new_tokens']} new tokens ({s0['stop']}), {s0['dtype']}, {s0['repeats']} timed run(s) per prompt, "
+        "systems interleaved per prompt. `default` is offspec as `offspec generate --offload <regime>` runs; `none`, "
+        "`chain-8` and `dyspec-16` are the same engine with one tree setting changed. hf-assisted is transformers' "
+        "assisted generation at the best setting of its own sweep (`scripts/peer_hf.py`).", "",
+        "Measured by:", "```", *sorted({r["command"] for g in groups.values() for r in g if "command" in r}), "```",
+        f"Rendered by `{command}`. " + _stats.provenance_text([r for g in groups.values() for r in g]), "",
+        *table, "", *notes])
+    readme = "\n".join([
+        f"Measured on the demo pair (1.5B target, 0.5B draft) on a 2-core CPU, greedy, {s0['new_tokens']} new tokens, "
+        "16 prompts per group; medians with bootstrap 95% intervals ([docs/benchmarks.md](docs/benchmarks.md)):", "",
+        "| group | offspec s/token | speedup over transformers assisted | speedup over plain decoding |",
+        "|---|---|---|---|", *headline, "", f"Command: `{command}`"])
+    return section, readme
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=_common.HelpFormatter)
+    p.add_argument("--rows", nargs="+", required=True, help="rows files of scripts/bench_peers.py")
+    p.add_argument("--write-docs", action="store_true",
+                   help="write the bench_peers section of docs/benchmarks.md and README.md's benchmark block")
+    args = p.parse_args(argv)
+    rows = [r for f in args.rows for r in bench.read_rows(f, bench_peers.warn)]
+    if not groups_of(rows):
+        p.error(f"{', '.join(args.rows)} hold no timing rows")
+    files = [str(Path(f).resolve().relative_to(ROOT)) if Path(f).resolve().is_relative_to(ROOT) else f
+             for f in args.rows]
+    section, readme = render(rows, files)
+    print(section)
+    if args.write_docs:
+        _common.write_doc_section("bench_peers", section)
+        _common.write_doc_section("bench_peers_readme", readme, path=README)
+    return 0
+
+
+if __name__ == "__main__":
+    _common.run_main(main)

@@ -121,29 +121,32 @@ def main(argv=None) -> int:
     p, args = parse_args(argv)
     dtype = parse_dtype(args.dtype)
     assist = peer_assist(args) if "hf-assisted" in args.systems else None
-    settings = {"new_tokens": args.new_tokens, "dtype": args.dtype, "cold": args.cold, "device": args.device.type,
-                "repeats": args.repeats, "stop": STOP_RULE, "assist": assist and assist["assist"]}
+    target_dir, draft_dir = (args.target, args.draft) if args.target else ensure_demo_models()
+    settings = {"regime": args.regime, "prompt_set": args.prompt_set, "new_tokens": args.new_tokens,
+                "dtype": args.dtype, "cold": args.cold, "device": args.device.type, "repeats": args.repeats,
+                "stop": STOP_RULE, "assist": assist and assist["assist"],
+                "models": [Path(target_dir).name, Path(draft_dir).name],
+                "gpu": _common.device_model(args.device) if args.device.type == "cuda" else None}
     if args.fresh and Path(args.rows).exists():
         os.replace(args.rows, args.rows + ".bak")
-    old = bench.read_rows(args.rows, warn)
+    old = timing_rows(bench.read_rows(args.rows, warn))
     other = sorted({k for r in old for k in settings if r.get("settings", {}).get(k) != settings[k]})
     if other:
         p.error(f"{args.rows} holds rows measured with other settings ({', '.join(other)}): pass the same "
                 "settings, --fresh, or another --rows file")
-    target_dir, draft_dir = (args.target, args.draft) if args.target else ensure_demo_models()
     models = Models.open(target_dir, draft_dir)
     prompts = peer_hf.encoded_prompts(args.prompt_set, args.prompts, args.prompt_offset, models.tokenizer)
-    done = {bench.row_key(r) for r in old if r.get("kind") is None and set(args.systems) <= set(r["systems"])}
+    done = {bench.row_key(r) for r in old if set(args.systems) <= set(r["systems"])}
     extra = {"regime": args.regime, "prompt_set": args.prompt_set, "settings": settings,
-             "command": _common.command_line(),
-             **({"gpu": _common.device_model(args.device)} if args.device.type == "cuda" else {})}
+             "command": _common.command_line()}
     if any((pid, None, 0.0) not in done for pid, _ in prompts):
         measure(args, models, prompts, dtype, assist, done, extra)
-    rows = [r for r in bench.read_rows(args.rows, warn) if r.get("kind") is None]
+    ids = {pid for pid, _ in prompts}
+    rows = [r for r in timing_rows(bench.read_rows(args.rows, warn)) if r["id"] in ids]
     checks = {r["id"]: r for r in bench.read_rows(args.rows) if r.get("kind") == FP32_CHECK}
     todo = {} if dtype == torch.float32 else recheck_todo(rows, checks)
     if todo:
-        for entry in fp32_check(todo, dict(prompts), target_dir, draft_dir).values():
+        for entry in fp32_check(todo, dict(prompts), target_dir, draft_dir, assist, models.eos_ids).values():
             bench.append_row(args.rows, entry)
             checks[entry["id"]] = entry
     failed = [r["id"] for r in rows if verdict(r, checks, dtype == torch.float32) == "fail"]
@@ -153,6 +156,11 @@ def main(argv=None) -> int:
               "explain it", file=sys.stderr)
         return 1
     return 0
+
+
+def timing_rows(rows: list[dict]) -> list[dict]:
+    """The measured rows of a rows file (not its fp32 rechecks), one per prompt: a later row for a prompt wins."""
+    return list({bench.row_key(r): r for r in rows if r.get("kind") is None and "systems" in r}.values())
 
 
 def measure(args, models, prompts, dtype, assist, done, extra) -> None:
@@ -174,7 +182,8 @@ def measure(args, models, prompts, dtype, assist, done, extra) -> None:
         if set(PEERS) & set(args.systems):
             print(f"== {args.regime}: loading transformers + accelerate ...", file=sys.stderr)
             hf = peer_hf.HfSystems(models.target.path, models.draft.path, dtype, args.regime,
-                                   os.path.join(tmp, "hf-offload"), args.cold, device=args.device)
+                                   os.path.join(tmp, "hf-offload"), args.cold, device=args.device,
+                                   eos_ids=models.eos_ids)
             if "hf-assisted" in args.systems:
                 runners["hf-assisted"] = hf.runner(True, peer_hf.assist_of(assist["assist"]))
             if "hf-plain" in args.systems:
@@ -204,56 +213,70 @@ def divergences(row: dict) -> dict[str, int]:
 
 
 def verdict(row: dict, checks: dict, fp32_run: bool) -> str:
-    """identical | rounding (bf16, the float32 recheck identical) | fail | unchecked."""
+    """identical | rounding (bf16: each differing system's float32 rerun gives transformers' plain greedy tokens
+    past its difference) | fail | unchecked."""
     found = divergences(row)
     if not found:
         return "identical"
     if fp32_run:
         return "fail"
     check = checks.get(row["id"])
-    if check is None or check["checked_tokens"] <= max(found.values()):
+    if check is None or check["checked_tokens"] <= max(found.values()) or not set(found) <= set(check["systems"]):
         return "unchecked"
-    return "rounding" if check["result"] == "identical" else "fail"
+    rechecked = [check["systems"][name] for name in {*found, REFERENCE} if name in check["systems"]]
+    return "rounding" if all(result == "identical" for result in rechecked) else "fail"
 
 
-def recheck_todo(rows: list[dict], checks: dict) -> dict[str, int]:
-    """{prompt id: tokens to recheck} for the greedy rows whose differences no stored check covers."""
+def recheck_todo(rows: list[dict], checks: dict) -> dict[str, tuple[int, list[str]]]:
+    """{prompt id: (tokens, systems)} to recheck in float32: the greedy rows whose differences no stored check
+    covers. The reference (plain greedy) is always rechecked with them."""
     todo = {}
     for row in rows:
         found = divergences(row)
-        if found and row.get("temperature", 0.0) == 0.0:
-            n = max(found.values()) + 1
-            if row["id"] not in checks or checks[row["id"]]["checked_tokens"] < n:
-                todo[row["id"]] = max(todo.get(row["id"], 0), n)
+        if found and row.get("temperature", 0.0) == 0.0 and verdict(row, checks, fp32_run=False) == "unchecked":
+            todo[row["id"]] = (max(found.values()) + 1, sorted({*found, REFERENCE}))
     return todo
 
 
-def fp32_check(todo: dict[str, int], prompt_ids: dict, target_dir, draft_dir) -> dict[str, dict]:
-    """Rerun `todo` in float32 on resident models, transformers generate against offspec dyspec, one model at a
-    time. -> {prompt id: fp32_check row}."""
+def fp32_check(todo: dict, prompt_ids: dict, target_dir, draft_dir, assist, eos_ids) -> dict[str, dict]:
+    """Rerun each (prompt, system) of `todo` in float32 on resident models and compare it with transformers'
+    plain greedy generate there: one model set at a time, each loaded once. -> {prompt id: fp32_check row}."""
     from transformers import AutoModelForCausalLM
 
-    from offspec.load import load_engine
     from offspec.config import RuntimeConfig
+    from offspec.load import load_engine
 
     print(f"== fp32 recheck of {len(todo)} prompt(s) that differ in bf16 ...", file=sys.stderr)
-    model = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32, device_map={"": "cpu"}).eval()
-    theirs = {pid: peer_hf.hf_generate(model, prompt_ids[pid], n).tokens for pid, n in todo.items()}
-    del model
+    fp32 = dict(dtype=torch.float32, device_map={"": "cpu"})
+    model = AutoModelForCausalLM.from_pretrained(target_dir, **fp32).eval()
+    helper = AutoModelForCausalLM.from_pretrained(draft_dir, **fp32).eval()
+    setting = peer_hf.assist_of(assist["assist"]) if assist else None
+    reference, runs = {}, {}
+    for pid, (n, systems) in todo.items():
+        ids = prompt_ids[pid]
+        reference[pid] = peer_hf.hf_generate(model, ids, n, eos_ids=eos_ids).tokens
+        for name in systems:
+            if name in PEERS:
+                runs[pid, name] = peer_hf.hf_generate(model, ids, n, helper if name == "hf-assisted" else None,
+                                                      setting, eos_ids=eos_ids).tokens
+    del model, helper
     gc.collect()
     loaded = load_engine(target_dir, draft_dir, OffloadConfig(mode="none"),
                          RuntimeConfig(device=torch.device("cpu"), dtype=torch.float32))
     try:
-        run = bench.offspec_runner(loaded.engine, TreeConfig(), SamplingConfig(), ignore_eos=False)
-        ours = {pid: run(prompt_ids[pid], n, 0)["tokens"] for pid, n in todo.items()}
+        for pid, (n, systems) in todo.items():
+            for name in systems:
+                if name not in PEERS:
+                    tree = bench.system_tree(name, TreeConfig())
+                    run = bench.offspec_runner(loaded.engine, tree, SamplingConfig(), ignore_eos=False)
+                    runs[pid, name] = run(prompt_ids[pid], n, 0)["tokens"]
     finally:
         loaded.engine.close()
     checks = {}
-    for pid, n in todo.items():
-        index = bench.first_divergence(ours[pid], theirs[pid])
-        checks[pid] = {"kind": FP32_CHECK, "id": pid, "checked_tokens": n,
-                       "result": "identical" if index is None else "differs", "first_divergence": index}
-        print(f"fp32 recheck {pid}: {n} tokens, {checks[pid]['result']}", file=sys.stderr)
+    for pid, (n, systems) in todo.items():
+        result = {name: "identical" if runs[pid, name] == reference[pid] else "differs" for name in systems}
+        checks[pid] = {"kind": FP32_CHECK, "id": pid, "checked_tokens": n, "systems": result}
+        print(f"fp32 recheck {pid}: {n} tokens, {result}", file=sys.stderr)
     return checks
 
 

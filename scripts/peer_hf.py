@@ -12,10 +12,10 @@ cache is dropped for those files before every target pass, as for a target bigge
 weight in host RAM, executed where it lies: the peer's best case on a CPU). On a GPU the non-layer weights and
 the compute go there; accelerate brings each offloaded layer to it for its forward.
 
-The sweep (--sweep): hf-assisted alone under each of SWEEP (transformers' defaults; constant 4, 8 and 16 draft
-tokens with confidence threshold 0 and 0.4) on a calibration subset of prompts (--prompt-offset keeps it apart
-from the measured prompts), rows appended to --rows; bench_peers runs the setting with the lowest median s/token
-for its regime and prompt set (best_setting). Example:
+Run as a script, it sweeps: hf-assisted alone under each of SWEEP (transformers' defaults; constant 4, 8 and 16
+draft tokens with confidence threshold 0 and 0.4) on a calibration subset of prompts (--prompt-offset keeps it
+apart from the measured prompts), rows appended to --rows; bench_peers runs the setting with the lowest median
+s/token for its regime and prompt set (best_setting). Every sweep row records its new tokens and repeats. Example:
   python scripts/peer_hf.py --regime disk --prompt-set chat --prompt-offset 32 --prompts 5 \
       --rows docs/bench_peers/sweep-disk-chat.jsonl
 """
@@ -146,11 +146,11 @@ def peer_settings(generator) -> dict:
 
 
 def hf_generate(target, ids, new_tokens: int, assistant=None, assist: Optional[AssistSettings] = None,
-                temperature: float = 0.0, seed: int = 0) -> PeerRun:
+                temperature: float = 0.0, seed: int = 0, eos_ids: Optional[list[int]] = None) -> PeerRun:
     """transformers generate of up to `new_tokens`: greedy at temperature 0, else sampling at `temperature` (no
-    top-k or top-p, as offspec's SamplingConfig) from torch's generator seeded with `seed`. It stops at EOS: with
-    eos_token_id=None transformers takes the model's EOS ids from its generation_config; the EOS token itself is
-    not counted (offspec does not emit it either).
+    top-k or top-p, as offspec's SamplingConfig) from torch's generator seeded with `seed`. It stops at any of
+    `eos_ids` (offspec's stop tokens, load.Models.eos_ids, so both sides stop alike; None: the model's
+    generation_config's EOS ids); the stop token itself is not counted (offspec does not emit it either).
 
     With an assistant, `assist` goes on the assistant's generation_config (None: leave transformers' defaults);
     the call runs on a copy of that config, restored afterwards, because transformers writes the heuristic
@@ -159,7 +159,7 @@ def hf_generate(target, ids, new_tokens: int, assistant=None, assist: Optional[A
 
     sampling = dict(do_sample=True, temperature=temperature, top_k=0, top_p=1.0) if temperature > 0 else \
         dict(do_sample=False)
-    config = transformers.GenerationConfig(max_new_tokens=new_tokens, min_new_tokens=0, eos_token_id=None,
+    config = transformers.GenerationConfig(max_new_tokens=new_tokens, min_new_tokens=0, eos_token_id=eos_ids,
                                            pad_token_id=0, **sampling)
     inputs = torch.tensor([ids], device=target.device)      # the device of its embeddings (peer_device_map)
     saved = None if assistant is None else assistant.generation_config
@@ -185,7 +185,7 @@ def hf_generate(target, ids, new_tokens: int, assistant=None, assist: Optional[A
                            f"{len(watch.generators)}: this transformers ({transformers.__version__}) "
                            "builds it elsewhere, so its settings cannot be read back")
     tokens = out[0, len(ids):].tolist()
-    eos = target.generation_config.eos_token_id
+    eos = eos_ids if eos_ids is not None else target.generation_config.eos_token_id
     eos = set([eos] if isinstance(eos, int) else (eos or []))
     if tokens and tokens[-1] in eos:
         tokens = tokens[:-1]
@@ -225,7 +225,7 @@ class HfSystems:
     """The target offloaded by accelerate, and the draft as a plain resident assistant, on `device`."""
 
     def __init__(self, target_dir, draft_dir, dtype, regime, offload_folder, cold,
-                 device: torch.device = torch.device("cpu")):
+                 device: torch.device = torch.device("cpu"), eos_ids: Optional[list[int]] = None):
         from transformers import AutoConfig, AutoModelForCausalLM
 
         n_layers = AutoConfig.from_pretrained(target_dir).num_hidden_layers
@@ -243,13 +243,14 @@ class HfSystems:
         self.target.eval()
         self.draft = (AutoModelForCausalLM.from_pretrained(draft_dir, dtype=dtype).to(device).eval() if draft_dir
                       else None)
+        self.eos_ids = eos_ids      # the tokens a generation stops at (None: the target's generation_config's)
 
     def runner(self, assisted: bool, assist: Optional[AssistSettings] = None, temperature: float = 0.0):
         """An offspec.bench runner: one generate call (assisted: with the draft under `assist`; None =
         transformers' defaults)."""
         def measure(ids, new_tokens, seed):
             return peer_cell(hf_generate(self.target, ids, new_tokens, self.draft if assisted else None, assist,
-                                         temperature=temperature, seed=seed))
+                                         temperature=temperature, seed=seed, eos_ids=self.eos_ids))
         return measure
 
 
@@ -318,7 +319,8 @@ def main(argv=None) -> int:
     prompts = encoded_prompts(args.prompt_set, args.prompts, args.prompt_offset,
                               AutoTokenizer.from_pretrained(str(target_dir)))
     extra = {"kind": SWEEP_KIND, "regime": args.regime, "prompt_set": args.prompt_set,
-             "settings": {"dtype": args.dtype, "cold": args.cold, "device": args.device.type}}
+             "settings": {"dtype": args.dtype, "cold": args.cold, "device": args.device.type,
+                          "new_tokens": args.new_tokens, "repeats": args.repeats}}
     old = [r for r in bench.read_rows(args.rows) if r.get("kind") == SWEEP_KIND and r["regime"] == args.regime
            and r["prompt_set"] == args.prompt_set]
     tmp = tempfile.mkdtemp(prefix="peer-sweep-")

@@ -7,8 +7,9 @@ bootstrap intervals, tokens per target pass, and how many prompts gave plain gre
 whether offspec's default is within 5% of the best fixed policy measured there (DEFAULT_MARGIN), and what the
 peer ran, as transformers read it back.
 
-  python scripts/render_peers.py --rows docs/bench_peers/*-*.jsonl --write-docs
-writes the bench_peers section of docs/benchmarks.md and the benchmark block of README.md.
+  python scripts/render_peers.py --rows docs/bench_peers/{disk,cpu}-*.jsonl --sweep docs/bench_peers/sweep-*.jsonl \\
+      --write-docs
+writes the bench_peers and bench_peers_sweep sections of docs/benchmarks.md and the benchmark block of README.md.
 """
 from __future__ import annotations
 
@@ -52,9 +53,10 @@ def fixed_policies(systems) -> list[str]:
 
 
 def default_check(rows: list[dict]) -> dict | None:
-    """{"best", "ratio": default / best fixed policy's s/token (paired CI), "ok": within DEFAULT_MARGIN}."""
-    systems = rows[0]["systems"]
-    fixed = fixed_policies(systems)
+    """{"best", "ratio": default / best fixed policy's s/token over the prompts both ran (paired CI), "ok": its
+    median within DEFAULT_MARGIN}; None where the group ran no default or no fixed policy."""
+    systems = set.intersection(*(set(r["systems"]) for r in rows))
+    fixed = fixed_policies(sorted(systems))
     if bench.DEFAULT not in systems or not fixed:
         return None
     medians = {s: statistics.median(r["systems"][s]["seconds_per_token"] for r in rows) for s in fixed}
@@ -118,6 +120,11 @@ HEADER = ("| group | system | s/token [95% CI] | speedup over hf-assisted | spee
           "same tokens as none |\n|---|---|---|---|---|---|---|")
 
 
+def relative(command: str) -> str:
+    """A measuring command as run from the repository root: paths into this checkout made relative."""
+    return command.replace(f"{ROOT}/", "")
+
+
 def render(rows: list[dict], files: list[str]) -> tuple[str, str]:
     """(the docs section, the README block)."""
     checks = {r["id"]: r for r in rows if r.get("kind") == bench_peers.FP32_CHECK}
@@ -146,20 +153,51 @@ def render(rows: list[dict], files: list[str]) -> tuple[str, str]:
         "systems interleaved per prompt. `default` is offspec as `offspec generate --offload <regime>` runs; `none`, "
         "`chain-8` and `dyspec-16` are the same engine with one tree setting changed. hf-assisted is transformers' "
         "assisted generation at the best setting of its own sweep (`scripts/peer_hf.py`).", "",
-        "Measured by:", "```", *sorted({r["command"] for g in groups.values() for r in g if "command" in r}), "```",
-        f"Rendered by `{command}`. " + _stats.provenance_text([r for g in groups.values() for r in g]), "",
+        "Measured by:", "```", *sorted({relative(r["command"]) for g in groups.values() for r in g if "command" in r}),
+        "```",
+        f"Rendered by `{command}`. " + _common.measured_line([r for g in groups.values() for r in g]), "",
         *table, "", *notes])
+    machines = sorted({r["stamp"]["machine"] for g in groups.values() for r in g if "stamp" in r})
+    counts = sorted({len(g) for g in groups.values()})
     readme = "\n".join([
-        f"Measured on the demo pair (1.5B target, 0.5B draft) on a 2-core CPU, greedy, {s0['new_tokens']} new tokens, "
-        "16 prompts per group; medians with bootstrap 95% intervals ([docs/benchmarks.md](docs/benchmarks.md)):", "",
+        f"Measured on {'; '.join(machines)}, models {' and '.join(s0.get('models', ['?']))}, greedy, up to "
+        f"{s0['new_tokens']} new tokens, {' or '.join(map(str, counts))} prompts per group; medians with bootstrap "
+        "95% intervals ([docs/benchmarks.md](docs/benchmarks.md)):", "",
         "| group | offspec s/token | speedup over transformers assisted | speedup over plain decoding |",
         "|---|---|---|---|", *headline, "", f"Command: `{command}`"])
     return section, readme
 
 
+def sweep_section(rows: list[dict], files: list[str]) -> str:
+    """The peer's sweep: each setting's median s/token [95% CI] per (regime, prompt set), the best in bold."""
+    import peer_hf
+
+    keys = sorted({(r["regime"], r["prompt_set"]) for r in rows}, key=lambda k: ({"disk": 0}.get(k[0], 1), k[1]))
+    best = {k: peer_hf.best_setting(rows, *k) for k in keys}
+    head = ["| hf-assisted setting | " + " | ".join(f"{group_title((*k, ''))} ({best[k]['prompts']} prompts)"
+                                                     for k in keys) + " |", "|---" * (len(keys) + 1) + "|"]
+    lines = []
+    for assist in peer_hf.SWEEP:
+        label, cells = peer_hf.assist_label(assist), []
+        for k in keys:
+            values = [r["systems"][label]["seconds_per_token"] for r in rows
+                      if (r["regime"], r["prompt_set"]) == k and label in r["systems"]]
+            text = _stats.fmt_ci(bench.median_ci(values))
+            cells.append(f"**{text}**" if best[k]["label"] == label else text)
+        lines.append(f"| {label} | " + " | ".join(cells) + " |")
+    tokens = sorted({r["new_tokens"] for r in rows})
+    return "\n".join([
+        "## The peer's own sweep: hf-assisted settings (`scripts/peer_hf.py`)", "",
+        "Median s/token [95% CI] of transformers' assisted generation under each setting, on calibration prompts "
+        "kept apart from the measured ones (from the 33rd of each set on), greedy, up to "
+        f"{' or '.join(map(str, tokens))} new tokens; the best (bold) is what hf-assisted runs above.",
+        _common.measured_line(rows), "", *head, *lines])
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=_common.HelpFormatter)
     p.add_argument("--rows", nargs="+", required=True, help="rows files of scripts/bench_peers.py")
+    p.add_argument("--sweep", nargs="*", default=[], help="the peer's sweep rows files (scripts/peer_hf.py)")
     p.add_argument("--write-docs", action="store_true",
                    help="write the bench_peers section of docs/benchmarks.md and README.md's benchmark block")
     args = p.parse_args(argv)
@@ -169,9 +207,13 @@ def main(argv=None) -> int:
     files = [str(Path(f).resolve().relative_to(ROOT)) if Path(f).resolve().is_relative_to(ROOT) else f
              for f in args.rows]
     section, readme = render(rows, files)
-    print(section)
+    sweep = [r for f in args.sweep for r in bench.read_rows(f, bench_peers.warn) if r.get("kind") == "sweep"]
+    sweep_text = sweep_section(sweep, args.sweep) if sweep else None
+    print(section + (f"\n\n{sweep_text}" if sweep_text else ""))
     if args.write_docs:
         _common.write_doc_section("bench_peers", section)
+        if sweep_text:
+            _common.write_doc_section("bench_peers_sweep", sweep_text)
         _common.write_doc_section("bench_peers_readme", readme, path=README)
     return 0
 

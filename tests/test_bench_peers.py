@@ -31,6 +31,7 @@ def checkpoints(tmp_path_factory):
 
 
 def run(bp, checkpoints, rows, *extra):
+    """bench_peers on the tiny pair, float32 and every system unless `extra` says otherwise (later options win)."""
     target, draft = checkpoints
     return bp.main(["--regime", "cpu", "--prompt-set", "chat", "--prompts", "2", "--new-tokens", "6", "--dtype",
                     "float32", "--device", "cpu", "--systems", SYSTEMS, "--assist-defaults", "--target", str(target),
@@ -67,16 +68,33 @@ def test_every_system_on_every_prompt_identical_resumable_and_rendered(bp, rende
 
 def test_identity_verdicts_and_recheck(bp):
     def row(pid, tokens):
-        return {"id": pid, "temperature": 0.0, "systems": {"none": {"tokens": [1, 2, 3]}, "default": {"tokens": tokens}}}
+        return {"id": pid, "temperature": 0.0, "systems": {"none": {"tokens": [1, 2, 3]}, "default": {"tokens": tokens},
+                                                            "chain-8": {"tokens": [1, 2, 3]}}}
 
     same, differs = row("a", [1, 2, 3]), row("b", [1, 9, 3])
     assert bp.verdict(same, {}, fp32_run=False) == "identical"
     assert bp.verdict(differs, {}, fp32_run=True) == "fail"
     assert bp.verdict(differs, {}, fp32_run=False) == "unchecked"
-    assert bp.recheck_todo([same, differs], {}) == {"b": 2}
-    check = {"b": {"checked_tokens": 2, "result": "identical"}}
+    assert bp.recheck_todo([same, differs], {}) == {"b": (2, ["default", "none"])}     # only the system that differs
+    check = {"b": {"checked_tokens": 2, "systems": {"default": "identical", "none": "identical"}}}
     assert bp.verdict(differs, check, fp32_run=False) == "rounding" and bp.recheck_todo([differs], check) == {}
-    assert bp.verdict(differs, {"b": {"checked_tokens": 2, "result": "differs"}}, fp32_run=False) == "fail"
+    other = {"b": {"checked_tokens": 2, "systems": {"chain-8": "identical", "none": "identical"}}}
+    assert bp.verdict(differs, other, fp32_run=False) == "unchecked"       # a recheck of another system says nothing
+    for broken in ({"default": "differs", "none": "identical"}, {"default": "identical", "none": "differs"}):
+        assert bp.verdict(differs, {"b": {"checked_tokens": 2, "systems": broken}}, fp32_run=False) == "fail"
+
+
+def test_a_bf16_rows_file_with_rechecks_resumes(bp, checkpoints, tmp_path):
+    """bf16 rows and a stored fp32 recheck: a rerun of the same command measures nothing and is not refused."""
+    rows_file = tmp_path / "rows.jsonl"
+    first = run(bp, checkpoints, rows_file, "--dtype", "bfloat16", "--systems", "none,default")
+    lines = rows_file.read_text().splitlines()
+    timing = [json.loads(line) for line in lines if "systems" in json.loads(line) and "kind" not in json.loads(line)]
+    assert len(timing) == 2
+    with open(rows_file, "a") as f:
+        f.write(json.dumps({"kind": bp.FP32_CHECK, "id": "elsewhere", "checked_tokens": 1, "systems": {}}) + "\n")
+    assert run(bp, checkpoints, rows_file, "--dtype", "bfloat16", "--systems", "none,default") == first
+    assert len(rows_file.read_text().splitlines()) == len(lines) + 1
 
 
 def test_default_check_names_the_best_fixed_policy(render):

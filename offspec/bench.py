@@ -13,7 +13,7 @@ measure() runs every system on every prompt (and seed), interleaved: for each pr
 order drawn per prompt and repeat, so a slow spell of the machine falls on different systems. One row per
 (prompt, seed):
 
-    {"id", "seed", "prompt_tokens", "new_tokens", "temperature", "stamp", "systems": {name: cell}}
+    {"id", "seed", "prompt_tokens", "prompt_digest", "new_tokens", "temperature", "stamp", "systems": {name: cell}}
     cell: {"tokens": [ids], "seconds_per_token": median over repeats of seconds / own tokens,
            "repeat_seconds_per_token": [...], "tokens_per_pass", "passes", ...}
 
@@ -165,11 +165,19 @@ def measure(prompts: Sequence[tuple[str, Sequence[int]]], runners: dict[str, Run
             for name in shuffled_order(list(runners), f"{pid}|{seed}", repeat):
                 runs[name].append(runners[name](ids, new_tokens, seed or 0))
         row = {**(extra or {}), "id": pid, "seed": seed, "temperature": temperature, "prompt_tokens": len(ids),
+               "prompt_digest": prompt_digest(ids),
                "new_tokens": new_tokens, "stamp": stamp(), "systems": {n: merge_repeats(r) for n, r in runs.items()}}
         rows.append(row)
         if on_row is not None:
             on_row(row)
     return rows
+
+
+def prompt_digest(ids: Sequence[int]) -> str:
+    """A short digest of a prompt's token ids: a resumed run reuses a row only for the same prompt."""
+    import hashlib
+
+    return hashlib.sha1(",".join(map(str, ids)).encode()).hexdigest()[:16]
 
 
 def merge_repeats(runs: list[dict]) -> dict:

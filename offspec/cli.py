@@ -93,7 +93,7 @@ def model_options(f):
                           "+50% draft memory), which a prompt's tokens in a draft call read when the call covers at most "
                           f"{FUSED_MAX_ROWS} of that prompt's tokens (its own count, never its batch's): such a call on a "
                           "CPU reads every weight, so reading half the bytes makes it faster (draft-call times: "
-                          "docs/benchmarks.md). int8-held / nf4 = held ONLY "
+                          "docs/notes/2026-11-26-draft-int8-copy.md). int8-held / nf4 = held ONLY "
                           "quantized (per-row int8: 0.50x; bitsandbytes nf4: 0.28x of bf16; lm_head stays dense) to free "
                           "device memory for resident target layers: each call dequantizes a matrix at a time (slower on "
                           "a CPU; int8-held reads int8 directly where the copy would). Output is unchanged either way "
@@ -112,8 +112,8 @@ def model_options(f):
                           "as their quantized blocks, 0.28x (nf4) / 0.50x (int8) of bf16 plus one dense scratch layer, "
                           "and dequantize each into the scratch right before it runs, every pass: about 2x (int8) / "
                           "3.5x (nf4) as many layers stay resident, so fewer stream; the price is a dequantization per "
-                          "held layer per pass (its cost on a GPU and a CPU: docs/benchmarks.md, \"Held quantized "
-                          "resident layers\"). "
+                          "held layer per pass (its cost on a GPU and a CPU: "
+                          "docs/notes/2026-11-23-held-quantized-layers-and-drafts.md). "
                           "auto = held only where that keeps more layers resident (never when all fit dense); off = "
                           "resident layers dequantized once, dense."),
         click.option("--device", default=default_device, show_default="cuda if available, else cpu",
@@ -171,7 +171,7 @@ def model_options(f):
                      show_default=True,
                      help="Graft continuations the prompt and the generated text already contain (prompt lookup) onto "
                           "each tree, at no draft call; they take tree budget only when likely. Off by default: "
-                          "measured level on chat and worse on code (docs/benchmarks.md)."),
+                          "measured level on chat and worse on code (docs/notes/2026-11-25-tree-levers.md)."),
         click.option("--calibrate", type=click.Choice(["on", "off"]), default="on" if TreeConfig.calibrate else "off",
                      show_default=True,
                      help="Rank tree nodes by the acceptance rates this run observes (by depth and draft probability), "
@@ -671,31 +671,19 @@ def device_given() -> bool:
                    "their median.")
 @click.option("--limit", type=int, default=None, help="Use only the first N prompts. Default: all.")
 @click.option("--rows", "rows_path", type=click.Path(dir_okay=False), default=None,
-              help="Append each prompt's row to this JSONL file as it is measured; a rerun measures only the "
-                   "(prompt, temperature) rows it lacks and summarizes them all. Default: none.")
+              help="Append each prompt's row to this JSONL file as it is measured; a rerun with the same options "
+                   "measures only the (prompt, temperature) rows it lacks and summarizes those of its prompts, "
+                   "temperatures and systems (rows measured with other options stop it). Default: none.")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None,
               help="Write the summary and every row to this JSON file. Default: none.")
 @model_options
 def bench(prompt_file, systems, prompt_tokens, new_tokens, temperatures, repeats, limit, rows_path, json_path, **o):
     """Systems measured side by side on one engine, loaded as generate loads it: the same prompts, a fixed
     number of new tokens (EOS ignored, the Sequoia/DySpec protocol), interleaved per prompt, with medians and
-    bootstrap 95% intervals over prompts."""
+    bootstrap 95% intervals over prompts. A system's s/token is its wall time over its tokens, prefill included."""
     from . import bench as b
 
-    temps = parse_temperatures(temperatures)
-    if prompt_tokens < 1 or new_tokens < 1 or repeats < 1:
-        raise InputError("--prompt-tokens, --new-tokens and --repeats must be at least 1")
-    if limit is not None and limit < 1:
-        raise InputError("--limit must be at least 1")
-    names = list(dict.fromkeys(x.strip() for x in systems.split(",") if x.strip()))
-    for name in names:
-        b.system_tree(name, TreeConfig())       # an unknown name fails here, before any model is opened
-    if b.PLAIN not in names or len(names) < 2:
-        raise InputError(f"--systems must name {b.PLAIN} (the speedups' reference) and at least one other system")
-    if o["policy"] == "none":
-        raise InputError("bench compares against a tree policy; choose one with --tree")
-    if o["target"] is not None and o["draft"] is None:
-        raise InputError("bench compares plain and speculative decoding: give a --draft for the --target")
+    temps, names = check_bench_options(systems, prompt_tokens, new_tokens, temperatures, repeats, limit, o)
     for path in (rows_path, json_path):
         if path:
             check_writable(path)
@@ -703,18 +691,22 @@ def bench(prompt_file, systems, prompt_tokens, new_tokens, temperatures, repeats
     models, (runtime, offload, tree, sampling) = open_from_options(o)
     trees = {name: b.system_tree(name, tree) for name in names}
     prompts = b.bench_prompts(models.tokenizer, items, prompt_tokens)
-    old = b.read_rows(rows_path, warn)
-    wanted = {(pid, None if t == 0 else sampling.seed, t) for pid, _ in prompts for t in temps}
-    done = {b.row_key(r): r for r in old if b.row_key(r) in wanted and set(trees) <= set(r.get("systems", ()))}
-    rows = list(done.values())
-    if len(done) < len(wanted):
+    settings = json.loads(json.dumps({
+        "prompt_tokens": prompt_tokens, "new_tokens": new_tokens, "repeats": repeats, "tree": vars(tree),
+        "models": [str(p) for p in models_of(models)], "device": str(runtime.device), "dtype": o["dtype"],
+        "offload": o["offload"], "target_quant": o["target_quant"], "draft_quant": o["draft_quant"]}))
+    rows = resumed_bench_rows(rows_path, prompts, trees, temps, sampling.seed, settings)
+    if len(rows) < len(prompts) * len(temps):
         longest = max(len(ids) for _, ids in prompts) + new_tokens
         limits = b.bench_limits(trees.values(), longest, any(t > 0 for t in temps))
         limits = replace(limits, context=parse_context(o["context"]) or limits.context,
                          prefill_chunk=o["prefill_chunk"])
         loaded = models.load(offload, runtime, limits)
+        setup = {"settings": settings, "plan": {"offload": loaded.plan.mode, "target_quant": loaded.plan.target_quant,
+                                                "draft_quant": runtime.draft_quant}}
         try:
-            rows += measure_bench(loaded.engine, prompts, trees, sampling, temps, new_tokens, repeats, done, rows_path)
+            rows += measure_bench(loaded.engine, prompts, trees, sampling, temps, new_tokens, repeats,
+                                  {b.row_key(r) for r in rows}, rows_path, setup)
         finally:
             loaded.engine.close()
     report = []
@@ -724,6 +716,43 @@ def bench(prompt_file, systems, prompt_tokens, new_tokens, temperatures, repeats
         report += [{"temperature": t, **s} for s in summary]
     if json_path:
         write_report(json_path, {"summary": report, "rows": rows}, *models_of(models))
+
+
+def check_bench_options(systems, prompt_tokens, new_tokens, temperatures, repeats, limit, o) -> tuple[list, list]:
+    """(temperatures, system names) checked before any model is opened."""
+    from . import bench as b
+
+    temps = parse_temperatures(temperatures)
+    if prompt_tokens < 1 or new_tokens < 1 or repeats < 1:
+        raise InputError("--prompt-tokens, --new-tokens and --repeats must be at least 1")
+    if limit is not None and limit < 1:
+        raise InputError("--limit must be at least 1")
+    names = list(dict.fromkeys(x.strip() for x in systems.split(",") if x.strip()))
+    for name in names:
+        b.system_tree(name, TreeConfig())       # an unknown name fails here
+    if b.PLAIN not in names or len(names) < 2:
+        raise InputError(f"--systems must name {b.PLAIN} (the speedups' reference) and at least one other system")
+    if o["policy"] == "none":
+        raise InputError("bench compares against a tree policy; choose one with --tree")
+    if o["target"] is not None and o["draft"] is None:
+        raise InputError("bench compares plain and speculative decoding: give a --draft for the --target")
+    return temps, names
+
+
+def resumed_bench_rows(rows_path, prompts, trees: dict, temps, seed: int, settings: dict) -> list[dict]:
+    """The rows of --rows this run can reuse: its prompts (the same tokens), temperatures and systems. Rows
+    measured with other settings stop the run, as they could not be summarized with new ones."""
+    from . import bench as b
+
+    old = [r for r in b.read_rows(rows_path, warn) if "systems" in r]
+    other = sorted({k for r in old for k in settings if r.get("settings", {}).get(k) != settings[k]})
+    if other:
+        raise InputError(f"{rows_path} holds rows measured with other settings ({', '.join(other)}): pass the "
+                         "same options or another --rows file")
+    digests = {pid: b.prompt_digest(ids) for pid, ids in prompts}
+    wanted = {(pid, None if t == 0 else seed, t) for pid in digests for t in temps}
+    return list({b.row_key(r): r for r in old if b.row_key(r) in wanted and set(trees) <= set(r["systems"])
+                 and r.get("prompt_digest") == digests[r["id"]]}.values())
 
 
 def parse_temperatures(text: str) -> list[float]:
@@ -747,8 +776,8 @@ def read_bench_prompts(prompt_file: str, limit: Optional[int]):
     return items[:limit] if limit else items
 
 
-def measure_bench(engine, prompts, trees: dict, sampling, temps, new_tokens: int, repeats: int, done: dict,
-                  rows_path: Optional[str]) -> list[dict]:
+def measure_bench(engine, prompts, trees: dict, sampling, temps, new_tokens: int, repeats: int, done: set,
+                  rows_path: Optional[str], setup: dict) -> list[dict]:
     """The rows `done` lacks, each printed (and appended to rows_path) as it is made."""
     from . import bench as b
 
@@ -764,7 +793,7 @@ def measure_bench(engine, prompts, trees: dict, sampling, temps, new_tokens: int
         s = replace(sampling, temperature=t)
         runners = {name: b.offspec_runner(engine, tree, s, ignore_eos=True) for name, tree in trees.items()}
         rows += b.measure(prompts, runners, new_tokens, temperature=t, seeds=(None,) if t == 0 else (sampling.seed,),
-                          repeats=repeats, done=done, on_row=on_row)
+                          repeats=repeats, done=done, on_row=on_row, extra=setup)
     return rows
 
 

@@ -172,7 +172,7 @@ def test_draft_quant_pruning_and_tree_levers_keep_the_output(m, tmp_path, opts):
 @pytest.mark.parametrize("dtype,expected", [("bfloat16", "int8"), ("float32", "none")])
 def test_draft_quant_auto(m, monkeypatch, dtype, expected):
     """auto on a CPU: the int8 copy in bfloat16, where its kernel is the faster one for narrow calls; the dense
-    draft in float32, where it is not (docs/benchmarks.md, "The draft's int8 copy")."""
+    draft in float32, where it is not (docs/notes/2026-11-26-draft-int8-copy.md)."""
     seen = {}
 
     def fake_load(models, offload, runtime, limits, progress=True, machine=None):
@@ -445,6 +445,10 @@ def test_bench_table_rows_resume_and_json(m, tmp_path):
     again = ok(cli(*args))
     assert "T=0" not in again.stderr and len(rows.read_text().splitlines()) == 4    # nothing measured again
     assert "chain-3" in again.stdout
+    assert data["rows"][0]["settings"]["new_tokens"] == 6 and data["rows"][0]["plan"]["offload"]
+    changed = list(args)
+    changed[changed.index("--new-tokens") + 1] = 5
+    assert_clean_error(cli(*changed), "other settings (new_tokens)")
 
 
 # ------------------------------------------------------------------ models

@@ -68,7 +68,7 @@ class TreeConfig:
     branching: int = 8                          # candidate children examined per frontier node each depth
     static_widths: tuple = (4, 2, 2, 1, 1, 1)   # "static": children per node at each depth
     prune: bool = True                          # dyspec: run the draft only on nodes at least as likely as last round's C
-    # Both off by default: no measured grid shows them winning yet (docs/benchmarks.md, "Better trees for chat").
+    # Both off by default: no measured grid shows them winning yet (docs/notes/2026-11-25-tree-levers.md).
     calibrate: bool = False                     # node values from acceptance rates observed this run (calibrate.py), not raw draft probabilities
     ngram: bool = False                         # graft continuations the sequence already contains onto each tree, no draft call (ngram.py)
 

@@ -178,7 +178,7 @@ class Controller:
         the others grow theirs once that tree is timed and trees pay (probe_first); rows joining later while trees
         pay share 32 nodes a pass. A row alone starts so too: its prefill round grows no tree, so its first token comes
         after the target's prefill alone, and the next round grows its 32-node tree. Why each start:
-        docs/benchmarks.md, "Reading the batch numbers"."""
+        docs/notes/2026-11-23-batch-host-ram-and-planner.md."""
         B = run.rows
         return cls(start=128 if run.gpu else max(1, 32 // B), max_budget=run.max_budget, max_depth=0,
                    probe_first=max(8, 32 // B) if plain_first_round(run.gpu, run.streamed) else None,

@@ -10,12 +10,12 @@ import bisect
 from dataclasses import dataclass
 
 LINK_GB_PER_S = 24.0    # a PREDICTION input: pinned host->device copies over PCIe 4.0 x16, a gaming PC's link
-PAGEABLE_GB_PER_S = 9.0  # pageable copies (the driver stages them), as measured on REFERENCE_GPU (docs/benchmarks.md)
+PAGEABLE_GB_PER_S = 9.0  # pageable copies (the driver stages them), as measured on REFERENCE_GPU (docs/notes/2026-11-26-first-gpu-contact.md)
 
 
 @dataclass(frozen=True)
 class MeasuredGpu:
-    """One GPU's pass components, measured by scripts/gpu_session.py (docs/benchmarks.md, "First GPU contact").
+    """One GPU's pass components, measured by scripts/gpu_session.py (docs/notes/2026-11-26-first-gpu-contact.md).
 
     link_gb_per_s: pinned copies of 1.71 GB layers on the copy stream (the median of the pass's widths).
     layer_compute_s: (tokens in the pass, seconds) of ONE Llama-3.1-70B-shaped bf16 decoder layer (layer_params

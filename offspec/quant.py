@@ -9,7 +9,7 @@ row halves those bytes:
     W (N, K)  ~=  Q (N, K) int8  *  s (N,)[:, None],   s = max_k |W[n, k]| / 127   (symmetric, per row)
 
 Over more rows (a prompt, a wide tree level) the call is compute-bound, and there the fused int8 kernel loses
-to the full-precision matmul (docs/benchmarks.md, "The draft's int8 copy"), so an Int8Weight keeps the
+to the full-precision matmul (docs/notes/2026-11-26-draft-int8-copy.md), so an Int8Weight keeps the
 full-precision weight as well. Which one a row reads is decided per SEQUENCE of a packed call, never per call:
 a sequence that feeds at most FUSED_MAX_ROWS rows reads the int8 copy, a wider one the weight (narrow_rows).
 Both kernels compute each row on its own, so a sequence's draft distributions do not depend on which other
@@ -188,7 +188,8 @@ def bitsandbytes_ops():
     """torch.ops.bitsandbytes, imported on first use (1.5 s), or InputError in one line when it cannot be.
     Cached: the streamer asks for it for every matrix it dequantizes."""
     # bitsandbytes' CPU backend warns that its fused 4-bit matmul kernel needs the `kernels` package; offspec
-    # dequantizes and then runs its own matmul (docs/benchmarks.md: faster here), so the warning is noise.
+    # dequantizes and then runs its own matmul (faster here; the CPU timings of held nf4 and int8:
+    # docs/notes/2026-11-23-held-quantized-layers-and-drafts.md), so the warning is noise.
     cpu_ops_log = logging.getLogger("bitsandbytes.backends.cpu.ops")
     level = cpu_ops_log.level
     cpu_ops_log.setLevel(logging.ERROR)
@@ -208,7 +209,7 @@ def auto_draft_quant(device_kind: str, dtype: torch.dtype) -> str:
     """--draft-quant auto on a device of this kind ("cpu" or "cuda") in this compute dtype: the int8 copy on a CPU
     in bfloat16, where a narrow draft call is bound by reading its weights and the fused kernel reads half the
     bytes; none elsewhere: on a GPU, and in float32 or float16 on a CPU, where the fused kernel has no fast path
-    and loses to the dense matmul (docs/benchmarks.md, "The draft's int8 copy")."""
+    and loses to the dense matmul (docs/notes/2026-11-26-draft-int8-copy.md)."""
     return "int8" if device_kind == "cpu" and dtype == torch.bfloat16 else "none"
 
 
@@ -272,7 +273,7 @@ def _dequantize_matrix(quant: str, pieces: dict[str, torch.Tensor], out: torch.T
     """out (N, K), in the compute dtype <- the matrix its pieces hold (field of layer: see published.dequantize)."""
     if quant == "int8":
         # q then a row scale, in place: two passes over `out`, no temporary (the fastest of the ways tried:
-        # docs/benchmarks.md, "Held quantized resident layers and drafts").
+        # docs/notes/2026-11-23-held-quantized-layers-and-drafts.md).
         out.copy_(pieces["int8"])
         out.mul_(pieces["scale"][:, None])
         return
@@ -437,7 +438,7 @@ class QuantizedResident:
     layer that every such layer shares. Each pass dequantizes it into the scratch right before it runs
     (weights()), with the streamer's dequantization (QuantizedLayout.dequantize) on the compute queue: in
     stream order after the previous layer's kernels, which read the scratch before, so no event is needed.
-    That costs compute every pass (docs/benchmarks.md, "Held quantized resident layers and drafts"), which is
+    That costs compute every pass (docs/notes/2026-11-23-held-quantized-layers-and-drafts.md), which is
     why a layer is held so only where that lets more layers stay resident (plan.py)."""
     layout: QuantizedLayout
     block: torch.Tensor      # (layout.nbytes,) uint8 on the device, for good

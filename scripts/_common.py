@@ -1,5 +1,6 @@
 """Helpers shared by the benchmark scripts: the machine a number was measured on, the command that
-measured it, markdown tables, and writing one benchmark's section of docs/benchmarks.md.
+measured it, markdown tables, rows files (JSON lines, gzip-compressed or not), and writing one benchmark's
+section of docs/benchmarks.md.
 
 docs/benchmarks.md holds one section per benchmark between markers
 
@@ -7,22 +8,25 @@ docs/benchmarks.md holds one section per benchmark between markers
     ...written by scripts/bench_stream.py --write-docs...
     <!-- bench_stream:end -->
 
-so a rerun of one script replaces only its own section and leaves the rest of the file as it was.
+so a rerun of one script replaces only its own section and leaves the rest of the file as it was. A section
+starts with run_header(): the command in a code block and one line saying where, when and at which commit the
+figures were measured (from the rows' stamps when it renders stored rows, never the rendering's own time).
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
+import gzip
+import json
 import os
-import platform
 import shlex
-import subprocess
 import sys
 import tempfile
 import time
+import zlib
 from pathlib import Path
-from typing import Callable, Optional, Sequence
+from typing import Callable, Iterable, Iterator, Optional, Sequence
 
-import psutil
 import torch
 
 REPO = Path(__file__).resolve().parent.parent
@@ -32,8 +36,7 @@ DOC_HEADER = """# Benchmarks
 
 Measured, not asserted: each section below is written by one script in `scripts/` (run it with
 `--write-docs` to replace its section; the rest of this file is left as it is). Every section states the
-exact command and the machine it ran on. Timings taken while other work shares the machine are noisy: the
-load average at the start and end of each run is recorded so a reader can tell.
+exact command and where, when and at which commit its figures were measured.
 """
 
 
@@ -57,30 +60,16 @@ def command_line() -> str:
 
 
 def git_commit() -> Optional[str]:
-    """$OFFSPEC_COMMIT when set (a copy of the tree sent to another machine, whose .git may be another state's),
-    else HEAD's short hash, with '+changes' when the working tree differs from it; None outside a checkout."""
-    if os.environ.get("OFFSPEC_COMMIT"):
-        return os.environ["OFFSPEC_COMMIT"]
-    try:
-        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True)
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO,
-                               capture_output=True, text=True)
-    except OSError:
-        return None
-    if head.returncode != 0:
-        return None
-    return head.stdout.strip() + ("+changes" if dirty.stdout.strip() else "")
+    """offspec.bench.git_commit(): $OFFSPEC_COMMIT when set, else the checkout's short HEAD with '+changes' when
+    tracked files differ from it; None outside a checkout."""
+    from offspec.bench import git_commit as commit      # when called: by then the script has put its checkout on sys.path
+    return commit()
 
 
 def cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
+    """offspec.bench.cpu_model(): the CPU's model name."""
+    from offspec.bench import cpu_model as model
+    return model()
 
 
 def compute_device(name: str, here: bool = True) -> torch.device:
@@ -103,22 +92,6 @@ def load_average() -> str:
         return " / ".join(f"{x:.2f}" for x in os.getloadavg())
     except OSError:
         return "n/a"
-
-
-def machine_description(device: torch.device) -> list[str]:
-    """Markdown bullet lines naming the hardware and software a benchmark ran on."""
-    vm = psutil.virtual_memory()
-    lines = [
-        f"- CPU: {cpu_model()}, {psutil.cpu_count(logical=False)} cores / {psutil.cpu_count()} threads "
-        f"(torch uses {torch.get_num_threads()} threads); RAM {vm.total / 2**30:.1f} GiB",
-        f"- OS: {platform.platform()}; Python {platform.python_version()}; torch {torch.__version__}",
-    ]
-    if device.type == "cuda":
-        props = torch.cuda.get_device_properties(device)
-        lines.append(f"- GPU: {props.name}, {props.total_memory / 2**30:.1f} GiB; CUDA {torch.version.cuda}")
-    else:
-        lines.append("- compute device: cpu (no GPU)")
-    return lines
 
 
 def fmt(x: float, digits: int = 3) -> str:
@@ -171,18 +144,148 @@ def write_doc_section(name: str, body: str, path: Path = BENCHMARKS_MD) -> None:
         raise
 
 
-def run_header(device: torch.device, started: float, load_at_start: str) -> str:
-    """The command / machine / date block every section starts with (load_at_start: load_average() then)."""
-    lines = [
-        "Command:",
-        "```",
-        command_line(),
-        "```",
-        *machine_description(device),
-        f"- run {time.strftime('%Y-%m-%d %H:%M', time.localtime(started))}, {time.time() - started:.0f} s; "
-        f"load average (1 / 5 / 15 min) {load_at_start} at the start, {load_average()} at the end",
-    ]
+def _utc(t: str) -> str:
+    """'2026-11-25T08:43:19Z' -> '2026-11-25 08:43'."""
+    return t.replace("T", " ")[:16]
+
+
+def _span(first: str, last: str) -> str:
+    """'2026-11-25 08:43–09:10 UTC' within a day, else both dates."""
+    if first == last:
+        return f"{first} UTC"
+    return f"{first}–{last[11:] if first[:10] == last[:10] else last} UTC"
+
+
+def _unstamped(rows: Sequence[dict]) -> str:
+    """What rows without a stamp say of themselves: older rows kept a `time` (the measuring run's own clock) and
+    some a `commit`; '' when they say neither."""
+    times = sorted(_utc(r["time"]) for r in rows if isinstance(r.get("time"), str))
+    commits = sorted({r["commit"] for r in rows if isinstance(r.get("commit"), str)})
+    said = ([f"times {_span(times[0], times[-1])[:-4]} by the run's clock"] if times else []) + \
+           ([f"commit{'s' * (len(commits) > 1)} {', '.join(commits)}"] if commits else [])
+    return f" (their own fields: {', '.join(said)})" if said else ""
+
+
+def measured_line(rows: Sequence[dict]) -> str:
+    """One line: the machines, the first and last time, the commits and the load the rows were measured at, from
+    their stamps (_stats.stamp(): {commit, time, load_average, machine}); says which rows carry no stamp, and the
+    time and commit such rows kept themselves, if any."""
+    stamps = [r["stamp"] for r in rows if isinstance(r.get("stamp"), dict)]
+    bare = [r for r in rows if not isinstance(r.get("stamp"), dict)]
+    if not stamps:
+        return f"Rows carry no stamp{_unstamped(bare)}: where they were measured is not recorded."
+    machines = sorted({s.get("machine") or "?" for s in stamps})
+    times = sorted(_utc(s["time"]) for s in stamps if s.get("time"))
+    commits = sorted({s.get("commit") or "?" for s in stamps})
+    loads = [s["load_average"][0] for s in stamps if s.get("load_average")]
+    parts = [f"Measured on {'; '.join(machines)}"]
+    if times:
+        parts.append(_span(times[0], times[-1]))
+    parts.append(f"commit{'s' * (len(commits) > 1)} {', '.join(commits)}")
+    text = ", ".join(parts)
+    if loads:
+        text += f"; 1-minute load {min(loads):.2f}–{max(loads):.2f}"
+    if bare:
+        text += f"; {len(bare)} of {len(rows)} rows carry no stamp{_unstamped(bare)}"
+    return text + "."
+
+
+def run_header(device: torch.device, started: float, load_at_start: str, rows: Optional[Sequence[dict]] = None) -> str:
+    """The head of every section: the command in a code block, then one line saying where, when and at which
+    commit the figures were measured. With `rows` (what the section is rendered from) the line comes from their
+    stamps, whenever they were measured; without, for a run that measured what it shows, it names this machine,
+    the run's start and end (UTC), the checkout's commit and the load average. A --report-only render given no
+    rows gets the command alone: its own machine and time are not when anything was measured."""
+    lines = ["```", command_line(), "```"]
+    if rows is not None:
+        lines.append(measured_line(rows))
+    elif "--report-only" not in sys.argv[1:]:
+        threads = f", {torch.get_num_threads()} torch threads" if device.type == "cpu" else ""
+        first = time.strftime("%Y-%m-%d %H:%M", time.gmtime(started))
+        last = time.strftime("%Y-%m-%d %H:%M", time.gmtime())
+        load = (f"; 1-minute load {load_at_start.split(' / ')[0]} at the start, "
+                f"{load_average().split(' / ')[0]} at the end")
+        lines.append(f"Measured on {device_model(device)}{threads}, torch {torch.__version__}, {_span(first, last)}, "
+                     f"commit {git_commit() or '?'}{load if load_at_start != 'n/a' else ''}.")
     return "\n".join(lines)
+
+
+def rows_path(path) -> Path:
+    """A rows file's path. Where only its gzip-compressed copy (path + '.gz') exists, that one: a command naming
+    `rows.jsonl` goes on reading after the file was compressed. Where both exist, SystemExit: which one holds the
+    rows is not for this to guess."""
+    path = Path(path)
+    if path.suffix == ".gz":
+        return path
+    gz = path.with_name(path.name + ".gz")
+    if gz.exists():
+        if path.exists():
+            raise SystemExit(f"both {path} and {gz} exist; keep one (gunzip the archive into the plain file, or "
+                             "move one away)")
+        return gz
+    return path
+
+
+def _gzip_lines(f, path: Path):
+    """The lines of a gzip-compressed rows file; where its tail is cut short (a copy or a write that did not finish)
+    the lines read so far, and a warning, instead of an exception."""
+    n = 0
+    try:
+        for line in f:
+            n += 1
+            yield line
+    except (EOFError, gzip.BadGzipFile, zlib.error) as err:
+        print(f"warning: {path} ends early after line {n} ({err}); the rows read so far are kept", file=sys.stderr)
+
+
+@contextlib.contextmanager
+def open_rows(path) -> Iterator[Iterable[str]]:
+    """The one reader of rows files: the lines of a .jsonl, or of a .jsonl.gz (rows_path: a path naming x.jsonl finds
+    x.jsonl.gz where only that exists), as text. A truncated gzip tail keeps the lines before it (with a warning); a
+    torn last JSON line is the caller's to skip. Compressed rows files are read-only archives (append_jsonl)."""
+    path = rows_path(path)
+    if path.suffix != ".gz":
+        with open(path) as f:
+            yield f
+        return
+    with gzip.open(path, "rt") as f:
+        yield _gzip_lines(f, path)
+
+
+def read_jsonl(path, torn: str = "ignored") -> list[dict]:
+    """The rows of a rows file (open_rows: .jsonl or .jsonl.gz), [] when there is none; a line that is not complete
+    JSON (the last one, torn by a run killed while writing it) is skipped with a warning ending in `torn`."""
+    if path is None or not rows_path(path).is_file():
+        return []
+    rows = []
+    with open_rows(path) as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError:
+                print(f"warning: {path}:{n} is not a complete JSON line; {torn}", file=sys.stderr)
+    return rows
+
+
+def check_appendable(path) -> None:
+    """SystemExit (one line) unless rows can be appended to `path`: a compressed rows file is a read-only archive,
+    and both x.jsonl and x.jsonl.gz existing is ambiguous (rows_path). A measuring run calls this with its
+    arguments, before it measures anything."""
+    if path is not None and rows_path(path).suffix == ".gz":
+        raise SystemExit(f"{rows_path(path)} is a compressed archive; gunzip it to add rows")
+
+
+def append_jsonl(path, line: str) -> None:
+    """Append one JSON line to a plain rows file, on disk (fsynced) before this returns: a crash loses at most the row
+    being written. A compressed one (x.jsonl.gz, or x.jsonl where only x.jsonl.gz exists): SystemExit."""
+    check_appendable(path)
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(rows_path(path), "a") as f:
+        f.write(line.rstrip("\n") + "\n")
+        f.flush()
+        os.fsync(f.fileno())
 
 
 def run_main(main: Callable[[], int]) -> None:

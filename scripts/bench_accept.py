@@ -28,7 +28,9 @@ Resumable: every finished run is appended to --rows (jsonl) at once; rerunning t
 runs already there (a run is identified by the models, dtype, device, new tokens, seed, policy, budget,
 temperature, prompt set and prompt), so an interrupted grid continues where it stopped and a larger grid reuses a
 smaller one. Outer loop: prompts, so a cut-short run has every cell for its first prompts. Every row stores the
-commit, time and load average it was measured at (row["stamp"]).
+commit, time and load average it was measured at (row["stamp"]). A gzip-compressed --rows (.jsonl.gz; a path naming
+x.jsonl finds x.jsonl.gz where only that exists) is a read-only archive: --report-only renders it, a measuring run
+refuses it before measuring anything (gunzip it to add rows).
 
 Examples:
   python scripts/bench_accept.py --quick                                             # smoke, ~1-2 min
@@ -143,6 +145,8 @@ def parse_args(argv=None) -> argparse.Namespace:
             args.rows = os.path.join(tempfile.mkdtemp(prefix="bench_accept-"), "rows.jsonl")
         else:
             args.rows = str(DOCS / "bench_accept.jsonl")
+    if not args.report_only:
+        _common.check_appendable(args.rows)       # before anything is measured: a .gz rows file is an archive
     suffix = ("" if args.prompt_set == "code" else f"_{args.prompt_set}") + ("_raw" if args.raw else "")
     suffix += "".join(f"_{lever}-on" for lever in ("ngram", "calibrate") if getattr(args, lever) == "on")
     args.section = SECTION + suffix
@@ -186,35 +190,21 @@ def run_key(setup: dict, run: dict) -> str:
 
 
 def read_rows(path: str) -> list[dict]:
-    """The rows recorded so far; a torn last line (a run killed while writing) is skipped."""
-    if not os.path.exists(path):
-        return []
-    rows = []
-    with open(path) as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError:
-                print(f"warning: {path}:{n} is not a complete JSON line; ignored (it will be measured again)",
-                      file=sys.stderr)
-                continue
-            row.setdefault("prompt_set", "code")   # rows from before prompt sets were all HumanEval
-            row.setdefault("raw", False)           # ... with the chat template (before --raw)
-            row.setdefault("ngram", False)         # ... and from before n-gram branches and calibration, raw trees
-            row.setdefault("calibrate", False)
-            rows.append(row)
+    """The rows recorded so far (a .jsonl file, or .jsonl.gz: _common.read_jsonl); a torn last line (a run killed
+    while writing) is skipped."""
+    rows = _common.read_jsonl(path, torn="ignored (it will be measured again)")
+    for row in rows:
+        row.setdefault("prompt_set", "code")   # rows from before prompt sets were all HumanEval
+        row.setdefault("raw", False)           # ... with the chat template (before --raw)
+        row.setdefault("ngram", False)         # ... and from before n-gram branches and calibration, raw trees
+        row.setdefault("calibrate", False)
     return rows
 
 
 def append_row(path: str, row: dict) -> None:
-    """One line, flushed and fsynced before the next run starts: a crash loses at most the run in progress."""
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    with open(path, "a") as f:
-        f.write(json.dumps(row) + "\n")
-        f.flush()
-        os.fsync(f.fileno())
+    """One line, fsynced before the next run starts: a crash loses at most the run in progress (_common.append_jsonl;
+    a .gz rows file is refused)."""
+    _common.append_jsonl(path, json.dumps(row))
 
 
 def measure(engine, tokenizer, prompt: str, run: dict, new_tokens: int, seed: int, ngram: bool = False,
@@ -408,8 +398,8 @@ def main(argv=None) -> int:
     runs = grid(args, [p["id"] for p in prompts])
     setup = setup_key(args, target, draft)
 
-    if args.fresh and os.path.exists(args.rows) and not args.report_only:
-        os.truncate(args.rows, 0)
+    if args.fresh and _common.rows_path(args.rows).exists() and not args.report_only:
+        os.truncate(_common.rows_path(args.rows), 0)
     done = {run_key(setup, {k: r[k] for k in ("prompt_id", "temperature", "policy", "budget")}): r
             for r in read_rows(args.rows) if all(r.get(k) == v for k, v in setup.items())}
     todo = [run for run in runs if run_key(setup, run) not in done]
@@ -490,40 +480,37 @@ def main(argv=None) -> int:
 
 def write_docs(args, rows, summary, goal_lines, met, missing, n_runs, target, draft, device, started,
                load_at_start) -> None:
+    """The section: the command and where and when its rows were measured, the setup in one paragraph, the goal's
+    lines, the plot, and tokens per pass by policy and budget at each temperature (every cell's interval, tree,
+    depth and seconds: the printed table and --json)."""
     def rel(path: str) -> str:
         return os.path.relpath(os.path.abspath(path), DOCS)
 
-    parts = [
-        "## Tokens per target pass vs tree budget (`scripts/bench_accept.py`)",
-        _common.run_header(device, started, load_at_start),
-        f"Target `{target.name}`, draft `{draft.name}`, {args.dtype}, offload `{args.offload}`; {SET_NAMES[args.prompt_set]} "
-        f"prompts 1–{args.prompts} ({'as they are, no chat template' if args.raw else 'chat template applied'}), "
-        f"{args.new_tokens} new tokens each with EOS "
-        f"ignored; temperatures {', '.join(f'{t:g}' for t in args.temperatures)} (seed {args.seed}); tree threshold "
-        f"adaptive, max depth 32, branching 8, static widths (4, 2, 2, 1, 1, 1). `chain` runs at lengths "
-        f"{', '.join(map(str, args.chain_lengths))} (its budget is its length; never beyond {CHAIN_CAP}: acceptance "
-        f"along a chain decays geometrically, so longer chains only add draft calls)."
-        + "".join(f" `{p}` stops at budget {n}." for p, n in args.max_budget.items())
-        + (f" **Incomplete grid: {missing} of {n_runs} runs missing.**" if missing else ""),
-        (f"Rendered (not measured) by the command above from the rows in `{rel(args.rows)}`; the machine and time "
-         "above are the rendering's. " if args.report_only else "") + _stats.provenance_text(rows),
-        f"**Goal** (issue 3): `dyspec` beats every other policy at equal budget, and at budget {GOAL_BUDGET} accepts "
-        f"at least {GOAL_RATIO}× the tokens per pass of the best `chain`. **{'Met' if met else 'Not met'}:**\n\n"
-        + "\n".join(f"- {line}" for line in goal_lines),
-    ]
-    if args.plot:
-        parts.append(f"![tokens per target pass vs tree budget]({rel(args.plot)})")
+    table = []
     for t in args.temperatures:
         heads, prow = pivot(summary, t, args.budgets, args.chain_lengths)
-        if prow:
-            parts.append(f"Tokens per target pass, T = {t:g}:\n\n" + _common.markdown_table(heads, prow))
-    parts.append("All cells (tokens/pass = each prompt's tokens up to the cut over its passes, the median over "
-                 "prompts with a bootstrap 95% interval over prompts; tree, depth: mean nodes and depth per round; "
-                 "draft s, target s: mean seconds per round, first round (prompt prefill) excluded; s/token = "
-                 "(draft s + target s) / tokens/pass):\n\n"
-                 + _common.markdown_table(TABLE_HEADERS, summary_rows(summary)))
+        table += [[f"{t:g}", *line] for line in prow]
+    parts = [
+        "## Tokens per target pass vs tree budget (`scripts/bench_accept.py`)\n"
+        + _common.run_header(device, started, load_at_start, rows) + "\n"
+        f"Target `{target.name}`, draft `{draft.name}`, {args.dtype}, offload `{args.offload}`; {SET_NAMES[args.prompt_set]} "
+        f"prompts 1–{args.prompts} ({'as they are, no chat template' if args.raw else 'chat template applied'}), "
+        f"{args.new_tokens} new tokens each with EOS ignored, tokens counted up to that cut; temperatures "
+        f"{', '.join(f'{t:g}' for t in args.temperatures)} (seed {args.seed}). A cell: the median over prompts of "
+        f"each prompt's tokens per target pass. `chain` is classic speculative decoding, its budget its length"
+        + "".join(f"; `{p}` stops at budget {n}" for p, n in args.max_budget.items()) + "."
+        + (f" **Incomplete grid: {missing} of {n_runs} runs missing.**" if missing else ""),
+        f"**Goal** (issue 3): `dyspec` beats every other policy at equal budget, and at budget {GOAL_BUDGET} accepts "
+        f"at least {GOAL_RATIO}× the tokens per pass of the best `chain`. **{'Met' if met else 'Not met'}:**\n"
+        + "\n".join(f"- {line}" for line in goal_lines),
+    ]
+    if table:
+        parts.append(_common.markdown_table(["T", *heads], table))
+    links = [f"![tokens per target pass vs tree budget]({rel(args.plot)})"] if args.plot else []
     if args.json:
-        parts.append(f"Raw rows (per-round accepted lengths, tree sizes, timings): [{rel(args.json)}]({rel(args.json)}).")
+        links.append(f"Every cell with its interval, tree size and seconds, and the raw rows: [{rel(args.json)}]({rel(args.json)}).")
+    if links:
+        parts.append("\n".join(links))
     _common.write_doc_section(args.section, "\n\n".join(parts))
     print(f"wrote section {args.section} of {_common.BENCHMARKS_MD}", file=sys.stderr)
 

@@ -25,11 +25,31 @@ per pass, GB streamed per token, and each prompt's latency (s/token over its own
 Every cell runs --repeats times (default 3): each repeat runs all the cells in an order shuffled for (prompt set,
 repeat), so no cell always runs first or last (a drive or a machine that changes speed lands on every cell). Each
 cell runs in a process of its own (--cell-process own, the default), as a user's job does: cells that shared one
-process ran faster after some cells than after others (docs/benchmarks.md). Rows of the two kinds are never
+process ran faster after some cells than after others (docs/notes/2026-11-25-batch-cold-disk-goals.md, "Cold disk again,
+on one machine"). Rows of the two kinds are never
 pooled: the table's "process" column says which a cell is (rows from before the flag ran in one shared process). The
 table gives each cell's median over its repeats with the [min, max] of tokens/s, and × B=1 as the ratio of the
 medians. Rows are appended to --rows as they finish, one per (prompt set, regime, system, B, repeat), so an
 interrupted run resumes; rows from before repeats count as repeat 0.
+
+Columns of the printed table (every cell; --write-docs shows tokens/s by B for one machine and process kind per
+prompt set and regime). A pass streams every target layer once for all prompts in flight.
+  machine        the GPU, or on a CPU the CPU, the rows were measured on (`unrecorded`: rows from before rows
+                 carried a stamp); process: `own` = each cell ran in a fresh process of its own (as a user's job
+                 runs), `shared` = all the cells of a run in one process, one after another (rows from before
+                 --cell-process). A cell, its × B=1 and the goals use the runs of one machine and process kind only.
+  tokens/s       all prompts' tokens / the job's wall time, the median over the cell's runs with their [min, max];
+                 × B=1 = the ratio of the medians (offspec B=1 of the same machine and process). passes,
+                 prompts/pass, tokens/pass, GB/token: medians over the runs too.
+  draft s/pass   the draft's work (catch-up and growth of every row's tree) a pass.
+  pass s         the target pass (waiting: the part of it spent waiting for streamed layers; the transformers peer:
+                 its wall time over its forwards).
+  stream GB/s    bytes streamed over the reads' and copies' own seconds (they overlap the draft and compute): the
+                 drive's pace in the disk regime. These three are medians over the runs that recorded them (–: none
+                 did; rows keep them from commit c2b5e19).
+  prompt s/token each prompt's own passes' time over its tokens (the latency a prompt sees), median over prompts.
+  agrees         the share of each prompt's tokens before the first difference from offspec at B=1, mean over
+                 prompts (bf16: batched matmuls round differently).
 
 --predict (no measurement): the cost model's PREDICTION for a 70B target (Llama-3.1-70B shapes, 1B draft) on one
 24 GB GPU with 192 GB of host RAM for B = 1..64 prompts in flight: the memory plan at each B (fewer resident
@@ -40,7 +60,13 @@ Examples:
   python scripts/bench_batch.py --prompts 4 --new-tokens 8 --concurrency 1,2 --regimes cpu --no-peer \\
       --cell-process shared   # smoke: one process, one model load
   python scripts/bench_batch.py --prompts 16 --new-tokens 64 --concurrency 1,2,4,8,16,auto --peer-concurrency 8 \\
-      --prompt-sets code,chat --rows docs/bench_batch_rows.jsonl --write-docs
+      --prompt-sets code,chat --rows docs/bench_batch_rows.jsonl --write-docs   # gunzip the .gz first (below)
+  python scripts/bench_batch.py --report-only --prompt-sets code,chat --rows docs/bench_batch_rows.jsonl.gz --write-docs
+
+A gzip-compressed --rows (.jsonl.gz; a path naming x.jsonl finds x.jsonl.gz where only that exists) is a read-only
+archive: --report-only and --predict read it, a measuring run refuses it before measuring anything (gunzip it to add
+rows). --write-docs writes the section's headline table (tokens/s by B
+for one machine and process kind per prompt set and regime) and the goals; the printed table has every cell.
 """
 from __future__ import annotations
 
@@ -74,6 +100,8 @@ from offspec.prompt_sets import load_prompt_set  # noqa: E402
 from offspec.quant import auto_draft_quant  # noqa: E402
 
 SECTION = "bench_batch"
+# The docstring's column notes, printed beneath the table they explain (python -O drops docstrings: none then).
+COLUMN_NOTES = __doc__[__doc__.index("Columns of the printed table"):__doc__.index("\n\n--predict")] if __doc__ else ""
 UNRECORDED = "unrecorded"                  # the machine of rows measured before rows carried a stamp
 CPU = torch.device("cpu")
 PROCESS_WORDS = {"own": "each cell in its own process", "shared": "cells sharing a process"}
@@ -114,7 +142,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "this process (quicker, for smoke runs; a cell can depend on the one before it)")
     p.add_argument("--one-cell", default=None, help=argparse.SUPPRESS)   # internal: {prompt_set, regime, system, B,
     #                                     dir, out} as JSON; measure that cell alone, write its dict to out, exit
-    p.add_argument("--rows", default=None, help="JSONL file the rows are appended to (resume: done cells are skipped)")
+    p.add_argument("--rows", default=None, help="JSONL file the rows are appended to (resume: done cells are skipped); "
+                                                "a .jsonl.gz is read only (--report-only, --predict)")
     p.add_argument("--write-docs", action="store_true", help="replace this script's section (--doc-section) of docs/benchmarks.md")
     p.add_argument("--doc-section", default="main", choices=sorted(DOC_SECTIONS),
                    help="with --write-docs, which section: main (the table of every cell) or goals (issue #11's "
@@ -133,13 +162,16 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "GPU at the call's width (offspec.costmodel.REFERENCE_GPU)]")
     p.add_argument("--tree-nodes", type=int, default=64, help="prediction: tree nodes per prompt per pass")
     args = p.parse_args(argv)
+    if not (args.report_only or args.predict or args.one_cell):
+        _common.check_appendable(args.rows)      # before anything is measured: a .gz rows file is an archive
     # Resolved once: a report (--report-only) may name a device this machine lacks; it only picks that device's rows.
     args.device = _common.compute_device(args.device, here=not args.report_only)
     return args
 
 
-def predict(args, rows: list[dict]) -> str:
-    """The PREDICTION section: the plan and cost model for a 70B on a 24 GB GPU at B = 1..64."""
+def predict(args, rows: list[dict]) -> tuple[str, list[str]]:
+    """The PREDICTION section: the plan and cost model for a 70B on a 24 GB GPU at B = 1..64; and the lines saying
+    why the B values that do not fit do not (printed, not in the section)."""
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
     from shapes import headers_only_checkpoint        # config + safetensors headers of real models, no weights
 
@@ -159,14 +191,15 @@ def predict(args, rows: list[dict]) -> str:
     params = cfg.n_layers * (cfg.hidden_size * (2 * cfg.n_heads + 2 * cfg.n_kv_heads) * cfg.head_dim
                              + 3 * cfg.hidden_size * cfg.intermediate_size)
     headers = ["B", "plan", "streamed GB/pass", "transfer s", "compute s", "PREDICTED s/token", "PREDICTED tokens/s"]
-    table = []
+    table, why = [], []
     for B in (1, 2, 4, 8, 16, 32, 64):
         try:
             plan = make_plan(target, draft, OffloadConfig(mode="auto"), RuntimeConfig(dtype=torch.bfloat16),
                              RunLimits(context=context, tree_budget=args.tree_nodes, concurrency=B, sampling=False),
                              Machine.given(24 * GB, 192 * GB))
         except BudgetError as e:
-            table.append([str(B), f"does not fit: {e}", "–", "–", "–", "–", "–"])
+            table.append([str(B), "does not fit", "–", "–", "–", "–", "–"])
+            why.append(f"B={B} does not fit: {e}")
             continue
         compute = pass_compute_seconds(params // cfg.n_layers, cfg.n_layers, B * (args.tree_nodes + 1))
         call_width = B * args.tree_nodes // depth          # a call grows one level of every row's tree
@@ -176,7 +209,7 @@ def predict(args, rows: list[dict]) -> str:
         table.append([str(B), f"{len(plan.placement.resident)} resident, {plan.mode}", f"{plan.streamed_bytes / 1e9:.1f}",
                       f"{p['transfer_seconds_per_pass']:.2f}", f"{compute:.2f}", f"{p['seconds_per_token']:.4f}",
                       f"{1 / p['seconds_per_token']:.1f}"])
-    assumptions = (f"Assumptions (a PREDICTION from measured parts): Llama-3.1-70B target and Llama-3.2-1B draft "
+    assumptions = (f"PREDICTED from measured parts, not measured. Assumptions: Llama-3.1-70B target and Llama-3.2-1B draft "
                    f"in bf16; a 24 GB GPU and 192 GB of host RAM (offload auto); context {context} tokens a prompt; "
                    f"{args.tree_nodes} tree nodes per prompt per pass; each prompt gains {tau:.2f} tokens a pass "
                    f"({f'measured here: offspec B=1, disk regime, demo pair, median of {len(measured)} runs' if measured and not args.tokens_per_row_pass else 'given'}); "
@@ -186,14 +219,17 @@ def predict(args, rows: list[dict]) -> str:
                    + f"({depth + 1} a round, one level of every row's tree each, not overlapped with the pass) as "
                    f"measured on {REFERENCE_GPU.device} (scripts/gpu_session.py; docs/gpu_70b.md). "
                    "s/token = (max(transfer, compute) + draft) / (B x tokens per prompt-pass).")
-    return "\n".join(["### Prediction: a 70B on one 24 GB GPU, by prompts in flight", "", assumptions, "",
-                      f"Command: `{_common.command_line()}`", "", _common.markdown_table(headers, table)])
+    fits = (["", f"Why {', '.join(w.split(' ')[0] for w in why)} {'does' if len(why) == 1 else 'do'} not fit (the memory "
+             "plan's sum, and what would fit): printed by the command."] if why else [])
+    return "\n".join(["### Prediction: a 70B on one 24 GB GPU, by prompts in flight",
+                      "```", _common.command_line(), "```", assumptions, "",
+                      _common.markdown_table(headers, table), *fits]), why
 
 
 def load_rows(path) -> list[dict]:
-    if path is None or not os.path.exists(path):
-        return []
-    rows = [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+    """The rows of --rows (.jsonl, or .jsonl.gz: _common.read_jsonl); a torn last line (a run killed while writing) is
+    skipped with a warning."""
+    rows = _common.read_jsonl(path, torn="ignored (its cell will be measured again)")
     for row in rows:                   # rows from before prompt sets were all HumanEval, before repeats one run
         row.setdefault("prompt_set", "code")
         row.get("settings", {}).setdefault("prompt_set", "code")
@@ -205,8 +241,7 @@ def load_rows(path) -> list[dict]:
 
 def append_row(path, row: dict) -> None:
     if path is not None:
-        with open(path, "a") as f:
-            f.write(json.dumps(row) + "\n")
+        _common.append_jsonl(path, json.dumps(row))
 
 
 def offload_of(regime: str, device: torch.device, layer_bytes: int, store_dir, disk_io: str) -> OffloadConfig:
@@ -370,6 +405,47 @@ def report(rows: list[dict], args) -> tuple[list[str], list[list[str]]]:
     return headers, out
 
 
+def shown_kinds(rows: list[dict]) -> dict:
+    """(prompt set, regime) -> the one (machine, process) whose cells the docs section shows: a stamped machine
+    before `unrecorded` rows, cells run in their own process before cells sharing one (the table's own order)."""
+    kinds: dict = {}
+    for machine, process, prompt_set, regime, *_ in sorted(
+            cells_of(rows), key=lambda k: (k[0] == UNRECORDED, k[0], k[1] != "own")):
+        kinds.setdefault((prompt_set, regime), (machine, process))
+    return kinds
+
+
+def headline(rows: list[dict]) -> tuple[list[str], list[list[str]], list[dict]]:
+    """The docs section's table: tokens/s by B (the median over a cell's runs, and × offspec B=1 of the same
+    machine and process), one line per (prompt set, regime, system), for the kind shown_kinds picks; and the rows
+    it shows (for their goals and stamps). The command's printed table has every kind and column."""
+    kinds = shown_kinds(rows)
+    shown = [r for r in rows if kinds.get((r["prompt_set"], r["regime"])) == (machine_of(r), process_of(r))]
+    cells = cells_of(shown)
+    columns = sorted({k[5] for k in cells}, key=cell_order)
+    order = {"offspec": 0, "offspec --tree none": 1}
+    lines = sorted({k[:5] for k in cells}, key=lambda k: (("code", "chat").index(k[2]), ("disk", "cpu").index(k[3]),
+                                                          order.get(k[4], 2)))
+    table = []
+    for machine, process, prompt_set, regime, system in lines:
+        base = median_of(cells.get((machine, process, prompt_set, regime, "offspec", 1), []), "tokens_per_second")
+        runs = sorted({len(cells[(machine, process, prompt_set, regime, system, B)]) for B in columns
+                       if (machine, process, prompt_set, regime, system, B) in cells})
+        line = [prompt_set, regime, f"{machine}, {process}", system,
+                str(runs[0]) if len(runs) == 1 else f"{runs[0]}–{runs[-1]}"]
+        for B in columns:
+            runs_of = cells.get((machine, process, prompt_set, regime, system, B))
+            if not runs_of:
+                line.append("")
+                continue
+            speed = median_of(runs_of, "tokens_per_second")
+            line.append(f"{speed:.2f}" + (f" ({speed / base:.2f}×)" if base else ""))
+        table.append(line)
+    headers = ["prompts", "regime", "machine, process", "system", "runs",
+               *(f"B={B}" if B != "auto" else "auto" for B in columns)]
+    return headers, table, shown
+
+
 def settings_of(args, prompt_set: str) -> dict:
     """What a row must share with this run to be one of its cells (the rest of the key: regime, system, B, repeat,
     machine)."""
@@ -457,9 +533,9 @@ def measure_set(models: Models, target_dir, prompt_set: str, args, all_rows: lis
     return rows
 
 
-def goal_lines(rows: list[dict]) -> list[str]:
+def goal_lines(rows: list[dict], compact: bool = False) -> list[str]:
     """Issue #11's goals, per prompt set, from the cold-disk rows: B=8 >= 3x the tokens/s of B=1, and >= 4x
-    transformers' batched generate at B=8."""
+    transformers' batched generate at B=8. compact: both goals of a prompt set on one line (the docs section)."""
     lines = []
     cells = cells_of(rows)
     for machine, process in sorted({k[:2] for k in cells}, key=lambda k: (k[0] == UNRECORDED, k[0], k[1] != "own")):
@@ -470,12 +546,12 @@ def goal_lines(rows: list[dict]) -> list[str]:
             b8, b1, peer = disk.get(("offspec", 8)), disk.get(("offspec", 1)), disk.get(("transformers", 8))
             if b8 is None:
                 continue
-            for name, base, goal in (("offspec B=1", b1, 3.0), ("transformers B=8", peer, 4.0)):
-                if base is not None:
-                    ratio = b8 / base
-                    lines.append(f"- {prompt_set}, cold disk ({machine}, {PROCESS_WORDS[process]}): offspec B=8 "
-                                 f"{b8:.2f} tokens/s = {ratio:.2f}× {name} ({base:.2f}); goal ≥ {goal:g}×: "
-                                 f"{'met' if ratio >= goal else 'NOT met'}")
+            head = f"- {prompt_set}, cold disk ({machine}, {PROCESS_WORDS[process]}): offspec B=8 {b8:.2f} tokens/s = "
+            verdicts = [f"{b8 / base:.2f}× {name} ({base:.2f}); goal ≥ {goal:g}×: "
+                        f"{'met' if b8 / base >= goal else 'NOT met'}"
+                        for name, base, goal in (("offspec B=1", b1, 3.0), ("transformers B=8", peer, 4.0))
+                        if base is not None]
+            lines += [head + ". ".join(verdicts)] if compact else [head + v for v in verdicts]
     return lines
 
 
@@ -487,8 +563,8 @@ def main(argv=None) -> int:
     if args.one_cell:
         return one_cell(args)
     if args.predict:
-        text = predict(args, load_rows(args.rows))
-        print(text)
+        text, why = predict(args, load_rows(args.rows))
+        print("\n".join([text, "", *why]))
         if args.write_docs:
             _common.write_doc_section(SECTION + "_prediction", text)
         return 0
@@ -515,38 +591,26 @@ def main(argv=None) -> int:
         return 1
     headers, table = report(kept, args)
     print(_common.text_table(headers, table))
+    print("\n" + COLUMN_NOTES + "\n")
     print("\n".join(goal_lines(kept)))
     if args.write_docs:
         section, heading = DOC_SECTIONS[args.doc_section]
+        head, line, shown = headline(kept)
         body = "\n".join([
-            heading, "",
-            _common.run_header(header_device, started, load_at_start), "",
-            *(["Rendered (not measured) by the command above from the rows in its --rows; the rows were measured "
-               "by the same options without --report-only, on the machines the table names.", ""]
-              if args.report_only else []),
-            f"{args.prompts} prompts of each set (code: HumanEval, chat: MT-Bench first turns; chat template), "
-            f"{args.new_tokens} new tokens each (EOS ignored), "
-            f"{args.dtype}, greedy, tree budget {args.tree_budget}; demo pair (1.5B target, 0.5B draft"
+            heading,
+            _common.run_header(header_device, started, load_at_start, shown),
+            f"One job per cell: {args.prompts} prompts of a set (code: HumanEval, chat: MT-Bench first turns; chat "
+            f"template), {args.new_tokens} new tokens each (EOS ignored), {args.dtype}, greedy, tree budget "
+            f"{args.tree_budget}, demo pair (1.5B target, 0.5B draft"
             + (", int8 draft copy" if device.type == "cpu" else
-               f"; on the GPU, only the target's ring of {OffloadConfig().n_slots} slots resident") +
-            "). tokens/s = all prompts' tokens / the job's wall time, the median over the cell's runs (runs: "
-            "each in an order shuffled per repeat) with their [min, max]; × B=1 = the ratio of the medians; the other "
-            "columns are medians over the runs too. A pass streams every target layer once "
-            "for all prompts in flight. Draft s/pass: the draft's work (catch-up and growth of every row's tree) a "
-            "pass; pass s: the target pass (waiting: the part of it spent waiting for streamed layers; the "
-            "transformers peer: its wall time over its forwards); stream GB/s: bytes streamed over the reads' and "
-            "copies' own seconds (they overlap the draft and compute), the drive's pace in the disk regime; these "
-            "three are medians over the runs that recorded them (–: none did; rows keep them from commit c2b5e19). "
-            "Prompt s/token = each prompt's own passes' time over its tokens (the "
-            "latency a prompt sees), median over prompts. Agreement: the share of each prompt's tokens before the "
-            "first difference from offspec at B=1, mean over prompts (bf16: batched matmuls round differently).",
-            "", f"machine: the {'CPU' if device.type == 'cpu' else 'GPU'} each row was measured on "
-            f"(`{UNRECORDED}`: rows from before rows carried a stamp); "
-            "process: `own` = each cell ran in a fresh process of its own (as a user's job runs), `shared` = all "
-            "the cells of a run in one process, one after another (rows from before `--cell-process`). A cell, its "
-            "× B=1 and the goals use the runs of one machine and one process kind only. "
-            + _stats.provenance_text(kept),
-            "", _common.markdown_table(headers, table), "", *goal_lines(kept)])
+               f"; on the GPU only the target's ring of {OffloadConfig().n_slots} slots resident")
+            + ") with B prompts in flight; disk: every pass reads the target cold from its store; cpu: the target in "
+            "host RAM. A cell: all prompts' tokens over the job's wall time, the median over its runs (each run's "
+            "cells in an order shuffled per repeat), and in brackets its ratio to offspec B=1's median. Per prompt "
+            "set and regime one machine and process kind is shown (own: each cell in a fresh process); the command "
+            "prints every kind (shared: a run's cells in one process) with passes, tokens a pass, draft and pass seconds "
+            "and agreement with B=1, and what each column is.",
+            "", _common.markdown_table(head, line), "", *goal_lines(shown, compact=True)])
         _common.write_doc_section(section, body)
     return 0
 

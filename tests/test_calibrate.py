@@ -120,3 +120,8 @@ def test_calibration_plot_reads_bench_rows(tmp_path):
     assert plot.main(["--rows", str(rows), "--prompt-set", "chat", "--out", str(out)]) == 0
     assert out.stat().st_size > 1000
     assert plot.main(["--rows", str(rows), "--prompt-set", "code", "--out", str(out)]) == 1
+    import gzip                                                         # the rows as committed: gzip-compressed
+    packed = tmp_path / "packed.jsonl.gz"
+    packed.write_bytes(gzip.compress(rows.read_bytes()))
+    out.unlink()
+    assert plot.main(["--rows", str(packed), "--prompt-set", "chat", "--out", str(out)]) == 0 and out.is_file()

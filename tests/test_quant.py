@@ -74,7 +74,8 @@ def test_int8_draft_leaves_greedy_output_unchanged(pair, dtype, policy, budget):
     spec = tokens("int8", TreeConfig(policy=policy, budget=budget, ngram=False, calibrate=False))
     if dtype == torch.float32:
         assert spec.tokens == plain.tokens
-    else:   # bf16: a many-token pass may round a near-tie otherwise than a one-token pass (docs/benchmarks.md)
+    else:   # bf16: a many-token pass may round a near-tie otherwise than a one-token pass
+        #     (docs/notes/2026-11-22-reading-the-peer-numbers.md, "Token agreement")
         assert len(spec.tokens) == len(plain.tokens) and spec.tokens[:8] == plain.tokens[:8]
     assert spec.tokens_per_pass > 1.5, "an int8 copy of a close draft must still get trees accepted"
 

@@ -300,6 +300,47 @@ def test_bench_serve_reports_its_rows():
     assert "| all at once | 2 | 8.00 [8.00, 8.00] | 2.00x [2.00, 2.00] | 8.0 | 64 | 6 | 5.33 | 1/2 | 1 |" in text
 
 
+def test_bench_serve_report_only_states_the_settings_its_rows_were_measured_with(tmp_path, monkeypatch, capsys):
+    """--report-only renders the rows measured with its options: rows keep their settings and must equal them; older
+    rows (no settings) must have --clients answers of at most --new-tokens tokens, and the section says what they
+    were taken as. A compressed --rows is refused by a measuring run before any model loads."""
+    import gzip
+    import json
+    import sys
+    from scripts_module import load_script
+    bench = load_script("bench_serve")
+
+    def run(*argv):
+        monkeypatch.setattr(sys, "argv", ["scripts/bench_serve.py", *argv])
+        return bench.main()
+
+    settings = dict(clients=2, new_tokens=16, tree_budget=8, dtype="float32", offload="none", context=1024)
+    rows = [dict(way=way, seconds=s, tokens=32, tokens_per_s=32 / s, passes=4, request_passes=4, texts=["a", "b"],
+                 repeat=0, settings=settings) for way, s in (("one at a time", 8.0), ("all at once", 4.0))]
+    other = {**rows[0], "settings": {**settings, "tree_budget": 64}, "tokens_per_s": 99.0}
+    path = tmp_path / "rows.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in [*rows, other]))
+    options = ["--clients", "2", "--new-tokens", "16", "--tree-budget", "8", "--dtype", "float32"]
+    assert run(*options, "--rows", str(path), "--report-only") == 0
+    text = capsys.readouterr().out
+    assert "float32, dyspec at a tree budget of 8, greedy, 16 new tokens" in text and "the 2 prompts" in text
+    assert "| one at a time | 2 | 4.00 [" in text and "99.00" not in text and "keep no settings" not in text
+    with pytest.raises(SystemExit):                                   # no row measured with a budget of 16
+        run(*options[:4], "--tree-budget", "16", "--rows", str(path), "--report-only")
+    assert "none of the 3 rows" in capsys.readouterr().err
+
+    older = tmp_path / "older.jsonl"
+    older.write_text("".join(json.dumps({k: v for k, v in r.items() if k != "settings"}) + "\n" for r in rows))
+    assert run(*options, "--rows", str(older), "--report-only") == 0
+    assert "All 2 runs keep no settings" in capsys.readouterr().out
+
+    packed = tmp_path / "packed.jsonl.gz"
+    packed.write_bytes(gzip.compress(path.read_bytes()))
+    monkeypatch.setattr(bench, "start", lambda args: pytest.fail("a model was loaded"))
+    with pytest.raises(SystemExit, match="is a compressed archive; gunzip it to add rows"):
+        run(*options, "--rows", str(packed))
+
+
 def test_the_offspec_serve_command_answers_a_client(pair, tmp_path):
     """The command itself, as a user starts it: `offspec serve` in its own process, /health, then a streamed chat
     answer with the `openai` client; Ctrl-C (SIGINT) stops it."""

@@ -619,10 +619,13 @@ def test_bench_quant_report_from_rows(tmp_path):
     for row in rows:
         bench.append_row(str(rows_file), row)
     assert bench.read_rows(str(rows_file)) == rows
-    text = bench.report(SimpleNamespace(dtype="bfloat16", chunk_tokens=512), rows, 0.0, "0 / 0 / 0")
-    assert "| nf4 | 1/1 |" not in text and "| nf4 | 0/1 | 2 | 75% |" in text      # greedy: differs at token 2
+    args = SimpleNamespace(dtype="bfloat16", chunk_tokens=512)
+    text, printed = bench.report(args, rows, 0.0, "0 / 0 / 0"), bench.details(args, rows)
+    assert "| nf4 | 1/1 |" not in printed and "| nf4 | 0/1 | 2 | 75% |" in printed   # greedy: differs at token 2
     assert "75.0%" in text                                                     # teacher-forced top-1 agreement
-    assert "0.700 (0.27x)" in text                                             # bytes per pass against bf16's
+    assert "0.700 (0.27x)" in printed                                          # bytes per pass against bf16's
+    assert "block-ordered" in printed and "block-ordered" not in text         # the section: its headline tables
+    assert "Rows carry no stamp" in text
     assert bench.common_prefix([1, 2, 3], [1, 2, 4]) == 2
 
 
@@ -668,6 +671,28 @@ def test_bench_quant_pairs_each_run_with_bf16s_run_of_the_same_prompt_and_repeat
     assert line.startswith("| disk | nf4 | 1.800 ")       # per-prompt medians of repeats (1.2, 2.4), then their median
     assert "| 2 x 2 |" in line
     assert "block-ordered" not in text
+    for section in ("bench_quant", "bench_published"):                # the brief text beside bench_quant's too
+        text = bench.report(SimpleNamespace(dtype="bfloat16", chunk_tokens=512, section=section), rows, 0.0, "")
+        assert "int8 draft copy, 8 ring slots, 4 new tokens per HumanEval prompt (chat template)" in text, section
+
+
+def test_bench_quant_reads_compressed_rows_and_a_measuring_run_refuses_them_at_its_arguments(tmp_path, monkeypatch):
+    import gzip
+    import sys
+
+    from scripts_module import load_script
+    bench = load_script("bench_quant")
+    rows = [dict(part="quality", quant="none", text="prose-0", dtype="bfloat16", tokens=4, nll=1.0, top1=[1])]
+    packed = tmp_path / "rows.jsonl.gz"
+    packed.write_bytes(gzip.compress((json.dumps(rows[0]) + "\n").encode()))
+    assert bench.read_rows(str(packed)) == bench.read_rows(str(tmp_path / "rows.jsonl")) == rows
+    with pytest.raises(SystemExit, match="is a compressed archive; gunzip it to add rows"):
+        bench.append_row(str(packed), rows[0])
+    monkeypatch.setattr(sys, "argv", ["scripts/bench_quant.py", "--rows", str(tmp_path / "rows.jsonl")])
+    with pytest.raises(SystemExit, match=f"^{packed} is a compressed archive"):
+        bench.parse_args()
+    monkeypatch.setattr(sys, "argv", ["scripts/bench_quant.py", "--rows", str(packed), "--report-only"])
+    assert bench.parse_args().rows == str(packed)
 
 
 def test_cli_held_resident_layers_and_a_held_draft(pair, tmp_path):

@@ -38,3 +38,27 @@ def test_a_checkout_without_offspec_is_refused_before_any_model_loads(tmp_path, 
     monkeypatch.setattr("offspec.demo.ensure_demo_models", lambda: pytest.fail("models loaded"))
     with pytest.raises(InputError, match="no offspec package there"):
         ab.main(["--checkout", str(tmp_path), "--budget", "64", "--rows", str(tmp_path / "r.jsonl")])
+
+
+def test_a_compressed_rows_file_is_refused_before_any_model_loads(tmp_path, monkeypatch):
+    import gzip
+    monkeypatch.setattr("offspec.demo.ensure_demo_models", lambda: pytest.fail("models loaded"))
+    (tmp_path / "r.jsonl.gz").write_bytes(gzip.compress(b""))
+    with pytest.raises(SystemExit, match="r.jsonl.gz is a compressed archive; gunzip it to add rows"):
+        ab.main(["--checkout", str(tmp_path), "--budget", "64", "--rows", str(tmp_path / "r.jsonl")])
+
+
+def test_write_docs_puts_the_table_into_its_notes_entry(tmp_path, monkeypatch, capsys):
+    """--write-docs writes into the tree_ab block of its notes entry (appended the first time, the entry's dated text
+    left as it is), not into docs/benchmarks.md."""
+    import json
+    assert ab.NOTES.parent.name == "notes" and ab.NOTES.is_file()
+    doc = tmp_path / "entry.md"
+    doc.write_text("# Code against the issue's figures\n\nas written\n")
+    monkeypatch.setattr(ab, "NOTES", doc)
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text("".join(json.dumps({**row("old", "p0", [47, 47]), "stamp": {}}) + "\n" for _ in (0,)))
+    assert ab.main(["--report-only", "--rows", str(rows), "--write-docs"]) == 0
+    text = doc.read_text()
+    assert text.startswith("# Code against the issue's figures\n\nas written\n\n<!-- tree_ab:start -->\n")
+    assert "| p0 | 48.00 (2) |" in text and text.endswith("<!-- tree_ab:end -->\n")

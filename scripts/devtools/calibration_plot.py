@@ -8,12 +8,11 @@ Observations (calibrate.py): at T = 0 every tree node is one (accepted iff the t
 is its token); at T > 0 the children of the nodes verification visited.
 
 Example:
-  python scripts/devtools/calibration_plot.py --rows docs/bench_accept.jsonl --prompt-set chat --out docs/calibration.png
+  python scripts/devtools/calibration_plot.py --rows docs/bench_accept_levers.jsonl.gz --prompt-set chat --out docs/calibration.png
 """
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 from collections import defaultdict
@@ -25,7 +24,7 @@ import _common  # noqa: E402
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=_common.HelpFormatter)
-    p.add_argument("--rows", required=True, help="bench_accept rows (jsonl)")
+    p.add_argument("--rows", required=True, help="bench_accept rows (jsonl, or jsonl.gz)")
     p.add_argument("--prompt-set", default=None, help="only rows of this prompt set (code, chat)")
     p.add_argument("--temperature", type=float, default=0.0, help="only rows at this temperature")
     p.add_argument("--calibrate", choices=("on", "off", "any"), default="on",
@@ -53,8 +52,7 @@ def pooled(rows: list[dict]) -> tuple[dict, dict]:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    with open(args.rows) as f:
-        rows = [json.loads(line) for line in f if line.strip()]
+    rows = _common.read_jsonl(args.rows)                    # .jsonl or .jsonl.gz
     rows = [r for r in rows if r.get("calibration") and r["temperature"] == args.temperature
             and (args.prompt_set is None or r.get("prompt_set", "code") == args.prompt_set)
             and (args.calibrate == "any" or r.get("calibrate", False) == (args.calibrate == "on"))]

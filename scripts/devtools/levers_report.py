@@ -11,10 +11,11 @@ own table, HumanEval/0-5 without the chat template, so rows of `bench_accept.py 
 (the issue's) and both off (offspec's default); a goal is met when the median reaches it, and the interval says
 how sure that is. The code figures' lines say how those figures were counted (GOAL_NOTES).
 
-Example (the rows of `bench_accept.py ... --rows docs/bench_accept_levers.jsonl`, and of its --raw code runs):
-  python scripts/devtools/levers_report.py --rows docs/bench_accept_levers.jsonl docs/bench_accept_raw.jsonl --write-docs
+Example (the rows of `bench_accept.py ... --rows docs/bench_accept_levers.jsonl.gz`, and of its --raw code runs):
+  python scripts/devtools/levers_report.py --rows docs/bench_accept_levers.jsonl.gz docs/bench_accept_raw.jsonl.gz --write-docs
 
---write-docs replaces the levers_report section of docs/benchmarks.md with what it prints (nothing is hand-edited).
+--write-docs writes what it prints into the levers_report block of its notes entry, NOTES (the first time, a block
+appended at the end: the entry's dated text, the report as it stood on 2026-11-25 included, stays as it is).
 """
 from __future__ import annotations
 
@@ -28,13 +29,14 @@ import _common  # noqa: E402
 import _stats  # noqa: E402
 from bench_accept import read_rows  # noqa: E402
 
+NOTES = _common.REPO / "docs" / "notes" / "2026-11-25-tree-levers.md"     # where --write-docs writes
 RAW_CODE = "code, no template"
 GOALS = {("chat", 64): 5.8, ("chat", 256): 7.5, ("chat", 1024): 8.5,    # issue 15, chat set, both levers on
          (RAW_CODE, 64): 15.76, (RAW_CODE, 256): 18.76}                 # its table of the code set before the levers
-# Said beside a goal's line: the code figures count what bench_accept no longer counts (docs/benchmarks.md).
+# Said beside a goal's line: the code figures count what bench_accept no longer counts.
 GOAL_NOTES = {RAW_CODE: "the issue's figure counted the last round's tokens past the cut; the engine before the "
-                        "levers gives these prompts the same rounds as today's (docs: \"Code against the issue's "
-                        "figures\")"}
+                        "levers gives these prompts the same rounds as today's "
+                        "(docs/notes/2026-11-25-code-against-issue-15-figures.md)"}
 SETTINGS = ((True, True, "both on"), (False, False, "both off"), (True, False, "n-gram only"),
             (False, True, "calibration only"))
 HEADERS = ["set", "budget", "levers", "prompts", "tokens/pass [95% CI]", "tree", "vs both off [95% CI]",
@@ -46,7 +48,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--rows", required=True, nargs="+", help="bench_accept rows (jsonl files)")
     p.add_argument("--new-tokens", type=int, default=96, help="only rows of runs that made this many tokens")
     p.add_argument("--write-docs", action="store_true",
-                   help="also write the report into its section of docs/benchmarks.md")
+                   help="also write the report into its block of its notes entry (NOTES)")
     return p.parse_args(argv)
 
 
@@ -104,10 +106,10 @@ def main(argv=None) -> int:
         print(f"no dyspec rows with {args.new_tokens} new tokens in {args.rows}", file=sys.stderr)
         return 1
     text = "\n".join([f"`{_common.command_line()}`:", "", _common.markdown_table(HEADERS, table), "",
-                      *(f"- {line}" for line in goals), "", _stats.provenance_text(rows)])
+                      *(f"- {line}" for line in goals), "", _common.measured_line(rows)])
     print(text)
     if args.write_docs:
-        _common.write_doc_section("levers_report", text)
+        _common.write_doc_section("levers_report", text, path=NOTES)
     return 0
 
 

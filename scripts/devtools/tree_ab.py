@@ -12,7 +12,8 @@ appended to --rows with the checkout's commit and _stats.stamp(); tokens are cou
 bench_accept counts them.
 
 The table: per prompt, tokens/pass (and passes) of every commit in --rows at that budget, and whether the
-per-round accepted lengths are identical to the first commit's.
+per-round accepted lengths are identical to the first commit's. --write-docs writes it into the tree_ab block of its
+notes entry, NOTES (the first time, a block appended at the end; the entry's dated text stays as it is).
 
 Example (issue 15: the trees with both levers off against the engine before the levers, 44660a4):
   git worktree add /tmp/wt-44660a4 44660a4
@@ -31,6 +32,8 @@ sys.path[:0] = [str(Path(__file__).resolve().parents[2]), str(Path(__file__).res
 import _common  # noqa: E402
 import _stats  # noqa: E402
 from bench_accept import append_row, read_rows  # noqa: E402
+
+NOTES = _common.REPO / "docs" / "notes" / "2026-11-25-code-against-issue-15-figures.md"   # where --write-docs writes
 
 # The child: argv = [checkout, policy, budget, new_tokens]; stdin: {"target", "draft", "prompts": [{id, ids}]};
 # stdout: one JSON line per prompt. It imports only the checkout's offspec.
@@ -72,7 +75,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--rows", required=True, help="jsonl the rows are appended to, and the table is read from")
     p.add_argument("--report-only", action="store_true", help="only the table from --rows")
     p.add_argument("--write-docs", action="store_true",
-                   help="also write the table into its section of docs/benchmarks.md (tree_ab)")
+                   help="also write the table into its block (tree_ab) of its notes entry (NOTES)")
     return p.parse_args(argv)
 
 
@@ -91,6 +94,7 @@ def measure(args) -> None:
     from offspec.prompt import encode_prompt
     from offspec.prompt_sets import load_prompt_set
 
+    _common.check_appendable(args.rows)          # before anything is measured: a .gz rows file is an archive
     checkout = Path(args.checkout).resolve()
     if not (checkout / "offspec" / "__init__.py").exists():
         raise InputError(f"--checkout {args.checkout}: no offspec package there")
@@ -153,7 +157,7 @@ def main(argv=None) -> int:
     text = f"`{_common.command_line()}`:\n\n" + table(read_rows(args.rows))
     print(text)
     if args.write_docs:
-        _common.write_doc_section("tree_ab", text)
+        _common.write_doc_section("tree_ab", text, path=NOTES)
     return 0
 
 

@@ -285,10 +285,39 @@ def bench_prompts(tokenizer, items, prompt_tokens: int) -> list[tuple[str, tuple
 
 # ------------------------------------------------------------------ the rows file
 
+def _stderr(message: str) -> None:
+    import sys
+    print(f"warning: {message}", file=sys.stderr)
+
+
+def rows_file(path) -> Path:
+    """A rows file's path. Where only its gzip-compressed copy (path + '.gz') exists, that one: a command naming
+    `rows.jsonl` goes on reading after the file was compressed. Both existing: InputError (which one holds the
+    rows is not for this to guess)."""
+    path = Path(path)
+    gz = path.with_name(path.name + ".gz")
+    if path.suffix == ".gz" or not gz.exists():
+        return path
+    if path.exists():
+        raise InputError(f"both {path} and {gz} exist; keep one (gunzip the archive into the plain file, or move "
+                         "one away)")
+    return gz
+
+
+def check_appendable(path) -> None:
+    """InputError unless rows can be appended to `path`: a compressed rows file is a read-only archive. A
+    measuring run calls this before it measures anything."""
+    if path is not None and rows_file(path).suffix == ".gz":
+        raise InputError(f"{rows_file(path)} is a compressed archive; gunzip it to add rows")
+
+
 def append_row(path, row: dict) -> None:
-    """Append one JSON line, first ending a torn last line (a run killed mid-write) so the new one parses."""
+    """Append one JSON line to a plain rows file, first ending a torn last line (a run killed mid-write) so the
+    new one parses; on disk (fsynced) before this returns."""
     import json
 
+    check_appendable(path)
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path, "a+b") as f:
         if f.tell() > 0:
             f.seek(-1, os.SEEK_END)
@@ -299,24 +328,32 @@ def append_row(path, row: dict) -> None:
         os.fsync(f.fileno())   # a row that took minutes to measure should survive a crash right after
 
 
-def read_rows(path, warn: Callable[[str], None] = lambda message: None) -> list[dict]:
-    """The JSON objects with an "id" that a file append_row wrote, in order (none when it does not exist). A line
-    that does not parse (the torn last line of a killed run) is skipped with a warning."""
+def read_rows(path, warn: Callable[[str], None] = _stderr, torn: str = "ignored") -> list[dict]:
+    """The JSON objects of a rows file, in order ([] when there is none): plain, or gzip-compressed (rows_file).
+    A line that is not complete JSON (the torn last line of a killed run) is skipped with a warning ending in
+    `torn`; a compressed file cut short keeps the rows before the cut, with a warning."""
+    import gzip
     import json
+    import zlib
 
-    rows = []
-    if path is None or not Path(path).is_file():
-        return rows
-    for number, line in enumerate(Path(path).read_text().splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError:
-            warn(f"{path}:{number}: not a complete JSON line (a run killed mid-write?), ignored")
-            continue
-        if isinstance(row, dict) and "id" in row:
-            rows.append(row)
-        else:
-            warn(f"{path}:{number}: not a benchmark row, ignored")
+    if path is None or not rows_file(path).is_file():
+        return []
+    path = rows_file(path)
+    rows, number = [], 0
+    try:
+        with (gzip.open(path, "rt") if path.suffix == ".gz" else open(path)) as f:
+            for number, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    row = json.loads(line)
+                except json.JSONDecodeError:
+                    warn(f"{path}:{number} is not a complete JSON line; {torn}")
+                    continue
+                if isinstance(row, dict):
+                    rows.append(row)
+                else:
+                    warn(f"{path}:{number} is not a JSON object; ignored")
+    except (EOFError, gzip.BadGzipFile, zlib.error) as err:
+        warn(f"{path} ends early after line {number} ({err}); the rows read so far are kept")
     return rows

@@ -687,6 +687,7 @@ def bench(prompt_file, systems, prompt_tokens, new_tokens, temperatures, repeats
     for path in (rows_path, json_path):
         if path:
             check_writable(path)
+    b.check_appendable(rows_path)
     items = read_bench_prompts(prompt_file, limit)
     models, (runtime, offload, tree, sampling) = open_from_options(o)
     trees = {name: b.system_tree(name, tree) for name in names}

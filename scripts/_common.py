@@ -15,17 +15,14 @@ figures were measured (from the rows' stamps when it renders stored rows, never 
 from __future__ import annotations
 
 import argparse
-import contextlib
-import gzip
 import json
 import os
 import shlex
 import sys
 import tempfile
 import time
-import zlib
 from pathlib import Path
-from typing import Callable, Iterable, Iterator, Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 
@@ -211,81 +208,28 @@ def run_header(device: torch.device, started: float, load_at_start: str, rows: O
 
 
 def rows_path(path) -> Path:
-    """A rows file's path. Where only its gzip-compressed copy (path + '.gz') exists, that one: a command naming
-    `rows.jsonl` goes on reading after the file was compressed. Where both exist, SystemExit: which one holds the
-    rows is not for this to guess."""
-    path = Path(path)
-    if path.suffix == ".gz":
-        return path
-    gz = path.with_name(path.name + ".gz")
-    if gz.exists():
-        if path.exists():
-            raise SystemExit(f"both {path} and {gz} exist; keep one (gunzip the archive into the plain file, or "
-                             "move one away)")
-        return gz
-    return path
-
-
-def _gzip_lines(f, path: Path):
-    """The lines of a gzip-compressed rows file; where its tail is cut short (a copy or a write that did not finish)
-    the lines read so far, and a warning, instead of an exception."""
-    n = 0
-    try:
-        for line in f:
-            n += 1
-            yield line
-    except (EOFError, gzip.BadGzipFile, zlib.error) as err:
-        print(f"warning: {path} ends early after line {n} ({err}); the rows read so far are kept", file=sys.stderr)
-
-
-@contextlib.contextmanager
-def open_rows(path) -> Iterator[Iterable[str]]:
-    """The one reader of rows files: the lines of a .jsonl, or of a .jsonl.gz (rows_path: a path naming x.jsonl finds
-    x.jsonl.gz where only that exists), as text. A truncated gzip tail keeps the lines before it (with a warning); a
-    torn last JSON line is the caller's to skip. Compressed rows files are read-only archives (append_jsonl)."""
-    path = rows_path(path)
-    if path.suffix != ".gz":
-        with open(path) as f:
-            yield f
-        return
-    with gzip.open(path, "rt") as f:
-        yield _gzip_lines(f, path)
+    """offspec.bench.rows_file: x.jsonl, or x.jsonl.gz where only that exists."""
+    from offspec.bench import rows_file
+    return rows_file(path)
 
 
 def read_jsonl(path, torn: str = "ignored") -> list[dict]:
-    """The rows of a rows file (open_rows: .jsonl or .jsonl.gz), [] when there is none; a line that is not complete
-    JSON (the last one, torn by a run killed while writing it) is skipped with a warning ending in `torn`."""
-    if path is None or not rows_path(path).is_file():
-        return []
-    rows = []
-    with open_rows(path) as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                rows.append(json.loads(line))
-            except json.JSONDecodeError:
-                print(f"warning: {path}:{n} is not a complete JSON line; {torn}", file=sys.stderr)
-    return rows
+    """offspec.bench.read_rows: the rows of a plain or gzip-compressed rows file, a torn line skipped with a warning
+    ending in `torn`."""
+    from offspec.bench import read_rows
+    return read_rows(path, torn=torn)
 
 
 def check_appendable(path) -> None:
-    """SystemExit (one line) unless rows can be appended to `path`: a compressed rows file is a read-only archive,
-    and both x.jsonl and x.jsonl.gz existing is ambiguous (rows_path). A measuring run calls this with its
-    arguments, before it measures anything."""
-    if path is not None and rows_path(path).suffix == ".gz":
-        raise SystemExit(f"{rows_path(path)} is a compressed archive; gunzip it to add rows")
+    """offspec.bench.check_appendable: a compressed rows file is a read-only archive (one error line)."""
+    from offspec.bench import check_appendable
+    check_appendable(path)
 
 
 def append_jsonl(path, line: str) -> None:
-    """Append one JSON line to a plain rows file, on disk (fsynced) before this returns: a crash loses at most the row
-    being written. A compressed one (x.jsonl.gz, or x.jsonl where only x.jsonl.gz exists): SystemExit."""
-    check_appendable(path)
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    with open(rows_path(path), "a") as f:
-        f.write(line.rstrip("\n") + "\n")
-        f.flush()
-        os.fsync(f.fileno())
+    """Append one JSON line to a plain rows file (offspec.bench.append_row), fsynced."""
+    from offspec.bench import append_row
+    append_row(path, json.loads(line))
 
 
 def run_main(main: Callable[[], int]) -> None:

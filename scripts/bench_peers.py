@@ -127,6 +127,7 @@ def main(argv=None) -> int:
                 "stop": STOP_RULE, "assist": assist and assist["assist"],
                 "models": [Path(target_dir).name, Path(draft_dir).name],
                 "gpu": _common.device_model(args.device) if args.device.type == "cuda" else None}
+    bench.check_appendable(args.rows)
     if args.fresh and Path(args.rows).exists():
         os.replace(args.rows, args.rows + ".bak")
     old = timing_rows(bench.read_rows(args.rows, warn))

@@ -314,6 +314,7 @@ def main(argv=None) -> int:
     from offspec.load import parse_dtype
 
     args = parse_args(argv)
+    bench.check_appendable(args.rows)
     dtype = parse_dtype(args.dtype)
     target_dir, draft_dir = ensure_demo_models()
     prompts = encoded_prompts(args.prompt_set, args.prompts, args.prompt_offset,

@@ -36,7 +36,7 @@ def groups_of(rows: list[dict]) -> dict[tuple, list[dict]]:
     """Timing rows by (regime, prompt set, GPU or ""), disk before cpu; a later row for the same prompt wins."""
     groups: dict[tuple, dict] = {}
     for r in rows:
-        if r.get("kind") is None:
+        if r.get("kind") is None and "systems" in r:
             groups.setdefault((r["regime"], r["prompt_set"], r.get("gpu", "")), {})[r["id"]] = r
     order = {"disk": 0, "cpu": 1}
     return {k: list(groups[k].values()) for k in sorted(groups, key=lambda k: (order.get(k[0], 2), k[1], k[2]))}
@@ -77,7 +77,8 @@ def identity(rows: list[dict], checks: dict) -> dict:
 def identity_text(counts: dict, n: int) -> str:
     parts = [f"{counts['identical']}/{n} identical"]
     if counts["rounding"]:
-        parts.append(f"{counts['rounding']} differ in bf16 and are identical in float32 (rechecked)")
+        n = counts["rounding"]
+        parts.append(f"{n} {'differs' if n == 1 else 'differ'} in bf16, identical in float32 (rechecked)")
     if counts["unchecked"]:
         parts.append(f"{counts['unchecked']} differ, not yet rechecked in float32")
     if counts["fail"]:

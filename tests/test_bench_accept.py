@@ -7,6 +7,7 @@ import pytest
 
 from scripts_module import load_script
 from tiny import hf_config, make_model, perturbed_copy, save_checkpoint
+from offspec.errors import InputError
 
 
 @pytest.fixture(scope="module")
@@ -47,7 +48,7 @@ def test_a_compressed_rows_file_is_read_but_a_measuring_run_refuses_it_at_its_ar
     packed.write_bytes(gzip.compress((json.dumps(raw_row("HumanEval/0", 16, [15])) + "\n").encode()))
     assert [r["prompt_id"] for r in ba.read_rows(str(tmp_path / "rows.jsonl"))] == ["HumanEval/0"]
     for rows in (packed, tmp_path / "rows.jsonl"):
-        with pytest.raises(SystemExit, match=f"^{packed} is a compressed archive; gunzip it to add rows$"):
+        with pytest.raises(InputError, match=f"^{packed} is a compressed archive; gunzip it to add rows$"):
             ba.parse_args(["--rows", str(rows)])
         assert ba.parse_args(["--rows", str(rows), "--report-only"]).rows == str(rows)
 

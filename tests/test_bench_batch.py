@@ -5,6 +5,7 @@ from types import SimpleNamespace
 import pytest
 
 from scripts_module import load_script
+from offspec.errors import InputError
 
 bench = load_script("bench_batch")
 _stats = load_script("_stats")
@@ -254,9 +255,9 @@ def test_a_compressed_rows_file_is_read_and_never_appended_to(tmp_path, capsys):
     assert [r["concurrency"] for r in bench.load_rows(tmp_path / "rows.jsonl")] == [1]
     assert [r["concurrency"] for r in bench.load_rows(packed)] == [1]
     for rows in (packed, tmp_path / "rows.jsonl"):
-        with pytest.raises(SystemExit, match=f"^{packed} is a compressed archive; gunzip it to add rows$"):
+        with pytest.raises(InputError, match=f"^{packed} is a compressed archive; gunzip it to add rows$"):
             bench.append_row(str(rows), row("offspec", 8, 8.0, 0))
-        with pytest.raises(SystemExit, match="is a compressed archive"):
+        with pytest.raises(InputError, match="is a compressed archive"):
             bench.parse_args(["--rows", str(rows)])
     assert not (tmp_path / "rows.jsonl").exists()
     for ok in (["--report-only"], ["--predict"]):

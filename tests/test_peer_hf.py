@@ -125,7 +125,7 @@ def test_runner_cells_are_offspec_bench_cells(bp, models):
 
     target, draft = models
     hf = bp.HfSystems.__new__(bp.HfSystems)
-    hf.target, hf.draft = target, draft
+    hf.target, hf.draft, hf.eos_ids = target, draft, None
     rows = bench.measure([("p", PROMPT)], {"hf-plain": hf.runner(False), "hf-assisted": hf.runner(True, bp.SWEEP[1])},
                          8)
     cells = rows[0]["systems"]

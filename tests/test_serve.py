@@ -19,6 +19,7 @@ from offspec.load import load_engine  # noqa: E402
 from offspec.prompt import encode_prompt  # noqa: E402
 from offspec.serve import EngineService, ServeConfig, make_app, run_in_thread  # noqa: E402
 from tiny import save_agreeing_pair  # noqa: E402
+from offspec.errors import InputError
 
 KEY = "sk-test"
 TREE = TreeConfig(policy="dyspec", budget=8)
@@ -337,7 +338,7 @@ def test_bench_serve_report_only_states_the_settings_its_rows_were_measured_with
     packed = tmp_path / "packed.jsonl.gz"
     packed.write_bytes(gzip.compress(path.read_bytes()))
     monkeypatch.setattr(bench, "start", lambda args: pytest.fail("a model was loaded"))
-    with pytest.raises(SystemExit, match="is a compressed archive; gunzip it to add rows"):
+    with pytest.raises(InputError, match="is a compressed archive; gunzip it to add rows"):
         run(*options, "--rows", str(packed))
 
 

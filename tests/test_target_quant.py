@@ -686,10 +686,10 @@ def test_bench_quant_reads_compressed_rows_and_a_measuring_run_refuses_them_at_i
     packed = tmp_path / "rows.jsonl.gz"
     packed.write_bytes(gzip.compress((json.dumps(rows[0]) + "\n").encode()))
     assert bench.read_rows(str(packed)) == bench.read_rows(str(tmp_path / "rows.jsonl")) == rows
-    with pytest.raises(SystemExit, match="is a compressed archive; gunzip it to add rows"):
+    with pytest.raises(InputError, match="is a compressed archive; gunzip it to add rows"):
         bench.append_row(str(packed), rows[0])
     monkeypatch.setattr(sys, "argv", ["scripts/bench_quant.py", "--rows", str(tmp_path / "rows.jsonl")])
-    with pytest.raises(SystemExit, match=f"^{packed} is a compressed archive"):
+    with pytest.raises(InputError, match=f"^{packed} is a compressed archive"):
         bench.parse_args()
     monkeypatch.setattr(sys, "argv", ["scripts/bench_quant.py", "--rows", str(packed), "--report-only"])
     assert bench.parse_args().rows == str(packed)

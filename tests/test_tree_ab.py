@@ -44,7 +44,7 @@ def test_a_compressed_rows_file_is_refused_before_any_model_loads(tmp_path, monk
     import gzip
     monkeypatch.setattr("offspec.demo.ensure_demo_models", lambda: pytest.fail("models loaded"))
     (tmp_path / "r.jsonl.gz").write_bytes(gzip.compress(b""))
-    with pytest.raises(SystemExit, match="r.jsonl.gz is a compressed archive; gunzip it to add rows"):
+    with pytest.raises(InputError, match="r.jsonl.gz is a compressed archive; gunzip it to add rows"):
         ab.main(["--checkout", str(tmp_path), "--budget", "64", "--rows", str(tmp_path / "r.jsonl")])
 
 

@@ -102,16 +102,12 @@ def peer_assist(args) -> dict:
     """{"label", "assist"} of the setting hf-assisted runs: the sweep's best for this regime and prompt set."""
     if args.assist_defaults:
         return {"label": peer_hf.assist_label(None), "assist": peer_hf.assist_record(None)}
-    rows = [r for f in args.sweep for r in bench.read_rows(f, warn)]
+    rows = [r for f in args.sweep for r in bench.read_rows(f)]
     best = peer_hf.best_setting(rows, args.regime, args.prompt_set)
     if best is None:
         raise SystemExit(f"error: {', '.join(args.sweep)} hold no sweep rows for {args.regime}, {args.prompt_set}: "
                          f"run scripts/peer_hf.py --regime {args.regime} --prompt-set {args.prompt_set} first")
     return best
-
-
-def warn(message: str) -> None:
-    print(f"warning: {message}", file=sys.stderr)
 
 
 def main(argv=None) -> int:
@@ -130,7 +126,7 @@ def main(argv=None) -> int:
     bench.check_appendable(args.rows)
     if args.fresh and Path(args.rows).exists():
         os.replace(args.rows, args.rows + ".bak")
-    old = timing_rows(bench.read_rows(args.rows, warn))
+    old = timing_rows(bench.read_rows(args.rows))
     other = sorted({k for r in old for k in settings if r.get("settings", {}).get(k) != settings[k]})
     if other:
         p.error(f"{args.rows} holds rows measured with other settings ({', '.join(other)}): pass the same "
@@ -143,8 +139,9 @@ def main(argv=None) -> int:
     if any((pid, None, 0.0) not in done for pid, _ in prompts):
         measure(args, models, prompts, dtype, assist, done, extra)
     ids = {pid for pid, _ in prompts}
-    rows = [r for r in timing_rows(bench.read_rows(args.rows, warn)) if r["id"] in ids]
-    checks = {r["id"]: r for r in bench.read_rows(args.rows) if r.get("kind") == FP32_CHECK}
+    stored = bench.read_rows(args.rows)
+    rows = [r for r in timing_rows(stored) if r["id"] in ids]
+    checks = {r["id"]: r for r in stored if r.get("kind") == FP32_CHECK}
     todo = {} if dtype == torch.float32 else recheck_todo(rows, checks)
     if todo:
         for entry in fp32_check(todo, dict(prompts), target_dir, draft_dir, assist, models.eos_ids).values():

@@ -202,13 +202,13 @@ def main(argv=None) -> int:
     p.add_argument("--write-docs", action="store_true",
                    help="write the bench_peers section of docs/benchmarks.md and README.md's benchmark block")
     args = p.parse_args(argv)
-    rows = [r for f in args.rows for r in bench.read_rows(f, bench_peers.warn)]
+    rows = [r for f in args.rows for r in bench.read_rows(f)]
     if not groups_of(rows):
         p.error(f"{', '.join(args.rows)} hold no timing rows")
     files = [str(Path(f).resolve().relative_to(ROOT)) if Path(f).resolve().is_relative_to(ROOT) else f
              for f in args.rows]
     section, readme = render(rows, files)
-    sweep = [r for f in args.sweep for r in bench.read_rows(f, bench_peers.warn) if r.get("kind") == "sweep"]
+    sweep = [r for f in args.sweep for r in bench.read_rows(f) if r.get("kind") == "sweep"]
     sweep_text = sweep_section(sweep, args.sweep) if sweep else None
     print(section + (f"\n\n{sweep_text}" if sweep_text else ""))
     if args.write_docs:

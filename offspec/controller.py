@@ -153,6 +153,7 @@ class Controller:
         # tree rounds: (measured seconds, tokens yielded, the model's seconds, its expected tokens)
         self.misses: deque[tuple[float, int, float, float]] = deque(maxlen=YIELD_ROUNDS)
         self.explored_low = False
+        self.before_low: dict[Hashable, int] = {}     # row -> its tree's size before the small exploring tree
         self.plain_rounds = 0                         # plain-decoding rounds since trees were last grown
         self.probe_after = FIRST_PROBE                # ... after this many, grow trees once to re-time them
         self.plain_wins = self.probe_first is not None  # the last choice was plain decoding
@@ -432,6 +433,7 @@ class Controller:
             # Too few distinct pass sizes to know b: try small trees once to measure the slope.
             self.explored_low = True
             for r in rows:
+                self.before_low[r] = self.trees[r].size
                 self.alloc[r] = max(1, self.trees[r].size // 4)
             return
         switch = self._switch_cost() if self.plain_wins else 0.0
@@ -461,7 +463,7 @@ class Controller:
             return
         self.plain_wins, self.plain_rounds, self.probe_after = False, 0, FIRST_PROBE
         for k, r in enumerate(rows):
-            self.alloc[r] = self._budget_of(self.trees[r], mine[k])
+            self.alloc[r] = self._budget_of(self.trees[r], mine[k], self.before_low.pop(r, 0))
         allotted = sum(self.alloc[r] for r in rows)
         if allotted > self.max_budget:        # rows looking further share what one pass may verify
             for r in rows:
@@ -474,10 +476,11 @@ class Controller:
         for r in waiting[:max(1, len(rows)) if self.timed else 0]:
             self.alloc[r] = self._left(share)
 
-    def _budget_of(self, tree, mine: int) -> int:
-        """A row's next budget from its last tree and its share `mine` of the best N nodes."""
+    def _budget_of(self, tree, mine: int, before: int = 0) -> int:
+        """A row's next budget from its last tree and its share `mine` of the best N nodes; `before`: the size of
+        its tree before the small exploring one (0: none), which the row goes back to at once."""
         if mine >= tree.size and tree.depth < self.max_depth:
             # The optimum takes all of this row's tree: look further. (A tree already as deep as allowed would
             # only get wider, at values below everything it holds: the edge is where it stops.)
-            return min(self.max_budget, max(2 * tree.size, 2))
+            return min(self.max_budget, max(2 * tree.size, before, 2))
         return min(self.max_budget, max(1, mine))

@@ -97,15 +97,18 @@ class _Row:
     floor_budget: int = 0               # ... and that round's budget
     generator: Optional[torch.Generator] = None   # this round's randomness (growth and verification)
     round_budget: int = 0               # this round's tree budget
+    round_depth: int = 0                # this round's deepest tree level
     round_feed: Optional[int] = None    # this round feeds only this many prompt tokens (a long prompt joining)
     round_floor: float = 0.0            # this round's expand floor
 
     def start_round(self, wanted: int, max_context: int, device: torch.device) -> None:
-        """This round's generator and tree budget: `wanted` nodes (the controller's, or the row's own), fewer near
-        the end of the context."""
+        """This round's generator and tree: `wanted` nodes (the controller's, or the row's own), fewer near the
+        end of the context, and no deeper than the row's last tokens need: a round emits at most its accepted
+        path and the bonus token, so with L tokens left a node deeper than L - 1 cannot be used (L = 1: no tree)."""
         self.generator = make_generator(int(torch.randint(0, 2**62, (1,), generator=self.seed_gen)), device)
         room = max_context - len(self.seq) - 1
-        self.round_budget = max(0, min(wanted, room)) if self.speculative else 0
+        self.round_depth = min(self.request.tree.max_depth, self.tokens_left() - 1)
+        self.round_budget = max(0, min(wanted, room)) if self.speculative and self.round_depth > 0 else 0
         # A round with a larger budget than the floor's (the controller probing) must reach below it: no floor.
         self.round_floor = self.floor if self.round_budget <= self.floor_budget else 0.0
 
@@ -470,8 +473,9 @@ class Engine:
         for i, logits in root_logits.items():
             row = rows[i]
             root_dist = self.vocab.draft_distribution(logits, row.request.sampling)   # (V_target,)
-            steps[i] = grow_steps(row.request.tree, row.request.sampling, row.seq[-1], root_dist, row.round_budget,
-                                  row.generator, expand_floor=row.round_floor,
+            tree_cfg = replace(row.request.tree, max_depth=row.round_depth)
+            steps[i] = grow_steps(tree_cfg, row.request.sampling, row.seq[-1], root_dist, row.round_budget, row.generator,
+                                  expand_floor=row.round_floor,
                                   calibration=row.calibrator.calibration() if row.calibrator is not None else None,
                                   ngram=ngram.lookup(row.seq) if row.request.tree.ngram else ())
         for i in list(steps):

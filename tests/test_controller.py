@@ -526,3 +526,17 @@ def test_a_row_alone_on_a_cpu_with_the_target_resident_prefills_plainly_then_gro
     assert budget(cpu, "r") == 32
     for gpu, streamed, start in ((True, False, 128), (False, True, 32)):
         assert budget(Controller.for_run(RunStart(gpu=gpu, streamed=streamed, rows=1, max_budget=1024)), "r") == start
+
+
+def test_after_the_small_exploring_tree_a_row_goes_back_to_its_size_at_once():
+    """The one small tree that times the target's slope says nothing of the nodes beyond it: a row whose optimum
+    took all of it grows the tree it had before (32 nodes), not twice the small one (16)."""
+    p = Controller(start=32, max_budget=64, max_depth=40)
+    assert budget(p, "r") == 32
+    sure = [0.99 ** k for k in range(1, 33)]
+    p.observe(RoundRecord({"r": chain(sure)}, draft_seconds=0.6, target_seconds=1.3, pass_tokens=33))
+    assert budget(p, "r") == 8                                  # the exploring tree: a quarter
+    p.observe(RoundRecord({"r": chain(sure[:8])}, draft_seconds=0.15, target_seconds=1.1, pass_tokens=9))
+    assert budget(p, "r") == 32
+    p.observe(RoundRecord({"r": chain(sure)}, draft_seconds=0.6, target_seconds=1.3, pass_tokens=33))
+    assert budget(p, "r") == 64                                 # past it, the usual doubling

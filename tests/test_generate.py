@@ -150,6 +150,22 @@ def test_max_tokens_inside_block(pair):
     assert spec.finish_reason == "length"
 
 
+@pytest.mark.parametrize("tree", [TreeConfig(policy="chain", budget=16), TreeConfig(policy="dyspec", budget=32),
+                                  TreeConfig()])
+def test_no_tree_is_deeper_than_the_tokens_left_need(pair, tree):
+    """A round emits its accepted path and a bonus token: with L tokens left its tree is at most L - 1 deep (no
+    tree at L = 1), and the tokens are plain greedy's."""
+    eng = engine(pair)
+    plain, _ = tokens_of(eng, TreeConfig(policy="none"), n=21)
+    spec, steps = tokens_of(eng, tree, n=21)
+    assert spec.tokens == plain.tokens
+    left = 21
+    for step in steps:
+        assert step.tree_depth <= left - 1                # depth 0: the root alone
+        left -= len(step.tokens)
+    assert left == 0
+
+
 def test_sampling_runs_and_is_seeded(pair):
     eng = engine(pair)
     s = SamplingConfig(temperature=0.8, top_p=0.9, seed=3)

@@ -1,4 +1,4 @@
-"""The one benchmark runner: `offspec bench` and scripts/bench_peers.py measure through it.
+"""The one benchmark runner: `offspec bench`, scripts/bench_peers.py and scripts/bench_accept.py measure through it.
 
 A *system* is a name and a function `(prompt ids, new tokens, seed) -> cell` that generates once and says what
 it did. offspec's systems share one loaded engine (load.Models and the memory plan, as `offspec generate`
@@ -144,6 +144,33 @@ def shuffled_order(items: Sequence, key: str, repeat: int) -> list:
 
 def row_key(row: dict) -> tuple:
     return row["id"], row.get("seed"), row.get("temperature", 0.0)
+
+
+def resumed_rows(path, prompts: Sequence[tuple[str, Sequence[int]]], systems: Iterable[str], temps: Sequence[float],
+                 seed: int, settings: dict) -> list[dict]:
+    """The rows of a rows file a run can reuse: its prompts (the same tokens), temperatures (T > 0 at `seed`)
+    and every one of its systems. Rows measured with other settings are an InputError, as they could not be
+    summarized with the new ones."""
+    old = [r for r in read_rows(path) if "systems" in r]
+    other = sorted({k for r in old for k in settings if r.get("settings", {}).get(k) != settings[k]})
+    if other:
+        raise InputError(f"{path} holds rows measured with other settings ({', '.join(other)}): pass the same "
+                         "options or another rows file")
+    digests = {pid: prompt_digest(ids) for pid, ids in prompts}
+    wanted = {(pid, None if t == 0 else seed, t) for pid in digests for t in temps}
+    return list({row_key(r): r for r in old if row_key(r) in wanted and set(systems) <= set(r["systems"])
+                 and r.get("prompt_digest") == digests[r["id"]]}.values())
+
+
+def parse_temperatures(text: str) -> list[float]:
+    """'0,0.6' -> [0.0, 0.6] (repeats dropped); InputError unless one or more numbers >= 0."""
+    try:
+        temps = [float(t) for t in text.split(",") if t.strip()]
+    except ValueError:
+        raise InputError(f"--temperatures must be comma-separated numbers, not {text!r}") from None
+    if not temps or any(t < 0 for t in temps):
+        raise InputError(f"--temperatures must be one or more numbers >= 0, not {text!r}")
+    return list(dict.fromkeys(temps))
 
 
 def measure(prompts: Sequence[tuple[str, Sequence[int]]], runners: dict[str, Runner], new_tokens: int, *,

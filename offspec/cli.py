@@ -18,7 +18,7 @@ from typing import NoReturn, Optional
 import click
 
 from .config import AUTO_MAX_TREE_BUDGET, DEFAULT_PREFILL_CHUNK, OffloadConfig, RunLimits, RuntimeConfig, SamplingConfig, TreeConfig
-from .controller import MIN_JOIN_CHUNK, ROW_GAIN
+from .controller import MIN_JOIN_CHUNK, ONE_ROW_CPU_BUDGET, ROW_GAIN
 from .errors import BudgetError, InputError, OffspecError
 from .model_info import Rates
 from .plan import AUTO_CONCURRENCY, PINNED_FRACTION
@@ -158,7 +158,8 @@ def model_options(f):
                      help="Tree growth policy; none = plain autoregressive with the target alone."),
         click.option("--tree-budget", default="auto", show_default=True,
                      help="Max tree nodes per target pass, or 'auto' (chosen from measured draft and target times, "
-                          f"up to {AUTO_MAX_TREE_BUDGET})."),
+                          f"up to {AUTO_MAX_TREE_BUDGET}; one prompt on a CPU whose target streams: "
+                          f"{ONE_ROW_CPU_BUDGET} every round)."),
         click.option("--threshold", type=float, default=None,
                      help="DySpec threshold C. Default: adaptive (C set so the tree fills the budget)."),
         click.option("--max-depth", type=int, default=TreeConfig.max_depth, show_default=True, help="Deepest tree level."),
@@ -696,7 +697,7 @@ def bench(prompt_file, systems, prompt_tokens, new_tokens, temperatures, repeats
         "prompt_tokens": prompt_tokens, "new_tokens": new_tokens, "repeats": repeats, "tree": vars(tree),
         "models": [str(p) for p in models_of(models)], "device": str(runtime.device), "dtype": o["dtype"],
         "offload": o["offload"], "target_quant": o["target_quant"], "draft_quant": o["draft_quant"]}))
-    rows = resumed_bench_rows(rows_path, prompts, trees, temps, sampling.seed, settings)
+    rows = b.resumed_rows(rows_path, prompts, trees, temps, sampling.seed, settings)
     if len(rows) < len(prompts) * len(temps):
         longest = max(len(ids) for _, ids in prompts) + new_tokens
         limits = b.bench_limits(trees.values(), longest, any(t > 0 for t in temps))
@@ -723,7 +724,7 @@ def check_bench_options(systems, prompt_tokens, new_tokens, temperatures, repeat
     """(temperatures, system names) checked before any model is opened."""
     from . import bench as b
 
-    temps = parse_temperatures(temperatures)
+    temps = b.parse_temperatures(temperatures)
     if prompt_tokens < 1 or new_tokens < 1 or repeats < 1:
         raise InputError("--prompt-tokens, --new-tokens and --repeats must be at least 1")
     if limit is not None and limit < 1:
@@ -738,32 +739,6 @@ def check_bench_options(systems, prompt_tokens, new_tokens, temperatures, repeat
     if o["target"] is not None and o["draft"] is None:
         raise InputError("bench compares plain and speculative decoding: give a --draft for the --target")
     return temps, names
-
-
-def resumed_bench_rows(rows_path, prompts, trees: dict, temps, seed: int, settings: dict) -> list[dict]:
-    """The rows of --rows this run can reuse: its prompts (the same tokens), temperatures and systems. Rows
-    measured with other settings stop the run, as they could not be summarized with new ones."""
-    from . import bench as b
-
-    old = [r for r in b.read_rows(rows_path, warn) if "systems" in r]
-    other = sorted({k for r in old for k in settings if r.get("settings", {}).get(k) != settings[k]})
-    if other:
-        raise InputError(f"{rows_path} holds rows measured with other settings ({', '.join(other)}): pass the "
-                         "same options or another --rows file")
-    digests = {pid: b.prompt_digest(ids) for pid, ids in prompts}
-    wanted = {(pid, None if t == 0 else seed, t) for pid in digests for t in temps}
-    return list({b.row_key(r): r for r in old if b.row_key(r) in wanted and set(trees) <= set(r["systems"])
-                 and r.get("prompt_digest") == digests[r["id"]]}.values())
-
-
-def parse_temperatures(text: str) -> list[float]:
-    try:
-        temps = [float(t) for t in text.split(",") if t.strip()]
-    except ValueError:
-        raise InputError(f"--temperatures must be comma-separated numbers, not {text!r}") from None
-    if not temps or any(t < 0 for t in temps):
-        raise InputError(f"--temperatures must be one or more numbers >= 0, not {text!r}")
-    return list(dict.fromkeys(temps))
 
 
 def read_bench_prompts(prompt_file: str, limit: Optional[int]):

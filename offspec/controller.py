@@ -76,6 +76,7 @@ SWITCH_MARGIN = 0.1  # going back from plain decoding to trees wants them predic
                      # the switches' backlog reads and probes cost more than the trees return
 
 
+ONE_ROW_CPU_BUDGET = 16   # one row on a CPU whose target streams: this many dyspec nodes every round (for_run)
 MIN_JOIN_CHUNK = 64  # the fewest prompt tokens a pass feeds from a long prompt joining (auto; see join_chunk)
 
 
@@ -121,6 +122,7 @@ class RoundRecord:
     left: dict = field(default_factory=dict)       # row -> tokens it may still generate
     yielded: Optional[int] = None      # tokens the auto rows emitted (accepted + bonus, before any stop's cut)
     finished: tuple = ()               # rows that finished this round: forgotten once the round is counted
+    capped: frozenset = frozenset()    # rows whose tree was held shallower by the few tokens they had left
 
 
 def plain_first_round(gpu: bool, streamed: bool) -> bool:
@@ -135,8 +137,9 @@ class Controller:
 
     def __init__(self, start: int = 32, max_budget: int = AUTO_MAX_TREE_BUDGET, max_depth: int = 32,
                  probe_first: Optional[int] = None, prefill_per_pass: Optional[int] = None,
-                 most_rows: Optional[int] = None):
+                 most_rows: Optional[int] = None, fixed: bool = False):
         self.start = min(start, max_budget)   # a row's budget before any tree of it was seen
+        self.fixed = fixed                    # every round's budget is `start`: the fits are kept, never chosen by
         # probe_first: the job starts as if plain decoding had won, with ONE tree of this many nodes (the least
         # behind row's, after the first round), so the other rows' drafts read their prompts only once the measured
         # costs say trees pay. Where a draft's prefill is compute as dear as the target's (a CPU), that read is most
@@ -153,7 +156,7 @@ class Controller:
         # tree rounds: (measured seconds, tokens yielded, the model's seconds, its expected tokens)
         self.misses: deque[tuple[float, int, float, float]] = deque(maxlen=YIELD_ROUNDS)
         self.explored_low = False
-        self.before_low: dict[Hashable, int] = {}     # row -> its tree's size before the small exploring tree
+        self.exploring: frozenset = frozenset()      # rows growing the small trees that time another pass size
         self.plain_rounds = 0                         # plain-decoding rounds since trees were last grown
         self.probe_after = FIRST_PROBE                # ... after this many, grow trees once to re-time them
         self.plain_wins = self.probe_first is not None  # the last choice was plain decoding
@@ -179,8 +182,15 @@ class Controller:
         the others grow theirs once that tree is timed and trees pay (probe_first); rows joining later while trees
         pay share 32 nodes a pass. A row alone starts so too: its prefill round grows no tree, so its first token comes
         after the target's prefill alone, and the next round grows its 32-node tree. Why each start:
-        docs/notes/2026-11-23-batch-host-ram-and-planner.md."""
+        docs/notes/2026-11-23-batch-host-ram-and-planner.md. One row on a CPU whose target streams grows a fixed
+        16-node tree every round instead (`fixed`): an answer of a few dozen tokens is over in a handful of rounds
+        there, before the fits have seen enough to choose better, and a mischosen round (a deep tree of a draft
+        that errs, plain decoding after unlucky trees) costs several draft calls of ~1/10 of a pass each; the
+        fixed 16 nodes measured best (docs/notes/2026-11-27-the-default-on-a-cpu.md)."""
         B = run.rows
+        if not run.gpu and run.streamed and B == 1:
+            return cls(start=ONE_ROW_CPU_BUDGET, max_budget=run.max_budget, max_depth=0, fixed=True,
+                       prefill_per_pass=run.prefill_per_pass)
         return cls(start=128 if run.gpu else max(1, 32 // B), max_budget=run.max_budget, max_depth=0,
                    probe_first=max(8, 32 // B) if plain_first_round(run.gpu, run.streamed) else None,
                    prefill_per_pass=run.prefill_per_pass, most_rows=B if run.adapt_rows else None)
@@ -249,11 +259,15 @@ class Controller:
             self._check_model(r, grown, size, deepest)
         self.behind.update(r.behind)
         self.left.update(r.left)
-        self.trees.update(grown)
+        # A row's reference tree (what its trees are worth; a fresh wave's, once the row is forgotten) is its last
+        # full one: not the small tree that timed another pass size, nor one held shallow by its last tokens.
+        held = r.capped | self.exploring
+        self.trees.update({row: t for row, t in grown.items() if row not in held or row not in self.trees})
+        self.exploring = frozenset()
         self.timed = r.timed
         # No tree yet: time one (_choose); with probe_first, right after the job's first round, untimed as it is
         # (a round's draft work is fitted only once a pass was timed: no drafts without passes).
-        if (self.passes or self.probe_first is not None) and (self.drafts or not self.trees):
+        if not self.fixed and (self.passes or self.probe_first is not None) and (self.drafts or not self.trees):
             self._choose()
         for row in r.finished:
             self.forget(row)
@@ -432,8 +446,8 @@ class Controller:
         if rows and len({n for n, _ in self.passes}) < 3 and not self.explored_low:
             # Too few distinct pass sizes to know b: try small trees once to measure the slope.
             self.explored_low = True
+            self.exploring = frozenset(rows)
             for r in rows:
-                self.before_low[r] = self.trees[r].size
                 self.alloc[r] = max(1, self.trees[r].size // 4)
             return
         switch = self._switch_cost() if self.plain_wins else 0.0
@@ -463,7 +477,7 @@ class Controller:
             return
         self.plain_wins, self.plain_rounds, self.probe_after = False, 0, FIRST_PROBE
         for k, r in enumerate(rows):
-            self.alloc[r] = self._budget_of(self.trees[r], mine[k], self.before_low.pop(r, 0))
+            self.alloc[r] = self._budget_of(self.trees[r], mine[k])
         allotted = sum(self.alloc[r] for r in rows)
         if allotted > self.max_budget:        # rows looking further share what one pass may verify
             for r in rows:
@@ -476,11 +490,10 @@ class Controller:
         for r in waiting[:max(1, len(rows)) if self.timed else 0]:
             self.alloc[r] = self._left(share)
 
-    def _budget_of(self, tree, mine: int, before: int = 0) -> int:
-        """A row's next budget from its last tree and its share `mine` of the best N nodes; `before`: the size of
-        its tree before the small exploring one (0: none), which the row goes back to at once."""
+    def _budget_of(self, tree, mine: int) -> int:
+        """A row's next budget from its reference tree and its share `mine` of the best N nodes."""
         if mine >= tree.size and tree.depth < self.max_depth:
             # The optimum takes all of this row's tree: look further. (A tree already as deep as allowed would
             # only get wider, at values below everything it holds: the edge is where it stops.)
-            return min(self.max_budget, max(2 * tree.size, before, 2))
+            return min(self.max_budget, max(2 * tree.size, 2))
         return min(self.max_budget, max(1, mine))

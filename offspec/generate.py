@@ -365,7 +365,8 @@ class Engine:
             draft_nodes=growth.nodes, catch_up=growth.catch_up,
             behind={row.index: len(row.seq) - batch.d_cache.lengths[row.cache_row] for row in going},
             left={row.index: row.tokens_left() for row in going}, yielded=yielded,
-            finished=tuple(row.index for row in finished)))
+            finished=tuple(row.index for row in finished),
+            capped=frozenset(row.index for row in rows if row.auto and row.round_depth < row.request.tree.max_depth)))
         self._retire(batch, finished)
 
     def _pass(self, batch: _Batch) -> tuple[list[TokenTree], list, list[int], PassCost, DraftWork]:

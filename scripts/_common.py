@@ -15,7 +15,6 @@ figures were measured (from the rows' stamps when it renders stored rows, never 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shlex
 import sys
@@ -54,6 +53,11 @@ def command_line() -> str:
     except ValueError:
         script_name = str(script)
     return " ".join(shlex.quote(a) for a in ["python", script_name, *sys.argv[1:]])
+
+
+def relative_command(command: str) -> str:
+    """A stored measuring command as run from the repository root: paths into this checkout made relative."""
+    return command.replace(f"{REPO}/", "")
 
 
 def git_commit() -> Optional[str]:
@@ -205,31 +209,6 @@ def run_header(device: torch.device, started: float, load_at_start: str, rows: O
         lines.append(f"Measured on {device_model(device)}{threads}, torch {torch.__version__}, {_span(first, last)}, "
                      f"commit {git_commit() or '?'}{load if load_at_start != 'n/a' else ''}.")
     return "\n".join(lines)
-
-
-def rows_path(path) -> Path:
-    """offspec.bench.rows_file: x.jsonl, or x.jsonl.gz where only that exists."""
-    from offspec.bench import rows_file
-    return rows_file(path)
-
-
-def read_jsonl(path, torn: str = "ignored") -> list[dict]:
-    """offspec.bench.read_rows: the rows of a plain or gzip-compressed rows file, a torn line skipped with a warning
-    ending in `torn`."""
-    from offspec.bench import read_rows
-    return read_rows(path, torn=torn)
-
-
-def check_appendable(path) -> None:
-    """offspec.bench.check_appendable: a compressed rows file is a read-only archive (one error line)."""
-    from offspec.bench import check_appendable
-    check_appendable(path)
-
-
-def append_jsonl(path, line: str) -> None:
-    """Append one JSON line to a plain rows file (offspec.bench.append_row), fsynced."""
-    from offspec.bench import append_row
-    append_row(path, json.loads(line))
 
 
 def run_main(main: Callable[[], int]) -> None:

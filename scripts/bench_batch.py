@@ -88,6 +88,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _common  # noqa: E402
 import _stats  # noqa: E402
+from offspec import bench  # noqa: E402
 from offspec.costmodel import LINK_GB_PER_S  # noqa: E402
 from offspec.config import OffloadConfig, RunLimits, RuntimeConfig, TreeConfig  # noqa: E402
 from offspec.demo import ensure_demo_models  # noqa: E402
@@ -163,7 +164,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--tree-nodes", type=int, default=64, help="prediction: tree nodes per prompt per pass")
     args = p.parse_args(argv)
     if not (args.report_only or args.predict or args.one_cell):
-        _common.check_appendable(args.rows)      # before anything is measured: a .gz rows file is an archive
+        bench.check_appendable(args.rows)      # before anything is measured: a .gz rows file is an archive
     # Resolved once: a report (--report-only) may name a device this machine lacks; it only picks that device's rows.
     args.device = _common.compute_device(args.device, here=not args.report_only)
     return args
@@ -227,9 +228,9 @@ def predict(args, rows: list[dict]) -> tuple[str, list[str]]:
 
 
 def load_rows(path) -> list[dict]:
-    """The rows of --rows (.jsonl, or .jsonl.gz: _common.read_jsonl); a torn last line (a run killed while writing) is
+    """The rows of --rows (.jsonl, or .jsonl.gz: offspec.bench.read_rows); a torn last line (a run killed while writing) is
     skipped with a warning."""
-    rows = _common.read_jsonl(path, torn="ignored (its cell will be measured again)")
+    rows = bench.read_rows(path, torn="ignored (its cell will be measured again)")
     for row in rows:                   # rows from before prompt sets were all HumanEval, before repeats one run
         row.setdefault("prompt_set", "code")
         row.get("settings", {}).setdefault("prompt_set", "code")
@@ -241,7 +242,7 @@ def load_rows(path) -> list[dict]:
 
 def append_row(path, row: dict) -> None:
     if path is not None:
-        _common.append_jsonl(path, json.dumps(row))
+        bench.append_row(path, row)
 
 
 def offload_of(regime: str, device: torch.device, layer_bytes: int, store_dir, disk_io: str) -> OffloadConfig:

@@ -46,6 +46,7 @@ sys.path.insert(0, str(ROOT))                  # this checkout's offspec
 sys.path.insert(0, str(ROOT / "scripts"))      # _common, also when imported as a module by the tests
 import _common  # noqa: E402
 import _stats  # noqa: E402
+from offspec import bench  # noqa: E402
 from offspec.config import OffloadConfig, RuntimeConfig, TreeConfig  # noqa: E402
 from offspec.generate import GenerationRequest, run  # noqa: E402
 from offspec.kv_cache import KVCache  # noqa: E402
@@ -85,15 +86,15 @@ def text_set(tokenizer, chunk_tokens: int, chunks_each: int) -> dict[str, list[i
 
 
 def read_rows(path: str) -> list[dict]:
-    """The rows of --rows (.jsonl, or .jsonl.gz: _common.read_jsonl); a torn last line (a run killed while writing) is
+    """The rows of --rows (.jsonl, or .jsonl.gz: offspec.bench.read_rows); a torn last line (a run killed while writing) is
     skipped with a warning."""
-    return _common.read_jsonl(path or None, torn="ignored (it will be measured again)")
+    return bench.read_rows(path or None, torn="ignored (it will be measured again)")
 
 
 def append_row(path: str, row: dict) -> None:
-    """One line, fsynced (_common.append_jsonl; a .gz rows file is refused)."""
+    """One line, fsynced (offspec.bench.append_row; a .gz rows file is refused)."""
     if path:
-        _common.append_jsonl(path, json.dumps(row))
+        bench.append_row(path, row)
 
 
 def has(rows: list[dict], **key) -> bool:
@@ -427,7 +428,7 @@ def parse_args():
     if unknown:
         p.error(f"--quants: {', '.join(unknown)} is not one of {', '.join(QUANTS)}")
     if not args.report_only:
-        _common.check_appendable(args.rows)      # before anything is measured: a .gz rows file is an archive
+        bench.check_appendable(args.rows)      # before anything is measured: a .gz rows file is an archive
     return args
 
 

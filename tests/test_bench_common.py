@@ -1,5 +1,6 @@
 """scripts/_common.py: a section's head says where and when its rows were measured (never the rendering's own time),
-rows files are read plain or gzip-compressed and appended to only plain, and a section is written between its markers."""
+and a section is written between its markers; offspec.bench's rows files, which every script reads and appends to,
+are read plain or gzip-compressed and appended to only plain."""
 import gzip
 import json
 import sys
@@ -8,6 +9,7 @@ import pytest
 import torch
 
 from scripts_module import load_script
+from offspec import bench
 from offspec.errors import InputError
 
 common = load_script("_common")
@@ -56,16 +58,16 @@ def test_a_measuring_run_names_this_machine_its_times_and_commit(monkeypatch):
 
 def test_rows_files_are_read_plain_or_gzip_compressed_and_appended_to_only_plain(tmp_path):
     plain = tmp_path / "rows.jsonl"
-    common.append_jsonl(plain, json.dumps({"n": 1}))
-    common.append_jsonl(plain, json.dumps({"n": 2}) + "\n")
+    bench.append_row(plain, {"n": 1})
+    bench.append_row(plain, {"n": 2})
     assert plain.read_text() == '{"n": 1}\n{"n": 2}\n'
     packed = tmp_path / "packed.jsonl.gz"
     packed.write_bytes(gzip.compress(b'{"n": 1}\n') + gzip.compress(b'{"n": 2}\n'))   # two members: one stream
     for path in (plain, packed, tmp_path / "packed.jsonl"):   # naming x.jsonl finds x.jsonl.gz where only it exists
-        assert common.read_jsonl(path) == [{"n": 1}, {"n": 2}]
-    assert common.rows_path(tmp_path / "packed.jsonl") == packed and common.rows_path(plain) == plain
-    assert common.rows_path(tmp_path / "none.jsonl") == tmp_path / "none.jsonl"
-    assert common.read_jsonl(tmp_path / "none.jsonl") == [] and common.read_jsonl(None) == []
+        assert bench.read_rows(path) == [{"n": 1}, {"n": 2}]
+    assert bench.rows_file(tmp_path / "packed.jsonl") == packed and bench.rows_file(plain) == plain
+    assert bench.rows_file(tmp_path / "none.jsonl") == tmp_path / "none.jsonl"
+    assert bench.read_rows(tmp_path / "none.jsonl") == [] and bench.read_rows(None) == []
 
 
 def test_a_compressed_rows_file_is_a_read_only_archive(tmp_path):
@@ -73,13 +75,13 @@ def test_a_compressed_rows_file_is_a_read_only_archive(tmp_path):
     packed.write_bytes(gzip.compress(b'{"n": 1}\n'))
     for path in (packed, tmp_path / "rows.jsonl"):
         with pytest.raises(InputError) as refused:
-            common.append_jsonl(path, json.dumps({"n": 2}))
+            bench.append_row(path, {"n": 2})
         assert str(refused.value) == f"{packed} is a compressed archive; gunzip it to add rows"
         with pytest.raises(InputError, match="is a compressed archive"):
-            common.check_appendable(path)
+            bench.check_appendable(path)
     assert gzip.decompress(packed.read_bytes()) == b'{"n": 1}\n' and not (tmp_path / "rows.jsonl").exists()
-    common.check_appendable(tmp_path / "new.jsonl")                    # plain, absent, or None: fine
-    common.check_appendable(None)
+    bench.check_appendable(tmp_path / "new.jsonl")                    # plain, absent, or None: fine
+    bench.check_appendable(None)
 
 
 def test_a_truncated_gzip_tail_keeps_the_rows_before_it_with_a_warning(tmp_path, capsys):
@@ -88,29 +90,28 @@ def test_a_truncated_gzip_tail_keeps_the_rows_before_it_with_a_warning(tmp_path,
     for cut in (len(whole) - 4, len(whole) - 30, len(whole) // 2, len(whole) - 9):
         path = tmp_path / f"cut{cut}.jsonl.gz"
         path.write_bytes(whole[:cut])
-        rows = common.read_jsonl(path)
+        rows = bench.read_rows(path)
         assert [r["n"] for r in rows] == list(range(len(rows))) and 0 < len(rows) <= 400
         assert f"warning: {path} ends early" in capsys.readouterr().err
-    assert len(common.read_jsonl(tmp_path / f"cut{len(whole) - 4}.jsonl.gz")) == 400   # only the trailer's CRC lost
+    assert len(bench.read_rows(tmp_path / f"cut{len(whole) - 4}.jsonl.gz")) == 400   # only the trailer's CRC lost
 
 
 def test_a_torn_last_json_line_is_skipped_with_a_warning(tmp_path, capsys):
     path = tmp_path / "rows.jsonl"
     path.write_text('{"n": 1}\n{"n": 2, "pa')
-    assert common.read_jsonl(path, torn="ignored (measured again)") == [{"n": 1}]
+    assert bench.read_rows(path, torn="ignored (measured again)") == [{"n": 1}]
     assert capsys.readouterr().err.strip() == f"warning: {path}:2 is not a complete JSON line; ignored (measured again)"
 
 
 def test_both_the_plain_and_the_compressed_file_is_one_clear_error(tmp_path):
     (tmp_path / "rows.jsonl").write_text('{"n": 1}\n')
     (tmp_path / "rows.jsonl.gz").write_bytes(gzip.compress(b'{"n": 2}\n'))
-    for call in (common.rows_path, common.read_jsonl, common.check_appendable,
-                 lambda p: common.append_jsonl(p, "{}")):
+    for call in (bench.rows_file, bench.read_rows, bench.check_appendable, lambda p: bench.append_row(p, {})):
         with pytest.raises(InputError) as both:
             call(tmp_path / "rows.jsonl")
         assert str(both.value).startswith(f"both {tmp_path / 'rows.jsonl'} and {tmp_path / 'rows.jsonl.gz'} exist")
         assert "\n" not in str(both.value)
-    assert common.rows_path(tmp_path / "rows.jsonl.gz") == tmp_path / "rows.jsonl.gz"   # named outright: that one
+    assert bench.rows_file(tmp_path / "rows.jsonl.gz") == tmp_path / "rows.jsonl.gz"   # named outright: that one
 
 
 def test_git_commit_and_cpu_model_are_offspec_benchs(monkeypatch):

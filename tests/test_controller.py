@@ -517,26 +517,52 @@ def test_a_rounding_residual_never_picks_the_draft_model(monkeypatch):
 
 def test_a_row_alone_on_a_cpu_with_the_target_resident_prefills_plainly_then_grows_its_tree():
     """Its first token comes after the target's prefill alone: the first round grows no tree, the next one its
-    32-node tree. Where the pass streams or runs on a GPU, the first round grows the tree with the prefill."""
+    32-node tree. Where the pass streams or runs on a GPU, the first round grows the tree with the prefill (on a
+    CPU a fixed 16 nodes: the next test)."""
     from offspec.controller import RunStart
     cpu = Controller.for_run(RunStart(gpu=False, streamed=False, rows=1, max_budget=1024))
     assert budget(cpu, "r") == 0
     cpu.observe(RoundRecord({"r": TokenTree(0, capacity=1)}, draft_seconds=0.0, target_seconds=0.5,
                             pass_tokens=40, timed=False, catch_up=(0, 0.0)))
     assert budget(cpu, "r") == 32
-    for gpu, streamed, start in ((True, False, 128), (False, True, 32)):
+    for gpu, streamed, start in ((True, False, 128), (False, True, 16)):
         assert budget(Controller.for_run(RunStart(gpu=gpu, streamed=streamed, rows=1, max_budget=1024)), "r") == start
 
 
-def test_after_the_small_exploring_tree_a_row_goes_back_to_its_size_at_once():
-    """The one small tree that times the target's slope says nothing of the nodes beyond it: a row whose optimum
-    took all of it grows the tree it had before (32 nodes), not twice the small one (16)."""
-    p = Controller(start=32, max_budget=64, max_depth=40)
+def test_the_small_exploring_tree_does_not_replace_the_rows_reference():
+    """The one small tree that times the target's slope says nothing of the nodes beyond it: the row's reference
+    stays its full tree (32 nodes, every one worth taking), so its next budget looks further than that tree (64),
+    not twice the small one (16)."""
+    p = Controller(start=32, max_budget=128, max_depth=40)
     assert budget(p, "r") == 32
     sure = [0.99 ** k for k in range(1, 33)]
     p.observe(RoundRecord({"r": chain(sure)}, draft_seconds=0.6, target_seconds=1.3, pass_tokens=33))
     assert budget(p, "r") == 8                                  # the exploring tree: a quarter
     p.observe(RoundRecord({"r": chain(sure[:8])}, draft_seconds=0.15, target_seconds=1.1, pass_tokens=9))
-    assert budget(p, "r") == 32
-    p.observe(RoundRecord({"r": chain(sure)}, draft_seconds=0.6, target_seconds=1.3, pass_tokens=33))
-    assert budget(p, "r") == 64                                 # past it, the usual doubling
+    assert p.trees["r"].size == 32 and budget(p, "r") == 64
+
+
+def test_a_tree_held_shallow_by_the_last_tokens_does_not_replace_the_rows_reference():
+    """Near its end a row's tree is cut to the tokens it has left: that tree is counted for the round, but the row's
+    reference (and, once it finished, a fresh wave's) stays the full tree before it."""
+    p = planner_after({"r": chain([0.9 ** k for k in range(1, 5)])})
+    full = p.trees["r"]
+    budget(p, "r")
+    p.observe(RoundRecord({"r": chain([0.9])}, draft_seconds=0.05, target_seconds=1.0, pass_tokens=2,
+                          capped=frozenset({"r"}), finished=("r",)))
+    assert list(p.past) == [full]
+
+
+def test_one_row_on_a_cpu_whose_target_streams_grows_a_fixed_tree():
+    """There every round's tree is 16 nodes, whatever the rounds measured; two rows, or a GPU, choose theirs."""
+    from offspec.controller import RunStart
+
+    p = Controller.for_run(RunStart(gpu=False, streamed=True, rows=1, max_budget=1024))
+    for n, seconds in ((17, 0.6), (9, 0.5), (33, 0.8), (5, 0.45)):
+        assert budget(p, "r") == 16
+        p.observe(RoundRecord({"r": chain([0.99] * (n - 1))}, draft_seconds=0.05 * n, target_seconds=seconds,
+                              pass_tokens=n))
+    assert budget(p, "r") == 16 and len(p.passes) == 4           # the fits are still kept
+    for start in (RunStart(gpu=False, streamed=True, rows=2, max_budget=1024),
+                  RunStart(gpu=True, streamed=True, rows=1, max_budget=1024)):
+        assert not Controller.for_run(start).fixed

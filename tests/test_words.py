@@ -12,7 +12,7 @@ from click.testing import CliRunner
 from offspec import ngram
 from offspec.cli import main
 from offspec.config import AUTO_MAX_TREE_BUDGET, DEFAULT_PREFILL_CHUNK
-from offspec.controller import MIN_JOIN_CHUNK, ROW_GAIN
+from offspec.controller import MIN_JOIN_CHUNK, ONE_ROW_CPU_BUDGET, ROW_GAIN
 from offspec.plan import AUTO_CONCURRENCY, PINNED_FRACTION
 from offspec.quant import FUSED_MAX_ROWS
 
@@ -21,7 +21,8 @@ ROOT = Path(__file__).resolve().parents[1]
 # (command, pattern whose group is the quoted value, the value as the code has it, the constant's name)
 HELP_QUOTES = [
     (("generate",), r"covers at most (\d+) of that prompt's tokens", str(FUSED_MAX_ROWS), "quant.FUSED_MAX_ROWS"),
-    (("generate",), r"draft and target times, up to (\d+)\)", str(AUTO_MAX_TREE_BUDGET), "config.AUTO_MAX_TREE_BUDGET"),
+    (("generate",), r"draft and target times, up to (\d+);", str(AUTO_MAX_TREE_BUDGET), "config.AUTO_MAX_TREE_BUDGET"),
+    (("generate",), r"target streams: (\d+) every round", str(ONE_ROW_CPU_BUDGET), "controller.ONE_ROW_CPU_BUDGET"),
     (("generate",), r"Default: (\d+%) of min\(MemAvailable", f"{PINNED_FRACTION:.0%}", "plan.PINNED_FRACTION"),
     (("batch",), r"auto = the most, up to (\d+), that the memory plan fits", str(AUTO_CONCURRENCY),
      "plan.AUTO_CONCURRENCY"),
@@ -38,8 +39,10 @@ README_QUOTES = [
     (r"`auto` = the most, up to (\d+), that the memory plan fits", str(AUTO_CONCURRENCY), "plan.AUTO_CONCURRENCY"),
     (r"keeps the fewest within (\d+%) of the best", f"{ROW_GAIN:.0%}", "controller.ROW_GAIN"),
     (r"as a / b tokens, at least (\d+)", str(MIN_JOIN_CHUNK), "controller.MIN_JOIN_CHUNK"),
-    (r"\| `--tree-budget` \| auto \| .*? or auto \(from measured costs, up to (\d+)\)", str(AUTO_MAX_TREE_BUDGET),
+    (r"\| `--tree-budget` \| auto \| .*? or auto \(from measured costs, up to (\d+);", str(AUTO_MAX_TREE_BUDGET),
      "config.AUTO_MAX_TREE_BUDGET"),
+    (r"one prompt on a CPU whose target streams from RAM or disk: (\d+) nodes every round", str(ONE_ROW_CPU_BUDGET),
+     "controller.ONE_ROW_CPU_BUDGET"),
     (r"\| `--prefill-chunk` \| (\d+) \|", str(DEFAULT_PREFILL_CHUNK), "config.DEFAULT_PREFILL_CHUNK"),
     (r"\| `--host-budget` \| (\d+%) of min", f"{PINNED_FRACTION:.0%}", "plan.PINNED_FRACTION"),
     (r"pinned within (\d+%) of what the host", f"{PINNED_FRACTION:.0%}", "plan.PINNED_FRACTION"),

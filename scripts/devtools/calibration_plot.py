@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Predicted vs observed acceptance of tree nodes, by depth, from bench_accept rows (their "calibration" field,
+"""Predicted vs observed acceptance of tree nodes, by depth, from the old bench_accept's archived rows (their "calibration" field,
 offspec.calibrate.AcceptanceCounts.report): one panel per depth bucket, each bin of draft probability a point
 at (predicted, observed) for two predictors: the draft's probability p (DySpec's estimate) and the calibrated
 estimate the trees were grown with. On the diagonal = predicts acceptance. N-gram nodes: one point per depth.
@@ -20,11 +20,12 @@ from pathlib import Path
 
 sys.path[:0] = [str(Path(__file__).resolve().parents[2]), str(Path(__file__).resolve().parents[1])]   # offspec, scripts/
 import _common  # noqa: E402
+from offspec import bench  # noqa: E402
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=_common.HelpFormatter)
-    p.add_argument("--rows", required=True, help="bench_accept rows (jsonl, or jsonl.gz)")
+    p.add_argument("--rows", required=True, help="the old bench_accept's rows (jsonl, or jsonl.gz)")
     p.add_argument("--prompt-set", default=None, help="only rows of this prompt set (code, chat)")
     p.add_argument("--temperature", type=float, default=0.0, help="only rows at this temperature")
     p.add_argument("--calibrate", choices=("on", "off", "any"), default="on",
@@ -52,7 +53,7 @@ def pooled(rows: list[dict]) -> tuple[dict, dict]:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    rows = _common.read_jsonl(args.rows)                    # .jsonl or .jsonl.gz
+    rows = bench.read_rows(args.rows)                    # .jsonl or .jsonl.gz
     rows = [r for r in rows if r.get("calibration") and r["temperature"] == args.temperature
             and (args.prompt_set is None or r.get("prompt_set", "code") == args.prompt_set)
             and (args.calibrate == "any" or r.get("calibrate", False) == (args.calibrate == "on"))]

@@ -1,5 +1,6 @@
 #!/usr/bin/env python
-"""Issue 15's table from bench_accept rows: tokens per pass with the tree levers (--ngram, --calibrate) on and off.
+"""Issue 15's table from the archived rows of the old bench_accept (one row a run): tokens per pass with the tree
+levers (--ngram, --calibrate) on and off.
 
 For each prompt set and budget (dyspec; T = 0, and each T > 0 as a set of its own), one line per lever setting:
 the prompts measured, the median over prompts of tokens/pass (each prompt's tokens up to the --new-tokens cut
@@ -7,11 +8,11 @@ over its passes) with its bootstrap 95% interval, the mean tree size, and, where
 "both off", the paired ratio of medians (setting / both off, over the prompts both have) with its paired
 bootstrap interval and the prompts on which the setting made fewer, more or the same tokens a pass. Then the
 goals (chat: budget 64 >= 5.8, 256 >= 7.5, 1024 >= 8.5 tokens/pass; code "not below today's figures": the issue's
-own table, HumanEval/0-5 without the chat template, so rows of `bench_accept.py --raw`, the set "code, no template"), for both levers on
+own table, HumanEval/0-5 without the chat template: rows of its --raw runs, the set "code, no template"), for both levers on
 (the issue's) and both off (offspec's default); a goal is met when the median reaches it, and the interval says
 how sure that is. The code figures' lines say how those figures were counted (GOAL_NOTES).
 
-Example (the rows of `bench_accept.py ... --rows docs/bench_accept_levers.jsonl.gz`, and of its --raw code runs):
+Example (the archived rows, docs/notes/2026-11-25-tree-levers.md says how they were run):
   python scripts/devtools/levers_report.py --rows docs/bench_accept_levers.jsonl.gz docs/bench_accept_raw.jsonl.gz --write-docs
 
 --write-docs writes what it prints into the levers_report block of its notes entry, NOTES (the first time, a block
@@ -27,7 +28,7 @@ from pathlib import Path
 sys.path[:0] = [str(Path(__file__).resolve().parents[2]), str(Path(__file__).resolve().parents[1])]   # offspec, scripts/
 import _common  # noqa: E402
 import _stats  # noqa: E402
-from bench_accept import read_rows  # noqa: E402
+from offspec import bench  # noqa: E402
 
 NOTES = _common.REPO / "docs" / "notes" / "2026-11-25-tree-levers.md"     # where --write-docs writes
 RAW_CODE = "code, no template"
@@ -37,6 +38,18 @@ GOALS = {("chat", 64): 5.8, ("chat", 256): 7.5, ("chat", 1024): 8.5,    # issue 
 GOAL_NOTES = {RAW_CODE: "the issue's figure counted the last round's tokens past the cut; the engine before the "
                         "levers gives these prompts the same rounds as today's "
                         "(docs/notes/2026-11-25-code-against-issue-15-figures.md)"}
+
+
+def read_rows(path: str) -> list[dict]:
+    """Rows of the bench_accept runs this report was made from (one row a run; .jsonl or .jsonl.gz), with the
+    fields older rows lack set as those rows were run: HumanEval with the chat template, no levers."""
+    rows = bench.read_rows(path)
+    for row in rows:
+        for key, value in (("prompt_set", "code"), ("raw", False), ("ngram", False), ("calibrate", False)):
+            row.setdefault(key, value)
+    return rows
+
+
 SETTINGS = ((True, True, "both on"), (False, False, "both off"), (True, False, "n-gram only"),
             (False, True, "calibration only"))
 HEADERS = ["set", "budget", "levers", "prompts", "tokens/pass [95% CI]", "tree", "vs both off [95% CI]",

@@ -108,3 +108,12 @@ def test_default_check_names_the_best_fixed_policy(render):
     assert check["best"] == "dyspec-16" and check["ok"] and check["ratio"]["ratio"] == pytest.approx(0.22 / 0.21)
     slow = [row(str(k), 0.30, 0.25, 0.40) for k in range(5)]
     assert render.default_check(slow)["best"] == "chain-8" and not render.default_check(slow)["ok"]
+    # The default ran dyspec-16's rounds on every prompt (it is that policy there): 6% slower is two runs' spread.
+    alike = [row(str(k), 0.212, 0.30, 0.20) for k in range(5)]
+    for r in alike:
+        for name in ("default", "dyspec-16"):
+            r["systems"][name].update(tokens=[1, 2, 3], passes=2, mean_tree_size=15.5)
+    check = render.default_check(alike)
+    assert check["same"] and check["ok"] and check["ratio"]["ratio"] == pytest.approx(1.06)
+    alike[2]["systems"]["default"]["passes"] = 3
+    assert not render.default_check(alike)["same"] and not render.default_check(alike)["ok"]

@@ -71,7 +71,7 @@ def default_check(rows: list[dict]) -> dict | None:
 
 def same_rounds(a: dict, b: dict) -> bool:
     """Two cells ran the same rounds: the same tokens, passes and mean tree size."""
-    return all(a.get(k) == b.get(k) for k in ("tokens", "passes", "mean_tree_size"))
+    return all(k in a and k in b and a[k] == b[k] for k in ("tokens", "passes", "mean_tree_size"))
 
 
 def identity(rows: list[dict], checks: dict) -> dict:
@@ -181,7 +181,7 @@ def sweep_section(rows: list[dict], files: list[str]) -> str:
 
     keys = sorted({(r["regime"], r["prompt_set"]) for r in rows}, key=lambda k: ({"disk": 0}.get(k[0], 1), k[1]))
     best = {k: peer_hf.best_setting(rows, *k) for k in keys}
-    head = ["| hf-assisted setting | " + " | ".join(f"{group_title((*k, ''))} ({best[k]['prompts']} prompts)"
+    head = ["| hf-assisted setting | " + " | ".join(f"{group_title((*k, ''))} ({best[k]['prompts']} prompt{'s' * (best[k]['prompts'] != 1)})"
                                                      for k in keys) + " |", "|---" * (len(keys) + 1) + "|"]
     lines = []
     for assist in peer_hf.SWEEP:

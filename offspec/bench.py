@@ -146,12 +146,17 @@ def row_key(row: dict) -> tuple:
     return row["id"], row.get("seed"), row.get("temperature", 0.0)
 
 
+def _stderr(message: str) -> None:
+    import sys
+    print(f"warning: {message}", file=sys.stderr)
+
+
 def resumed_rows(path, prompts: Sequence[tuple[str, Sequence[int]]], systems: Iterable[str], temps: Sequence[float],
-                 seed: int, settings: dict) -> list[dict]:
+                 seed: int, settings: dict, warn: Callable[[str], None] = _stderr) -> list[dict]:
     """The rows of a rows file a run can reuse: its prompts (the same tokens), temperatures (T > 0 at `seed`)
     and every one of its systems. Rows measured with other settings are an InputError, as they could not be
-    summarized with the new ones."""
-    old = [r for r in read_rows(path) if "systems" in r]
+    summarized with the new ones. warn: where read_rows' warnings go."""
+    old = [r for r in read_rows(path, warn) if "systems" in r]
     other = sorted({k for r in old for k in settings if r.get("settings", {}).get(k) != settings[k]})
     if other:
         raise InputError(f"{path} holds rows measured with other settings ({', '.join(other)}): pass the same "
@@ -311,11 +316,6 @@ def bench_prompts(tokenizer, items, prompt_tokens: int) -> list[tuple[str, tuple
 
 
 # ------------------------------------------------------------------ the rows file
-
-def _stderr(message: str) -> None:
-    import sys
-    print(f"warning: {message}", file=sys.stderr)
-
 
 def rows_file(path) -> Path:
     """A rows file's path. Where only its gzip-compressed copy (path + '.gz') exists, that one: a command naming

@@ -697,7 +697,7 @@ def bench(prompt_file, systems, prompt_tokens, new_tokens, temperatures, repeats
         "prompt_tokens": prompt_tokens, "new_tokens": new_tokens, "repeats": repeats, "tree": vars(tree),
         "models": [str(p) for p in models_of(models)], "device": str(runtime.device), "dtype": o["dtype"],
         "offload": o["offload"], "target_quant": o["target_quant"], "draft_quant": o["draft_quant"]}))
-    rows = b.resumed_rows(rows_path, prompts, trees, temps, sampling.seed, settings)
+    rows = b.resumed_rows(rows_path, prompts, trees, temps, sampling.seed, settings, warn)
     if len(rows) < len(prompts) * len(temps):
         longest = max(len(ids) for _, ids in prompts) + new_tokens
         limits = b.bench_limits(trees.values(), longest, any(t > 0 for t in temps))

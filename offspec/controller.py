@@ -139,7 +139,7 @@ class Controller:
                  probe_first: Optional[int] = None, prefill_per_pass: Optional[int] = None,
                  most_rows: Optional[int] = None, fixed: bool = False):
         self.start = min(start, max_budget)   # a row's budget before any tree of it was seen
-        self.fixed = fixed                    # every round's budget is `start`: the fits are kept, never chosen by
+        self.fixed = fixed                    # every round's budget is `start`: the fits are kept but choose nothing
         # probe_first: the job starts as if plain decoding had won, with ONE tree of this many nodes (the least
         # behind row's, after the first round), so the other rows' drafts read their prompts only once the measured
         # costs say trees pay. Where a draft's prefill is compute as dear as the target's (a CPU), that read is most
@@ -184,9 +184,9 @@ class Controller:
         after the target's prefill alone, and the next round grows its 32-node tree. Why each start:
         docs/notes/2026-11-23-batch-host-ram-and-planner.md. One row on a CPU whose target streams grows a fixed
         16-node tree every round instead (`fixed`): an answer of a few dozen tokens is over in a handful of rounds
-        there, before the fits have seen enough to choose better, and a mischosen round (a deep tree of a draft
-        that errs, plain decoding after unlucky trees) costs several draft calls of ~1/10 of a pass each; the
-        fixed 16 nodes measured best (docs/notes/2026-11-27-the-default-on-a-cpu.md)."""
+        there, before the fits have seen enough to choose better, and every mischosen round (a deep tree of a
+        draft that errs, plain decoding after unlucky trees) costs draft calls that are compute on a CPU; the
+        measurements behind the choice: docs/notes/2026-11-27-the-default-on-a-cpu.md."""
         B = run.rows
         if not run.gpu and run.streamed and B == 1:
             return cls(start=ONE_ROW_CPU_BUDGET, max_budget=run.max_budget, max_depth=0, fixed=True,

@@ -97,12 +97,13 @@ OVERLAP_MODEL = ModelConfig(arch="llama", vocab_size=32000, hidden_size=4096, in
 
 DEMO_PROMPT = "Write a Python function that checks whether a number is prime."
 BATCH_COMPANION = "Explain what a hash map is."   # the demo prompt's company in the batch run (2 rows in flight)
-DEMO_TREE_BUDGET = 32          # fixed for the float32 pair, so both runs build the same trees
+DEMO_TREE_BUDGET = 32          # fixed for the float32 pair (the same trees) and one bf16 run beside the default
 RANDOM_PAIR_LAYERS = 8         # the random pair's (demo_pair): with the 3-layer --gpu-budget, 7 layers stream
 DEMO_REPORT_FIELDS = ("new_tokens", "finish_reason", "seconds_per_token", "seconds_per_token_e2e", "tokens_per_pass",
                       "passes", "load_seconds", "prefill_seconds", "draft_seconds", "target_seconds", "wait_seconds",
                       "compute_seconds", "transfer_seconds", "gb_streamed", "gb_per_second", "prefetch_gb",
-                      "peak_device_gb", "peak_host_gb", "tree_budget", "offload", "weights_source", "dtype",
+                      "peak_device_gb", "peak_host_gb", "tree_budget", "tree_sizes", "offload", "weights_source",
+                      "dtype",
                       # the batch run's job report (metrics.JobReport)
                       "tokens_per_second", "rows_per_pass", "gb_streamed_per_token", "stream_gb_per_second")
 
@@ -385,6 +386,8 @@ def demo_runs(target: str, draft: str, device: torch.device, max_new_tokens: int
                              DEMO_PROMPT],
         "bfloat16_streamed": ["generate", *models, "--quiet", "--dtype", "bfloat16", *streamed(torch.bfloat16),
                               DEMO_PROMPT],
+        "bfloat16_streamed_tree32": ["generate", *models, "--quiet", "--dtype", "bfloat16",
+                                     *streamed(torch.bfloat16), *fixed_tree, DEMO_PROMPT],
         "float32_batch_streamed": ["batch", prompts_file, "-o", prompts_file + ".out", "--concurrency", "2",
                                    *models, "--dtype", "float32", *streamed(torch.float32), *fixed_tree],
     }
@@ -667,6 +670,7 @@ def demo_markdown(s: dict) -> list[str]:
     def row(name: str, run: dict) -> list:
         r = run.get("report") or {}
         return [name, run["returncode"], f(r.get("seconds_per_token"), 4), f(r.get("tokens_per_pass"), 2),
+                f(r.get("prefill_seconds")), f(r.get("draft_seconds")), f(r.get("target_seconds")),
                 f(r.get("wait_seconds")), f(r.get("transfer_seconds")),
                 f(r.get("gb_per_second") or r.get("stream_gb_per_second"), 1),
                 f(r.get("peak_device_gb"), 2), r.get("weights_source", "–")]
@@ -674,8 +678,8 @@ def demo_markdown(s: dict) -> list[str]:
              f"float32 streamed and resident tokens identical: **{s.get('float32_tokens_identical', '–')}**; the "
              f"prompt's tokens in a streamed batch of 2 and its resident run's identical: "
              f"**{s.get('float32_batch_tokens_identical', '–')}**.", "",
-             _common.markdown_table(["run", "exit", "s/token", "tokens/pass", "wait s", "transfer s", "GB/s",
-                                     "device peak GB", "weights"],
+             _common.markdown_table(["run", "exit", "s/token", "tokens/pass", "prefill s", "draft s", "target s",
+                                     "wait s", "transfer s", "GB/s", "device peak GB", "weights"],
                                     [row(name, run) for name, run in s["runs"].items()]),
              "", "Commands:", ""]
             + [f"- `{run['command']} --json R.json`" for run in s["runs"].values()])

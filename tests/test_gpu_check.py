@@ -129,7 +129,9 @@ def test_demo_section_on_tiny_checkpoints(gc, tiny_pair):
     assert result["status"] == "passed", result
     assert result["float32_tokens_identical"]
     runs = result["runs"]
-    assert set(runs) == {"float32_streamed", "float32_resident", "bfloat16_streamed", "float32_batch_streamed"}
+    assert set(runs) == {"float32_streamed", "float32_resident", "bfloat16_streamed", "bfloat16_streamed_tree32",
+                         "float32_batch_streamed"}
+    assert runs["bfloat16_streamed_tree32"]["report"]["tree_budget"] == gc.DEMO_TREE_BUDGET
     assert result["float32_batch_tokens_identical"] and result["pair"] == "given"
     batch = runs["float32_batch_streamed"]["report"]
     assert batch["rows_per_pass"] > 1 and batch["gb_streamed_per_token"] > 0

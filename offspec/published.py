@@ -381,12 +381,13 @@ def _quantize_gptq(quant: str, w: torch.Tensor, order: Optional[torch.Tensor]) -
     stored zero minus one never borrows. order: act-order, the input rows in the order they were quantized."""
     bits, group, v2 = gptq_params(quant)
     maxq, (N, K) = 2 ** bits - 1, w.shape
-    G = group or K
-    g_idx = torch.empty(K, dtype=torch.int32)
-    g_idx[torch.arange(K) if order is None else order] = (torch.arange(K) // G).to(torch.int32)
+    G, dev = group or K, w.device
+    g_idx = torch.empty(K, dtype=torch.int32, device=dev)
+    g_idx[torch.arange(K, device=dev) if order is None else order.to(dev)] = \
+        (torch.arange(K, device=dev) // G).to(torch.int32)
     W = w.float().t()                                                            # (K, N)
     n_groups = -(-K // G)
-    scales, zeros = torch.empty(n_groups, N), torch.empty(n_groups, N)
+    scales, zeros = torch.empty(n_groups, N, device=dev), torch.empty(n_groups, N, device=dev)
     for g in range(n_groups):
         rows = W[g_idx == g]
         lo, hi = rows.amin(0), rows.amax(0)
@@ -436,7 +437,7 @@ def _quantize_ct(quant: str, w: torch.Tensor) -> dict[str, torch.Tensor]:
         zero = (lo_q - torch.round(lo / scale.float())).clamp(lo_q, hi_q)
     else:
         scale = (x.abs().amax(-1).clamp(min=1e-5) / hi_q).to(scale_dtype)
-        zero = torch.zeros(N, K // G)
+        zero = torch.zeros(N, K // G, device=w.device)
     v = (torch.round(x / scale.float()[..., None]) + zero[..., None]).clamp(lo_q, hi_q).view(N, K)
     pieces = {"weight_packed": _pack_fields(v + (1 << (bits - 1)), bits, dim=1), "weight_scale": scale}
     if asym:

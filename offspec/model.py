@@ -31,6 +31,7 @@ from typing import Callable, Iterator, Optional, Protocol, Sequence, Union
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from .config import LM_HEAD_CHUNK_BYTES, ModelConfig, attention_rows
 from .kv_cache import KVCache
@@ -202,17 +203,30 @@ def attend(x: torch.Tensor, w: LayerWeights, cfg: ModelConfig, cache: KVCache, l
     q = head_norm(linear(h, w.q_proj, w.q_bias, narrow).view(N, H, hd), w.q_norm, cfg).transpose(0, 1)     # (H, N, hd)
     q = apply_rope(q, cos, sin)
     attn = torch.empty_like(q)                                                    # (H, N, hd)
+    with sdpa_kernel(SDPA_BACKENDS):
+        _attend_rows(q, attn, cache, layer, rows, H, H_kv)
+    return x + linear(attn.transpose(0, 1).reshape(N, H * hd), w.o_proj, narrow=narrow)         # (N, D)
+
+
+# Every backend but cuDNN's: it plans each new query and key length anew, and a tree pass brings new lengths on
+# nearly every call (docs/streaming.md §9).
+SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+
+
+def _attend_rows(q: torch.Tensor, attn: torch.Tensor, cache: KVCache, layer: int, rows: Sequence[RowSpan],
+                 H: int, H_kv: int) -> None:
+    """attn[:, span] = attention of each row's queries q[:, span] (H, t, hd) to its cache row's keys and values
+    under its mask, a bounded number of query rows a call. attn, q: (H, N, hd)."""
     for r in rows:
         mask = r.mask_rows(0, r.end - r.start)                                    # (t, S)
         S = mask.shape[-1]
         keys, values = cache.k[layer, r.cache_row, :, :S], cache.v[layer, r.cache_row, :, :S]   # (H_kv, S, hd)
-        step = attention_rows(H, S, x.element_size())          # query rows a call: the scores stay bounded
+        step = attention_rows(H, S, q.element_size())          # query rows a call: the scores stay bounded
         for a in range(0, r.end - r.start, step):
             span = slice(r.start + a, min(r.end, r.start + a + step))
             attn[:, span] = F.scaled_dot_product_attention(q[None, :, span], keys[None], values[None],
                                                            attn_mask=mask[None, None, a:a + step],
                                                            enable_gqa=H != H_kv)[0]
-    return x + linear(attn.transpose(0, 1).reshape(N, H * hd), w.o_proj, narrow=narrow)         # (N, D)
 
 
 # The MLP in the three steps a split ring's parts take (gate, up, down), composed by mlp for a whole layer:

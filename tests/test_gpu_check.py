@@ -286,3 +286,16 @@ def test_gpu_session_records_a_failing_part(tmp_path, monkeypatch):
     assert gs.main(["--out", str(tmp_path), "--tiny", "--device", "cpu", "--part", "drafts"]) == 1
     drafts = json.loads((tmp_path / "gpu_70b.json").read_text())["drafts"]
     assert drafts["status"] == "failed" and "the ring tore" in drafts["error"]
+
+
+def test_the_sdpa_backend_probe_runs_on_a_cpu(tmp_path, monkeypatch):
+    """scripts/devtools/sdpa_backends.py on a CPU: a row per (heads, dtype, backend, shapes), the backends a CPU
+    lacks recorded as refused, never raised."""
+    probe = load_script("sdpa_backends")
+    monkeypatch.setattr(sys, "argv", ["sdpa_backends", "--device", "cpu", "--calls", "1",
+                                      "--json", str(tmp_path / "s.json")])
+    probe.main()
+    rows = json.loads((tmp_path / "s.json").read_text())["rows"]
+    assert len(rows) == len(probe.HEADS) * 2 * len(probe.BACKENDS) * 2
+    assert all(isinstance(r["ms_per_call"], float) for r in rows if r["backend"] in ("default", "math"))
+    assert any(str(r["ms_per_call"]).startswith("refused") for r in rows if r["backend"] == "cudnn")

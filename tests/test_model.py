@@ -118,6 +118,28 @@ def test_attention_in_bounded_query_blocks_equals_one_call(tmp_path, monkeypatch
     assert plan_whole - activation_nbytes(ckpt.config, torch.float32, 20, 1024, 20) == heads * 17 * 20 * 8
 
 
+def test_attention_never_asks_for_cudnn(tmp_path, monkeypatch):
+    """Every attention call of a pass runs with cuDNN's SDPA backend off and the others on: cuDNN plans each new
+    query and key length anew, and a tree pass brings new lengths on nearly every call (docs/streaming.md §9).
+    The flags are PyTorch's global ones, so a CPU run sees what a GPU run would ask."""
+    import offspec.model as model
+    hf = make_model(hf_config("llama"), seed=5)
+    ckpt = Checkpoint(save_checkpoint(hf, tmp_path / "m"))
+    ours = load_resident(ckpt, CPU, torch.float32)
+    seen, sdpa = [], model.F.scaled_dot_product_attention
+
+    def recording(*args, **kwargs):
+        b = torch.backends.cuda
+        seen.append((b.cudnn_sdp_enabled(), b.flash_sdp_enabled(), b.mem_efficient_sdp_enabled(),
+                     b.math_sdp_enabled()))
+        return sdpa(*args, **kwargs)
+    monkeypatch.setattr(model.F, "scaled_dot_product_attention", recording)
+    tokens, pos, before = torch.arange(5), torch.arange(5), torch.backends.cuda.cudnn_sdp_enabled()
+    forward_one(ours, tokens, pos, pos, causal(5, 0), KVCache.for_model(ckpt.config, 8, torch.float32, CPU))
+    assert seen and set(seen) == {(False, True, True, True)}
+    assert torch.backends.cuda.cudnn_sdp_enabled() == before            # the caller's setting, restored after
+
+
 def test_logits_from_an_lm_head_in_chunks_equal_one_matmul(monkeypatch):
     """model.chunked_logits (an lm_head in host memory crossing a chunk at a time): the same logits as one
     matmul, with a chunk that does not divide the vocabulary; the chunk size is LM_HEAD_CHUNK_BYTES."""

@@ -21,14 +21,16 @@ class MeasuredGpu:
     layer_compute_s: (tokens in the pass, seconds) of ONE Llama-3.1-70B-shaped bf16 decoder layer (layer_params
     matrix parameters) after a 256-token prefix; other shapes scale by their parameters (a PREDICTION).
     draft_call_s: (tokens, seconds) of one call of a Llama-3.2-1B-shaped bf16 draft, the lower of two runs.
-    dequant_s_per_gb: seconds to dequantize a layer into 1 GB of dense bf16, per target quantization.
-    tests/test_costmodel.py checks these against the committed results (docs/gpu_70b*.json)."""
+    dequant_s_per_gb: seconds to dequantize a layer into 1 GB of dense bf16, per target quantization (as
+    published.short names it), measured where dequant_device says.
+    tests/test_costmodel.py checks these against the committed results (docs/gpu_70b*.json, docs/gpu/)."""
     device: str
     link_gb_per_s: float
     layer_params: int
     layer_compute_s: tuple[tuple[int, float], ...]
     draft_call_s: tuple[tuple[int, float], ...]
     dequant_s_per_gb: tuple[tuple[str, float], ...]
+    dequant_device: str
 
 
 H100 = MeasuredGpu(
@@ -36,7 +38,11 @@ H100 = MeasuredGpu(
     link_gb_per_s=53.0, layer_params=855_638_016,
     layer_compute_s=((1, 0.85e-3), (64, 0.91e-3), (256, 1.08e-3), (1024, 3.34e-3)),
     draft_call_s=((1, 12.2e-3), (64, 11.4e-3), (256, 11.0e-3), (1024, 11.5e-3)),
-    dequant_s_per_gb=(("int8", 4.75e-3 / 1.711), ("nf4", 1.06e-3 / 1.711)))
+    dequant_s_per_gb=(("int8", 4.75e-3 / 1.711), ("nf4", 1.06e-3 / 1.711),
+                      ("awq-g128", 39.64e-3 / 1.711), ("gptq-b4-g128-v2", 26.60e-3 / 1.711),
+                      ("ct-b4-g128-bf16", 18.27e-3 / 1.711), ("gguf-q4_k+q6_k", 55.28e-3 / 1.711)),
+    # the published formats on an H200 (2026-11-27), where int8 and nf4 ran within 13% of the H100's figures
+    dequant_device="an H100 (int8, nf4) and an H200 (published formats)")
 REFERENCE_GPU = H100     # the GPU whose measured components the predictions use
 
 

@@ -15,7 +15,7 @@ from typing import Optional
 
 import torch
 
-from .plan import DISK_GBPS, LINK_GBPS, Machine, MemoryPlan, predicted_pass_seconds
+from .plan import DISK_GBPS, LINK_GBPS, Machine, MemoryPlan, predicted_pass_seconds, streamed_dequant_seconds
 from .gguf_blocks import is_gguf
 from .published import describe as describe_quant, short as short_quant
 
@@ -104,9 +104,13 @@ def model_info(target, draft, plan: MemoryPlan, dtype: torch.dtype, rates: Rates
         seconds = predicted_pass_seconds(plan, rates.link_gbps, rates.disk_gbps)
         disk = plan.disk_read_bytes
         via = f"{rates.link_gbps:g} GB/s" + (f", {disk / 1e9:.2f} GB of it read at {rates.disk_gbps:g} GB/s" if disk else "")
-        overlapped = " and dequantization" if quant != "none" and not plan.placement.compact else ""
+        dequant = streamed_dequant_seconds(plan)
+        on_copies = (f", {dequant:.3f} s of it the streamed layers' dequantization after their copies (measured on "
+                     f"{REFERENCE_GPU.dequant_device})" if dequant else
+                     f"; {quant}'s dequantization is not measured yet, so not counted"
+                     if quant != "none" and not plan.placement.compact and not dequant_measured(quant) else "")
         lines.append(f"PREDICTED pass:  {seconds:.3f} s to stream {plan.streamed_bytes / 1e9:.2f} GB at {via} "
-                     f"(transfer-bound; copies{overlapped} overlap compute)")
+                     f"(transfer-bound; the copy stream overlaps compute{on_copies})")
         held = plan.placement.dequantized_in_line
         setup = GpuSetup(link_gb_per_s=plan.streamed_bytes / seconds / 1e9,
                          dequant_s_per_layer=dequant_seconds(quant, layer_bytes))
@@ -120,7 +124,8 @@ def model_info(target, draft, plan: MemoryPlan, dtype: torch.dtype, rates: Rates
     if p.dequantized_in_line:
         which = " and ".join(([f"{len(p.resident)} resident layers held {quant}"] if p.resident_held else [])
                              + ([f"the {len(p.streamed)} streamed layers of a compact ring"] if p.compact else []))
-        cost = (f"counts {dequant_seconds(quant, layer_bytes) * 1e3:.1f} ms a layer, measured on {REFERENCE_GPU.device}"
+        cost = (f"counts {dequant_seconds(quant, layer_bytes) * 1e3:.1f} ms a layer, measured on "
+                f"{REFERENCE_GPU.dequant_device}"
                 if dequant_measured(quant) else f"counts none: {quant}'s dequantization is not measured yet")
         lines.append(f"held layers:     {which}: dequantized every pass, on the compute queue (PREDICTED speed "
                      f"{cost})")

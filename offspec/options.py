@@ -7,8 +7,9 @@
 An option is a target quantization (bf16 as given, int8, nf4: a quantized target is another model, whose output
 offspec reproduces exactly) and an offload mode (none, cpu, cpu+disk, disk). Each is planned by plan.make_plan
 with the run's other settings; one that cannot fit is listed by name. Pass times are PREDICTIONS: the streamed
-bytes over the link and the disk layers' bytes over the drive (plan.predicted_pass_seconds), plus the held
-resident layers' dequantization (costmodel.dequant_seconds, measured on a GPU); a plan that streams nothing is compute-bound (0 here).
+bytes over the link, each streamed layer's dequantization after its copy and the disk layers' bytes over the
+drive (plan.predicted_pass_seconds), plus the held resident layers' dequantization (costmodel.dequant_seconds,
+measured on a GPU); a plan that streams nothing is compute-bound (0 here).
 """
 from __future__ import annotations
 

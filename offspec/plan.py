@@ -34,7 +34,7 @@ import torch
 
 from .config import (AUTO_MAX_TREE_BUDGET, LM_HEAD_CHUNK_BYTES, ModelConfig, OffloadConfig, RunLimits, RuntimeConfig,
                      attention_rows)
-from .costmodel import LINK_GB_PER_S as LINK_GBPS, PAGEABLE_GB_PER_S
+from .costmodel import LINK_GB_PER_S as LINK_GBPS, PAGEABLE_GB_PER_S, dequant_seconds
 from .errors import BudgetError, InputError
 from .layout import (BLOCK_ALIGN, LAYER_PARTS, N_STAGING, LayerLayout, arena_stride, layer_shapes, pinned_arena_layers,
                      round_up)
@@ -419,9 +419,11 @@ def place_layers(n_layers: int, layer_bytes: int, offload: OffloadConfig,
                      split_nbytes=split_nbytes)
 
 
-def best_host_layers(n_streamed: int, n_ram: int, block_nbytes: int, pinned_budget: int, staging: int) -> int:
+def best_host_layers(n_streamed: int, n_ram: int, block_nbytes: int, pinned_budget: int, staging: int,
+                     dequant_s: float = 0.0) -> int:
     """How many of n_streamed layers to hold in host RAM (at most n_ram fit), the rest read from the disk store,
-    for the shortest PREDICTED pass on a GPU (transfer_seconds at LINK_GBPS, PAGEABLE_GB_PER_S, DISK_GBPS). The
+    for the shortest PREDICTED pass on a GPU (transfer_seconds at LINK_GBPS, PAGEABLE_GB_PER_S, DISK_GBPS, the
+    layers' dequantization on the copy stream dequant_s in all). The
     arena's first layers are pinned (pinned_arena_layers, within the pinned budget less the disk staging while
     any layer is read from disk), its others pageable. A pageable RAM layer is not always better than a disk
     one: past the point where the reads hide under the copies, the drive is the cheaper place for a layer that
@@ -430,19 +432,20 @@ def best_host_layers(n_streamed: int, n_ram: int, block_nbytes: int, pinned_budg
         disk = n_streamed - n_host
         pinned = pinned_arena_layers(n_host, block_nbytes, pinned_budget - (staging if disk else 0))
         return transfer_seconds(pinned * block_nbytes, (n_host - pinned) * block_nbytes, disk * block_nbytes,
-                                LINK_GBPS, PAGEABLE_GB_PER_S, DISK_GBPS)
+                                LINK_GBPS, PAGEABLE_GB_PER_S, DISK_GBPS, dequant_s=dequant_s)
     return min(range(n_ram + 1), key=lambda n: (seconds(n), -n))
 
 
 def transfer_seconds(pinned: int, pageable: int, disk: int, link_gb_per_s: float, pageable_gb_per_s: float,
-                     disk_gb_per_s: Optional[float], disk_read: Optional[int] = None) -> float:
+                     disk_gb_per_s: Optional[float], disk_read: Optional[int] = None, dequant_s: float = 0.0) -> float:
     """PREDICTION: a pass's transfer from its bytes by tier. Pinned and disk-staged bytes cross the link at its
-    rate and pageable ones at pageable_gb_per_s, one after another on the copy stream; the drive reads disk_read
-    bytes (default: disk; the store reads whole blocks where a copy may move less of them), the reads overlapping
-    the copies:  max(copies, disk_read / drive)."""
+    rate and pageable ones at pageable_gb_per_s, one after another on the copy stream, where each quantized
+    layer's dequantization follows its copy (dequant_s in all); the drive reads disk_read bytes (default: disk;
+    the store reads whole blocks where a copy may move less of them), the reads overlapping the copies:
+    max(copies + dequant_s, disk_read / drive)."""
     copies = (pinned + disk) / link_gb_per_s + pageable / min(link_gb_per_s, pageable_gb_per_s)
     read = disk if disk_read is None else disk_read
-    return max(copies, read / disk_gb_per_s if disk_gb_per_s else 0.0) / GB
+    return max(copies / GB + dequant_s, read / disk_gb_per_s / GB if disk_gb_per_s else 0.0)
 
 
 def split_tiers(placement: Placement, n_host: int) -> Placement:
@@ -1028,8 +1031,9 @@ def _place(target: ModelSpec, offload: OffloadConfig, runtime: RuntimeConfig, ma
             room = min(room, offload.host_budget - staging)
         n_ram = max(room, 0) // arena_stride(B)
         if not shared:
+            dequant = 0.0 if placement.compact else dequant_seconds(short_quant(quant), L)
             n_ram = best_host_layers(len(placement.streamed), min(n_ram, len(placement.streamed)), B,
-                                     pinned_budget, staging)
+                                     pinned_budget, staging, len(placement.streamed) * dequant)
         placement = split_tiers(placement, n_ram)
         mode = placement.mode
         notes.append(f"{len(placement.host_layers)} streamed layers in host RAM, {len(placement.disk_layers)} read "
@@ -1126,16 +1130,27 @@ def _auto_mode(shared: bool, left: int, all_layers: int, full_arena: int, host_f
 
 def predicted_pass_seconds(plan: MemoryPlan, link_gb_per_s: float, disk_gb_per_s: Optional[float] = None,
                            pageable_gb_per_s: float = PAGEABLE_GB_PER_S) -> float:
-    """PREDICTION: the transfer time of one target pass (copies overlap compute, so this is its floor when
+    """PREDICTION: the copy stream's time in one target pass (copies overlap compute, so this is its floor when
     streaming dominates): transfer_seconds of its bytes by tier (on a GPU the arena's layers past its pinned ones
-    are pageable: the driver stages them through a bounce buffer), plus an lm_head kept in host memory, whose
-    pageable chunks cross after the layers (not overlapped)."""
+    are pageable: the driver stages them through a bounce buffer) and of the streamed layers' dequantization
+    (streamed_dequant_seconds), plus an lm_head kept in host memory, whose pageable chunks cross after the layers
+    (not overlapped)."""
     p = plan.placement
     pageable = plan.moved_by(p.host_layers[plan.pinned_layers:]) if plan.machine.kind == "cuda" else 0
     disk = plan.moved_by(p.disk_layers)
     return (transfer_seconds(plan.streamed_bytes - pageable - disk, pageable, disk, link_gb_per_s, pageable_gb_per_s,
-                             disk_gb_per_s, plan.disk_read_bytes)
+                             disk_gb_per_s, plan.disk_read_bytes, streamed_dequant_seconds(plan))
             + plan.host_head_bytes / (min(link_gb_per_s, pageable_gb_per_s) * GB))
+
+
+def streamed_dequant_seconds(plan: MemoryPlan) -> float:
+    """PREDICTION: the dequantization of a pass's streamed layers on a GPU's copy stream, each right after its
+    copy (costmodel.dequant_seconds, measured; 0 for a dense target, a CPU, or a compact ring, whose layers
+    dequantize on the compute queue instead: Placement.dequantized_in_line)."""
+    p = plan.placement
+    if plan.machine.kind != "cuda" or p.compact:
+        return 0.0
+    return len(p.streamed) * dequant_seconds(short_quant(plan.target_quant), p.layer_nbytes)
 
 
 # ---------------------------------------------------------------- formatting

@@ -475,3 +475,26 @@ def test_a_refusal_names_what_would_fit(specs):
     with pytest.raises(BudgetError) as hopeless:
         plan_for(specs, "Llama-3.1-70B-Instruct", "Llama-3.2-1B-Instruct", 4, 64)
     assert "fits" not in str(hopeless.value)
+
+
+def test_streamed_layers_dequantization_is_on_the_copy_streams_time(specs):
+    """A streamed quantized layer is dequantized on the copy stream after its copy, so the predicted pass adds
+    each streamed layer's measured dequantization; a compact ring's layers dequantize on the compute queue
+    instead (counted in line, not here), and a dense target has none."""
+    from dataclasses import replace
+    from offspec.costmodel import dequant_seconds
+    from offspec.plan import LINK_GBPS, predicted_pass_seconds, streamed_dequant_seconds
+    target, draft = specs["Llama-3.1-70B-Instruct"], specs["Llama-3.2-1B-Instruct"]
+    nf4 = replace(BF16, target_quant="nf4", draft_quant="nf4")
+    whole = make_plan(target, draft, OffloadConfig(mode="auto"), nf4, RunLimits(context=4096),
+                      Machine.given(24 * GB, 64 * GB))
+    p = whole.placement
+    assert not p.compact and len(p.streamed) > 50
+    assert streamed_dequant_seconds(whole) == pytest.approx(len(p.streamed) * dequant_seconds("nf4", p.layer_nbytes))
+    copies = whole.streamed_bytes / (LINK_GBPS * GB)
+    assert predicted_pass_seconds(whole, LINK_GBPS) == pytest.approx(copies + streamed_dequant_seconds(whole))
+    small = make_plan(target, draft, OffloadConfig(mode="auto"), nf4, RunLimits(context=4096),
+                      Machine.given(8 * GB, 64 * GB))
+    assert small.placement.compact and streamed_dequant_seconds(small) == 0.0
+    dense = plan_for(specs, "Llama-3.1-70B-Instruct", "Llama-3.2-1B-Instruct", 24, 192)
+    assert dense.target_quant == "none" and streamed_dequant_seconds(dense) == 0.0

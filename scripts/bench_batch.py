@@ -333,8 +333,9 @@ def peer_cell(target_dir, regime: str, prompt_ids: list[list[int]], B: int, args
 
 
 def agreement(a: list[int], b: list[int]) -> float:
-    n = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
-    return n / max(len(a), 1)
+    """The share of a's tokens before b first differs from it."""
+    first = bench.first_divergence(a, b)
+    return (len(a) if first is None else first) / max(len(a), 1)
 
 
 def cell_order(B) -> int:

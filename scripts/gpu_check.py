@@ -69,6 +69,7 @@ sys.path.insert(0, str(REPO / "scripts"))
 
 import _common  # noqa: E402
 from bench_stream import forward_at, make_inputs, prefill, settle  # noqa: E402
+from offspec.bench import first_divergence  # noqa: E402
 from offspec.config import ModelConfig, OffloadConfig  # noqa: E402
 from offspec.doctor import measure_bandwidth  # noqa: E402
 from offspec.kv_cache import KVCache  # noqa: E402
@@ -399,11 +400,6 @@ def batch_tokens(results_file: str) -> dict[str, list[int]]:
     return {r["id"]: r["tokens"] for r in map(json.loads, lines)}
 
 
-def first_difference(a: list[int], b: list[int]) -> Optional[int]:
-    """The first index where two token lists differ (a length difference counts), or None."""
-    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None if len(a) == len(b) else min(len(a), len(b)))
-
-
 def demo_section(args, device: torch.device, run: Callable[..., CliRun] = run_cli) -> dict:
     runs, reports, problems = {}, {}, []
     with tempfile.TemporaryDirectory() as tmp:
@@ -432,13 +428,13 @@ def demo_section(args, device: torch.device, run: Callable[..., CliRun] = run_cl
     out = {"target": target, "draft": draft, "pair": pair, "prompt": DEMO_PROMPT, "runs": runs}
     streamed, resident = reports.get("float32_streamed"), reports.get("float32_resident")
     if streamed and resident:
-        first = first_difference(streamed["tokens"], resident["tokens"])
+        first = first_divergence(streamed["tokens"], resident["tokens"])
         out["float32_tokens_identical"] = first is None
         if first is not None:
             out["float32_first_difference"] = first
             problems.append(f"float32 streamed and resident tokens differ from token {first} on")
     if resident and "float32_batch_streamed" in reports:
-        first = first_difference(batched.get("demo", []), resident["tokens"])
+        first = first_divergence(batched.get("demo", []), resident["tokens"])
         out["float32_batch_tokens_identical"] = first is None
         if first is not None:
             out["float32_batch_first_difference"] = first

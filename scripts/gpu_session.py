@@ -15,7 +15,9 @@ Parts, in order, each in its own process with its own time limit (a hang or a cr
   dequant  the dequantization of one 70B layer on the GPU, for every layer format offspec streams: int8 and nf4
            (nf4 where bitsandbytes imports), and the published ones read as they are: AWQ g128, GPTQ 4-bit g128,
            compressed-tensors int4 g128 and GGUF Q4_K_M (Q4_K, Q6_K for v and down; random blocks); the block's
-           bytes against the dense layer's (costmodel.dequant_s_per_gb takes these)
+           bytes against the dense layer's (costmodel.dequant_s_per_gb takes these). The published ones also at
+           larger chunks than offspec's (CHUNKS), with the host's time to issue a call beside the device's: where
+           they are close, per-kernel dispatch sets the pace
 OUT/gpu_70b.json holds the parts' results (rewritten after every row); OUT/gpu_70b.md renders them.
 
 Examples:
@@ -30,6 +32,7 @@ it those are skipped, with the reason. $OFFSPEC_COMMIT names the commit where th
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import subprocess
@@ -37,6 +40,7 @@ import sys
 import time
 import traceback
 from pathlib import Path
+from typing import Optional
 
 import torch
 
@@ -54,6 +58,7 @@ from offspec.model import Model  # noqa: E402
 from offspec.plan import LayerPlan, layer_nbytes  # noqa: E402
 
 PARTS = ("check", "pass70b", "drafts", "dequant")
+CHUNKS = (None, 1 << 24, 1 << 26)   # the published formats' dequantization, timed at offspec's chunk and larger ones
 PART_LIMIT_S = {"check": 260, "pass70b": 150, "drafts": 60, "dequant": 90}   # 560 s in all
 WIDTHS = (1, 64, 256, 1024)
 
@@ -156,6 +161,31 @@ def dequant_quants(cfg: ModelConfig) -> tuple[str, ...]:
     return ("int8", "nf4", f"awq-g{group}", f"gptq-b4-g{group}-v2", f"ct-b4-g{group}-bf16") + gguf
 
 
+@contextlib.contextmanager
+def chunk_elements(n: Optional[int]):
+    """The published and GGUF formats dequantize `n` weights a chunk on a GPU (None: as offspec does)."""
+    from offspec import gguf_blocks, published
+    before = published.DEQUANT_ELEMENTS, dict(gguf_blocks.DEQUANT_ELEMENTS)
+    if n is not None:
+        published.DEQUANT_ELEMENTS, gguf_blocks.DEQUANT_ELEMENTS["cuda"] = n, n
+    try:
+        yield
+    finally:
+        published.DEQUANT_ELEMENTS, gguf_blocks.DEQUANT_ELEMENTS = before
+
+
+def time_dequant(layout, block: torch.Tensor, dense: torch.Tensor, device: torch.device, calls: int) -> dict:
+    """Seconds a call on the device (Timer) and to issue it from the host (before the device finishes): where
+    the two are close, the host's per-kernel dispatch sets the pace, not the device."""
+    layout.dequantize(block, dense)                                               # warm-up
+    with Timer(device) as timer:
+        start = time.perf_counter()
+        for _ in range(calls):
+            layout.dequantize(block, dense)
+        issued = time.perf_counter() - start
+    return {"seconds": timer.seconds / calls, "issue_seconds": issued / calls}
+
+
 def dequant_part(args, device: torch.device, results: Results) -> None:
     from offspec.errors import InputError
     from offspec.published import is_published, short
@@ -173,14 +203,14 @@ def dequant_part(args, device: torch.device, results: Results) -> None:
         except InputError as err:                  # nf4 without bitsandbytes
             results.add_row("dequant", {"quant": quant, "skipped": str(err)})
             continue
+        chunks = CHUNKS if is_published(quant) else (None,)
         quant = short(quant) if is_published(quant) else quant
         dense = torch.empty(layout.dense.nbytes, dtype=torch.uint8, device=device)   # (dense nbytes,)
-        layout.dequantize(block, dense)                                               # warm-up
-        with Timer(device) as timer:
-            for _ in range(args.passes * 3):
-                layout.dequantize(block, dense)
-        results.add_row("dequant", {"quant": quant, "seconds": timer.seconds / (args.passes * 3),
-                                    "block_bytes": layout.nbytes, "dense_bytes": layout.dense.nbytes})
+        for chunk in chunks:
+            with chunk_elements(chunk):
+                timed = time_dequant(layout, block, dense, device, args.passes * 3)
+            results.add_row("dequant", {"quant": quant, **timed, "chunk": chunk, "block_bytes": layout.nbytes,
+                                        "dense_bytes": layout.dense.nbytes})
         del block, dense
 
 
@@ -288,8 +318,9 @@ def render(data: dict) -> str:
                             "yes" if r["logits_equal"] else "**no**"] for r in p["rows"]]), ""]
     for part, heads, cells in (
             ("drafts", ["draft", "tokens", "call ms"], lambda r: [r["draft"], r["tokens"], f(r["call_s"] * 1e3, 2)]),
-            ("dequant", ["quant", "ms per layer", "block GB", "dense GB"],
-             lambda r: [r["quant"], r.get("skipped") or f(r["seconds"] * 1e3, 2),
+            ("dequant", ["quant", "chunk (weights)", "ms per layer", "ms to issue", "block GB", "dense GB"],
+             lambda r: [r["quant"], r.get("chunk") or "offspec's", r.get("skipped") or f(r["seconds"] * 1e3, 2),
+                        f(r["issue_seconds"] * 1e3, 2) if "issue_seconds" in r else "–",
                         f(r.get("block_bytes", 0) / 1e9, 3), f(r.get("dense_bytes", 0) / 1e9, 3)])):
         d = data.get(part)
         if d:

@@ -273,6 +273,10 @@ def test_gpu_session_parts_run_on_a_cpu_with_tiny_shapes(tmp_path):
     timed = {r["quant"]: r for r in data["dequant"]["rows"] if "seconds" in r}
     assert {"int8", "awq-g128", "gptq-b4-g128-v2", "ct-b4-g128-bf16", "gguf-q4_k+q6_k"} <= set(timed)
     assert all(r["block_bytes"] < r["dense_bytes"] for r in timed.values())
+    chunks = {r["chunk"] for r in data["dequant"]["rows"] if r["quant"] == "awq-g128"}
+    assert chunks == set(gs.CHUNKS) and all(r["issue_seconds"] > 0 for r in data["dequant"]["rows"])
+    from offspec import gguf_blocks, published
+    assert published.DEQUANT_ELEMENTS == 1 << 22 and gguf_blocks.DEQUANT_ELEMENTS["cuda"] == 1 << 22   # restored
     text = (tmp_path / "gpu_70b.md").read_text()
     assert "## pass70b" in text and "## drafts" in text and "## dequant" in text
 

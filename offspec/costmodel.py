@@ -41,7 +41,7 @@ H100 = MeasuredGpu(
     dequant_s_per_gb=(("int8", 4.75e-3 / 1.711), ("nf4", 1.06e-3 / 1.711),
                       ("awq-g128", 39.64e-3 / 1.711), ("gptq-b4-g128-v2", 26.60e-3 / 1.711),
                       ("ct-b4-g128-bf16", 18.27e-3 / 1.711), ("gguf-q4_k+q6_k", 55.28e-3 / 1.711)),
-    # the published formats on an H200 (2026-11-27), where int8 and nf4 ran within 13% of the H100's figures
+    # the published formats measured on an H200: docs/notes/2026-11-27-h200-session.md
     dequant_device="an H100 (int8, nf4) and an H200 (published formats)")
 REFERENCE_GPU = H100     # the GPU whose measured components the predictions use
 

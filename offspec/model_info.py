@@ -104,11 +104,12 @@ def model_info(target, draft, plan: MemoryPlan, dtype: torch.dtype, rates: Rates
         seconds = predicted_pass_seconds(plan, rates.link_gbps, rates.disk_gbps)
         disk = plan.disk_read_bytes
         via = f"{rates.link_gbps:g} GB/s" + (f", {disk / 1e9:.2f} GB of it read at {rates.disk_gbps:g} GB/s" if disk else "")
-        dequant = streamed_dequant_seconds(plan)
-        on_copies = (f", {dequant:.3f} s of it the streamed layers' dequantization after their copies (measured on "
-                     f"{REFERENCE_GPU.dequant_device})" if dequant else
-                     f"; {quant}'s dequantization is not measured yet, so not counted"
-                     if quant != "none" and not plan.placement.compact and not dequant_measured(quant) else "")
+        dequant, on_copies = streamed_dequant_seconds(plan), ""
+        if dequant:
+            on_copies = (f", {dequant:.3f} s of it the streamed layers' dequantization after their copies "
+                         f"(measured on {REFERENCE_GPU.dequant_device})")
+        elif quant != "none" and not plan.placement.compact and not dequant_measured(quant):
+            on_copies = f"; {quant}'s dequantization is not measured yet, so not counted"
         lines.append(f"PREDICTED pass:  {seconds:.3f} s to stream {plan.streamed_bytes / 1e9:.2f} GB at {via} "
                      f"(transfer-bound; the copy stream overlaps compute{on_copies})")
         held = plan.placement.dequantized_in_line

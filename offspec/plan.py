@@ -1031,9 +1031,8 @@ def _place(target: ModelSpec, offload: OffloadConfig, runtime: RuntimeConfig, ma
             room = min(room, offload.host_budget - staging)
         n_ram = max(room, 0) // arena_stride(B)
         if not shared:
-            dequant = 0.0 if placement.compact else dequant_seconds(short_quant(quant), L)
             n_ram = best_host_layers(len(placement.streamed), min(n_ram, len(placement.streamed)), B,
-                                     pinned_budget, staging, len(placement.streamed) * dequant)
+                                     pinned_budget, staging, copy_stream_dequant_seconds(placement, quant))
         placement = split_tiers(placement, n_ram)
         mode = placement.mode
         notes.append(f"{len(placement.host_layers)} streamed layers in host RAM, {len(placement.disk_layers)} read "
@@ -1147,10 +1146,15 @@ def streamed_dequant_seconds(plan: MemoryPlan) -> float:
     """PREDICTION: the dequantization of a pass's streamed layers on a GPU's copy stream, each right after its
     copy (costmodel.dequant_seconds, measured; 0 for a dense target, a CPU, or a compact ring, whose layers
     dequantize on the compute queue instead: Placement.dequantized_in_line)."""
-    p = plan.placement
-    if plan.machine.kind != "cuda" or p.compact:
+    return copy_stream_dequant_seconds(plan.placement, plan.target_quant) if plan.machine.kind == "cuda" else 0.0
+
+
+def copy_stream_dequant_seconds(placement: Placement, quant: str) -> float:
+    """PREDICTION: a GPU's dequantization of `placement`'s streamed layers, stored in `quant`, on the copy stream
+    (0 for a compact ring's, which dequantize on the compute queue)."""
+    if placement.compact:
         return 0.0
-    return len(p.streamed) * dequant_seconds(short_quant(plan.target_quant), p.layer_nbytes)
+    return len(placement.streamed) * dequant_seconds(short_quant(quant), placement.layer_nbytes)
 
 
 # ---------------------------------------------------------------- formatting

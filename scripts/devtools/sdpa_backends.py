@@ -11,15 +11,19 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import sys
 import time
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))   # offspec
+from offspec.model import SDPA_BACKENDS  # noqa: E402
+
 HEADS = {"tiny": (4, 2, 16), "70B": (64, 8, 128)}     # (query heads, KV heads, head dim)
-BACKENDS = {"default": None, "no-cudnn": [SDPBackend.EFFICIENT_ATTENTION, SDPBackend.FLASH_ATTENTION,
-                                          SDPBackend.MATH],
+BACKENDS = {"default": None, "no-cudnn": SDPA_BACKENDS,   # offspec's own choice (model.attend)
             "cudnn": [SDPBackend.CUDNN_ATTENTION], "efficient": [SDPBackend.EFFICIENT_ATTENTION],
             "math": [SDPBackend.MATH]}
 

@@ -239,7 +239,8 @@ class Controller:
         prompt in the target and the draft, counts its trees' values but not its seconds, since the prefill's cost
         is not a tree's); its growth calls refine t_draft, its catch-up e (counted even in a round that prefilled:
         the draft's prefill is the catch-up, timed on its own); with every row growing a tree, its seconds and
-        yield are checked against the model's prediction for those trees (miss). The rows' backlogs and tokens
+        yield are checked against the model's prediction for those trees (miss; a row whose last token left it no
+        tree yields its one token, as the model has it). The rows' backlogs and tokens
         left say what a switch from plain decoding back to trees would cost, and what it is spread over. A round
         without trees (every budget 0: plain decoding was the better deal) still refines t_target, and the
         choice is made again from the rows' last trees, so trees come back when they pay again. Then the finished
@@ -255,7 +256,7 @@ class Controller:
             self.drafts.append((max(calls, 1), nodes, max(deepest, 1), size, r.draft_seconds))
         if r.catch_up is not None and r.catch_up[0] > 0:
             self.catch_ups.append(r.catch_up)
-        if r.yielded and r.timed and grown and len(grown) == len(r.trees):
+        if r.yielded and r.timed and grown and all(row in grown or row in r.capped for row in r.trees):
             self._check_model(r, grown, size, deepest)
         self.behind.update(r.behind)
         self.left.update(r.left)

@@ -42,6 +42,17 @@ def groups_of(rows: list[dict]) -> dict[tuple, list[dict]]:
     return {k: list(groups[k].values()) for k in sorted(groups, key=lambda k: (order.get(k[0], 2), k[1], k[2]))}
 
 
+def group_checks(rows_by_file: list[list[dict]]) -> dict[tuple, dict]:
+    """Each group's float32 rechecks {prompt id: check row}, from the rows files holding the group's timing rows: a
+    recheck row names its prompt alone, and groups of two regimes share their prompts' ids."""
+    checks: dict[tuple, dict] = {}
+    for rows in rows_by_file:
+        found = {r["id"]: r for r in rows if r.get("kind") == bench_peers.FP32_CHECK}
+        for key in groups_of(rows):
+            checks.setdefault(key, {}).update(found)
+    return checks
+
+
 def group_title(key: tuple) -> str:
     regime, prompt_set, gpu = key
     return f"{'cold disk' if regime == 'disk' else 'host RAM'}, {prompt_set}" + (f", {gpu}" if gpu else "")
@@ -129,13 +140,13 @@ HEADER = ("| group | system | s/token [95% CI] | speedup over hf-assisted | spee
           "same tokens as none |\n|---|---|---|---|---|---|---|")
 
 
-def render(rows: list[dict], files: list[str]) -> tuple[str, str]:
-    """(the docs section, the README block)."""
-    checks = {r["id"]: r for r in rows if r.get("kind") == bench_peers.FP32_CHECK}
-    groups = groups_of(rows)
+def render(rows_by_file: list[list[dict]], files: list[str]) -> tuple[str, str]:
+    """(the docs section, the README block) from each rows file's rows."""
+    groups = groups_of([r for rows in rows_by_file for r in rows])
+    checks = group_checks(rows_by_file)
     table, notes, headline = [HEADER], [], []
     for key, group in groups.items():
-        lines, facts = group_table(key, group, checks)
+        lines, facts = group_table(key, group, checks.get(key, {}))
         table += lines
         check = facts["check"]
         judged = ("" if check is None else
@@ -208,12 +219,12 @@ def main(argv=None) -> int:
     p.add_argument("--write-docs", action="store_true",
                    help="write the bench_peers section of docs/benchmarks.md and README.md's benchmark block")
     args = p.parse_args(argv)
-    rows = [r for f in args.rows for r in bench.read_rows(f)]
-    if not groups_of(rows):
+    rows_by_file = [bench.read_rows(f) for f in args.rows]
+    if not groups_of([r for rows in rows_by_file for r in rows]):
         p.error(f"{', '.join(args.rows)} hold no timing rows")
     files = [str(Path(f).resolve().relative_to(ROOT)) if Path(f).resolve().is_relative_to(ROOT) else f
              for f in args.rows]
-    section, readme = render(rows, files)
+    section, readme = render(rows_by_file, files)
     sweep = [r for f in args.sweep for r in bench.read_rows(f) if r.get("kind") == "sweep"]
     sweep_text = sweep_section(sweep, args.sweep) if sweep else None
     print(section + (f"\n\n{sweep_text}" if sweep_text else ""))

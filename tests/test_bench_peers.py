@@ -60,7 +60,7 @@ def test_every_system_on_every_prompt_identical_resumable_and_rendered(bp, rende
         run(bp, checkpoints, rows_file, "--repeats", "1")
     assert "other settings (repeats)" in capsys.readouterr().err
 
-    section, readme = render.render(rows, ["rows.jsonl"])
+    section, readme = render.render([rows], ["rows.jsonl"])
     assert "| host RAM, chat | default |" in section and "2/2 identical" in section
     assert "Default against the best fixed policy here" in section
     assert "| host RAM, chat |" in readme and "render_peers.py --rows rows.jsonl" in readme
@@ -95,6 +95,25 @@ def test_a_bf16_rows_file_with_rechecks_resumes(bp, checkpoints, tmp_path):
         f.write(json.dumps({"kind": bp.FP32_CHECK, "id": "elsewhere", "checked_tokens": 1, "systems": {}}) + "\n")
     assert run(bp, checkpoints, rows_file, "--dtype", "bfloat16", "--systems", "none,default") == first
     assert len(rows_file.read_text().splitlines()) == len(lines) + 1
+
+
+def test_a_groups_rechecks_come_from_its_own_rows_file(render, bp):
+    """Two regimes share their prompts' ids: the cold-disk group's float32 recheck of a prompt is not replaced by
+    the host-RAM file's recheck of the same prompt (which covers another system)."""
+    def files(regime, differs):
+        tokens = {name: [1, 2, 3] for name in ("none", "default", "chain-8")}
+        tokens[differs] = [1, 9, 3]
+        timing = {"id": "p", "regime": regime, "prompt_set": "chat", "temperature": 0.0,
+                  "settings": {"dtype": "bfloat16"}, "systems": {n: {"tokens": t} for n, t in tokens.items()}}
+        check = {"kind": bp.FP32_CHECK, "id": "p", "checked_tokens": 2,
+                 "systems": {differs: "identical", "none": "identical"}}
+        return [timing, check]
+
+    checks = render.group_checks([files("disk", "default"), files("cpu", "chain-8")])
+    disk, cpu = (next(r for r in rows if "systems" in r and "kind" not in r)
+                 for rows in (files("disk", "default"), files("cpu", "chain-8")))
+    assert bp.verdict(disk, checks[("disk", "chat", "")], fp32_run=False) == "rounding"
+    assert bp.verdict(cpu, checks[("cpu", "chat", "")], fp32_run=False) == "rounding"
 
 
 def test_default_check_names_the_best_fixed_policy(render):

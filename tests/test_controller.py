@@ -262,19 +262,25 @@ def test_a_catch_up_that_read_a_backlog_counts_one_token_a_row_against_the_trees
     """The first tree round after plain rounds feeds the drafts' backlogs (40 tokens for 2 rows, 0.4 s): checked
     against the model with its catch-up counted as one token a row; the rest of that read is the switch's cost,
     charged apart (_switch_cost), not a tree's. A round where only some rows grew a tree is not checked: one row's
-    tree among plain rows says little of what every row's would do."""
-    def after_a_round(trees, catch_up, yielded=2):
+    tree among plain rows says little of what every row's would do. A row left no tree by its last token (capped)
+    is not plain decoding: its round is checked, the row's one token counted as the model counts it."""
+    def after_a_round(trees, catch_up, yielded=2, capped=frozenset()):
         p = two_rows()                                            # c1 = e = 0.01 s
         # the model: 1 + 0.01 (nodes) + 0.01 (2 roots) s for 2 + the values' tokens
         nodes = sum(t.size for t in trees.values())
         p.observe(RoundRecord(trees, draft_seconds=0.01 * nodes, target_seconds=1.0, pass_tokens=2 + nodes, draft_calls=2,
-                  draft_nodes=nodes, catch_up=catch_up, yielded=yielded))
+                  draft_nodes=nodes, catch_up=catch_up, yielded=yielded, capped=capped))
         return p
     both = {r: chain([0.6, 0.2]) for r in ("a", "b")}
     # 1.06 s for 3.6 tokens predicted; 1.06 s measured once 38 of the 40 tokens are taken out at e = 0.01
     assert abs(after_a_round(both, catch_up=(40, 0.4)).miss() - 1.8) < 1e-9
     assert abs(after_a_round(both, catch_up=(2, 0.02)).miss() - 1.8) < 1e-9
-    assert not after_a_round({"a": chain([0.6, 0.2]), "b": TokenTree.root_only(0)}, catch_up=(2, 0.02)).misses
+    one_tree = {"a": chain([0.6, 0.2]), "b": TokenTree.root_only(0)}
+    assert not after_a_round(one_tree, catch_up=(2, 0.02)).misses
+    # b's last token: 1 + 0.02 (2 nodes) + 0.02 (2 roots) = 1.04 s predicted for 2 + 0.8 tokens, 1.04 s measured
+    # for 2 tokens: miss = 2.8 / 2
+    last = after_a_round(one_tree, catch_up=(2, 0.02), capped=frozenset({"b"}))
+    assert len(last.misses) == 1 and abs(last.miss() - 1.4) < 1e-9
 
 
 def test_the_miss_ratio_weighs_lucky_and_unlucky_rounds_alike():

@@ -19,7 +19,7 @@ cache, R in --rows, median of --calls calls:
                   OpenMP thread team kept competing with the draft's (transfer.CpuBackend.copy_bytes)
 
 Example:
-  python scripts/bench_draft.py --write-docs
+  python scripts/devtools/bench_draft.py --write-docs      # the table into its block of its notes entry (NOTES)
 """
 from __future__ import annotations
 
@@ -32,7 +32,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path[:0] = [str(Path(__file__).resolve().parents[2]), str(Path(__file__).resolve().parents[1])]   # this checkout's offspec, scripts/
 import _common  # noqa: E402
 from offspec.checkpoint import Checkpoint  # noqa: E402
 from offspec.config import OffloadConfig, RuntimeConfig  # noqa: E402
@@ -45,6 +45,7 @@ from offspec.plan import LayerPlan, ModelSpec, draft_weights_nbytes, int8_copy_n
 from offspec.transfer import CpuBackend  # noqa: E402
 
 SECTION = "bench_draft"
+NOTES = _common.REPO / "docs" / "notes" / "2026-11-26-draft-int8-copy.md"   # where --write-docs writes
 CPU = torch.device("cpu")
 
 
@@ -106,7 +107,7 @@ def main() -> int:
                    help="skip the settings with a live target streamer (they load the 1.5B target)")
     p.add_argument("--no-held", dest="held", action="store_false",
                    help="skip the drafts held quantized (int8-held, nf4: --draft-quant)")
-    p.add_argument("--write-docs", action="store_true", help="replace the bench_draft section of docs/benchmarks.md")
+    p.add_argument("--write-docs", action="store_true", help="replace the table's block (bench_draft) in its notes entry (NOTES)")
     args = p.parse_args()
     if args.sequences < 1:
         p.error("--sequences must be at least 1")
@@ -141,14 +142,14 @@ def main() -> int:
     print(_common.text_table(headers, table_rows))
     if args.write_docs:
         body = "\n".join([
-            "## One draft call, by rows (`scripts/bench_draft.py`)",
+            "## One draft call, by rows (`scripts/devtools/bench_draft.py`)",
             _common.run_header(CPU, started, load_at_start),
             f"Seconds per call of the demo draft (Qwen2.5-Coder-0.5B, {args.dtype}), median of {args.calls}, "
             f"after {args.context} cached tokens"
             + (f", each call's rows split among {args.sequences} sequences" if args.sequences > 1 else "")
             + ". A tree round makes one such call per depth.", "",
             _common.markdown_table(headers, table_rows)])
-        _common.write_doc_section(SECTION, body)
+        _common.write_doc_section(SECTION, body, path=NOTES)
     return 0
 
 

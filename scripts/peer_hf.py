@@ -321,7 +321,8 @@ def main(argv=None) -> int:
                               AutoTokenizer.from_pretrained(str(target_dir)))
     extra = {"kind": SWEEP_KIND, "regime": args.regime, "prompt_set": args.prompt_set,
              "settings": {"dtype": args.dtype, "cold": args.cold, "device": args.device.type,
-                          "new_tokens": args.new_tokens, "repeats": args.repeats}}
+                          "new_tokens": args.new_tokens, "repeats": args.repeats},
+             "command": _common.command_line()}
     old = [r for r in bench.read_rows(args.rows) if r.get("kind") == SWEEP_KIND and r["regime"] == args.regime
            and r["prompt_set"] == args.prompt_set]
     tmp = tempfile.mkdtemp(prefix="peer-sweep-")

@@ -17,6 +17,7 @@ import argparse
 import statistics
 import sys
 from pathlib import Path
+from typing import Sequence
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -140,8 +141,9 @@ HEADER = ("| group | system | s/token [95% CI] | speedup over hf-assisted | spee
           "same tokens as none |\n|---|---|---|---|---|---|---|")
 
 
-def render(rows_by_file: list[list[dict]], files: list[str]) -> tuple[str, str]:
-    """(the docs section, the README block) from each rows file's rows."""
+def render(rows_by_file: list[list[dict]], files: list[str], sweep_files: Sequence[str] = ()) -> tuple[str, str]:
+    """(the docs section, the README block) from each rows file's rows; sweep_files: the sweep's rows files,
+    named in the rendering command."""
     groups = groups_of([r for rows in rows_by_file for r in rows])
     checks = group_checks(rows_by_file)
     table, notes, headline = [HEADER], [], []
@@ -163,7 +165,8 @@ def render(rows_by_file: list[list[dict]], files: list[str]) -> tuple[str, str]:
                             f"{_stats.fmt_ci(facts['vs_peer']['speedup'], 2, 'ratio', 'x')} | "
                             f"{_stats.fmt_ci(facts['default']['speedup'], 2, 'ratio', 'x')} |")
     s0 = next(iter(groups.values()))[0]["settings"]
-    command = f"python scripts/render_peers.py --rows {' '.join(files)} --write-docs"
+    sweep = f" --sweep {' '.join(sweep_files)}" if sweep_files else ""
+    command = f"python scripts/render_peers.py --rows {' '.join(files)}{sweep} --write-docs"
     section = "\n".join([
         "## offspec against transformers + accelerate, and against its own ablations (`scripts/bench_peers.py`)", "",
         "Each row: one system over the group's prompts, greedy, at most "
@@ -186,10 +189,25 @@ def render(rows_by_file: list[list[dict]], files: list[str]) -> tuple[str, str]:
     return section, readme
 
 
-def sweep_section(rows: list[dict], files: list[str]) -> str:
-    """The peer's sweep: each setting's median s/token [95% CI] per (regime, prompt set), the best in bold."""
+def sweep_command(rows: list[dict], path: str) -> str:
+    """The command that makes one sweep rows file: as its rows stored it, or, for rows made before they stored
+    one (by the earlier bench_peers.py), peer_hf.py's at the settings the rows record."""
+    stored = {_common.relative_command(r["command"]) for r in rows if "command" in r}
+    if stored:
+        return "\n".join(sorted(stored))
+    r, prompts = rows[0], len({x["id"] for x in rows})
+    options = [f"--regime {r['regime']}", f"--prompt-set {r['prompt_set']}", f"--prompts {prompts}"]
+    options += [f"--new-tokens {r['new_tokens']}"] * (r["new_tokens"] != 64)
+    options += [f"--repeats {r['settings']['repeats']}"] * (r["settings"].get("repeats", 1) != 1)
+    return " ".join(["python scripts/peer_hf.py", *options, f"--rows {path}"])
+
+
+def sweep_section(rows_by_file: list[list[dict]], files: list[str]) -> str:
+    """The peer's sweep: each setting's median s/token [95% CI] per (regime, prompt set), the best in bold; then
+    the command that makes each file."""
     import peer_hf
 
+    rows = [r for file_rows in rows_by_file for r in file_rows]
     keys = sorted({(r["regime"], r["prompt_set"]) for r in rows}, key=lambda k: ({"disk": 0}.get(k[0], 1), k[1]))
     best = {k: peer_hf.best_setting(rows, *k) for k in keys}
     head = ["| hf-assisted setting | " + " | ".join(f"{group_title((*k, ''))} ({best[k]['prompts']} prompt{'s' * (best[k]['prompts'] != 1)})"
@@ -208,8 +226,16 @@ def sweep_section(rows: list[dict], files: list[str]) -> str:
         "## The peer's own sweep: hf-assisted settings (`scripts/peer_hf.py`)", "",
         "Median s/token [95% CI] of transformers' assisted generation under each setting, on calibration prompts "
         "kept apart from the measured ones (from the 33rd of each set on), greedy, up to "
-        f"{' or '.join(map(str, tokens))} new tokens; the best (bold) is what hf-assisted runs above.",
+        f"{' or '.join(map(str, tokens))} new tokens; the best (bold) is what hf-assisted runs above.", "",
+        "Measured by (where a file's rows predate storing their command, the command rebuilt from their settings):", "```",
+        *(sweep_command(r, f) for r, f in zip(rows_by_file, files) if r), "```",
         _common.measured_line(rows), "", *head, *lines])
+
+
+def relative(path: str) -> str:
+    """A rows file's path as the page names it: from the repository root when it lies inside."""
+    resolved = Path(path).resolve()
+    return str(resolved.relative_to(ROOT)) if resolved.is_relative_to(ROOT) else path
 
 
 def main(argv=None) -> int:
@@ -222,11 +248,9 @@ def main(argv=None) -> int:
     rows_by_file = [bench.read_rows(f) for f in args.rows]
     if not groups_of([r for rows in rows_by_file for r in rows]):
         p.error(f"{', '.join(args.rows)} hold no timing rows")
-    files = [str(Path(f).resolve().relative_to(ROOT)) if Path(f).resolve().is_relative_to(ROOT) else f
-             for f in args.rows]
-    section, readme = render(rows_by_file, files)
-    sweep = [r for f in args.sweep for r in bench.read_rows(f) if r.get("kind") == "sweep"]
-    sweep_text = sweep_section(sweep, args.sweep) if sweep else None
+    section, readme = render(rows_by_file, [relative(f) for f in args.rows], [relative(f) for f in args.sweep])
+    sweep = [[r for r in bench.read_rows(f) if r.get("kind") == "sweep"] for f in args.sweep]
+    sweep_text = sweep_section(sweep, [relative(f) for f in args.sweep]) if any(sweep) else None
     print(section + (f"\n\n{sweep_text}" if sweep_text else ""))
     if args.write_docs:
         _common.write_doc_section("bench_peers", section)

@@ -116,6 +116,21 @@ def test_a_groups_rechecks_come_from_its_own_rows_file(render, bp):
     assert bp.verdict(cpu, checks[("cpu", "chat", "")], fp32_run=False) == "rounding"
 
 
+def test_each_sweep_file_names_the_command_that_makes_it(render):
+    """The sweep table says how each of its files is made: the command its rows stored, else peer_hf.py's at the
+    settings its rows record (the defaults left out)."""
+    def row(pid, new_tokens, repeats, command=None):
+        r = {"kind": "sweep", "id": pid, "regime": "disk", "prompt_set": "chat", "new_tokens": new_tokens,
+             "settings": {"repeats": repeats}}
+        return r if command is None else {**r, "command": command}
+
+    old = [row(f"mtbench/{k}", 128, 3) for k in (85, 95)]
+    assert render.sweep_command(old, "s.jsonl") == ("python scripts/peer_hf.py --regime disk --prompt-set chat "
+                                                    "--prompts 2 --new-tokens 128 --repeats 3 --rows s.jsonl")
+    stored = [row("mtbench/85", 64, 1, command=f"python {render.ROOT}/scripts/peer_hf.py --regime disk")]
+    assert render.sweep_command(stored, "s.jsonl") == "python scripts/peer_hf.py --regime disk"
+
+
 def test_default_check_names_the_best_fixed_policy(render):
     def row(pid, default, chain, dyspec):
         return {"id": pid, "systems": {"default": {"seconds_per_token": default}, "none": {"seconds_per_token": 1.0},

@@ -47,6 +47,7 @@ import peer_hf  # noqa: E402
 
 from offspec import bench  # noqa: E402
 from offspec.config import OffloadConfig, SamplingConfig, TreeConfig  # noqa: E402
+from offspec.errors import InputError  # noqa: E402
 
 PEERS = ("hf-assisted", "hf-plain")
 SYSTEMS = ("hf-assisted", bench.DEFAULT, bench.PLAIN, *bench.ABLATIONS)
@@ -126,14 +127,13 @@ def main(argv=None) -> int:
     bench.check_appendable(args.rows)
     if args.fresh and Path(args.rows).exists():
         os.replace(args.rows, args.rows + ".bak")
-    old = timing_rows(bench.read_rows(args.rows))
-    other = sorted({k for r in old for k in settings if r.get("settings", {}).get(k) != settings[k]})
-    if other:
-        p.error(f"{args.rows} holds rows measured with other settings ({', '.join(other)}): pass the same "
-                "settings, --fresh, or another --rows file")
     models = Models.open(target_dir, draft_dir)
     prompts = peer_hf.encoded_prompts(args.prompt_set, args.prompts, args.prompt_offset, models.tokenizer)
-    done = {bench.row_key(r) for r in old if set(args.systems) <= set(r["systems"])}
+    try:
+        reusable = bench.resumed_rows(args.rows, prompts, args.systems, [0.0], 0, settings)
+    except InputError as e:
+        p.error(f"{e} (or --fresh)")
+    done = {bench.row_key(r) for r in reusable}
     extra = {"regime": args.regime, "prompt_set": args.prompt_set, "settings": settings,
              "command": _common.command_line()}
     if any((pid, None, 0.0) not in done for pid, _ in prompts):

@@ -59,6 +59,12 @@ def test_every_system_on_every_prompt_identical_resumable_and_rendered(bp, rende
     with pytest.raises(SystemExit):
         run(bp, checkpoints, rows_file, "--repeats", "1")
     assert "other settings (repeats)" in capsys.readouterr().err
+    # A row measured on other prompt tokens (its digest differs) is not reused: that prompt is measured again.
+    lines = rows_file.read_text().splitlines()
+    rows_file.write_text("\n".join([json.dumps({**json.loads(lines[0]), "prompt_digest": "other"}), *lines[1:]]) + "\n")
+    assert run(bp, checkpoints, rows_file, "--repeats", "2") == 0
+    assert [json.loads(line)["id"] for line in rows_file.read_text().splitlines()] == ["mtbench/81", "mtbench/91",
+                                                                                      "mtbench/81"]
 
     section, readme = render.render([rows], ["rows.jsonl"])
     assert "| host RAM, chat | default |" in section and "2/2 identical" in section

@@ -534,9 +534,11 @@ def main(argv=None) -> int:
             "\n".join(["## Layer streaming: pass time vs transfer and compute (`scripts/bench_stream.py`)",
                        _common.run_header(device, started, load_at_start),
                        setup + " Seconds are per pass, medians over the timed passes; efficiency = max(move, "
-                       "compute) / pass (1.0: the transfer wholly hidden). The columns, and the read-rate table "
-                       "behind the second goal: the script's docstring and what it prints."]),
+                       "compute) / pass (1.0: the transfer wholly hidden); the columns: the script's docstring. "
+                       "Below, the read rate of the same `layers.bin`, cold, into the same memory: each reader "
+                       "once a run, the runs starting at another reader."]),
             _common.markdown_table(HEADERS, table_rows(rows)),
+            *([_common.markdown_table(*read_table(read_rows))] if read_rows else []),
             "\n".join([f"Overlap efficiency goal (≥ 0.9 in every row): **{verdict}** (lowest {worst:.2f})."]
                       + ([f"Read rate goal (DiskStore ≥ {READ_GOAL} × the fastest plain read): **{read_verdict}** "
                           f"({ratio:.2f})."] if read_rows else [])),

@@ -106,12 +106,13 @@ COLUMN_NOTES = __doc__[__doc__.index("Columns of the printed table"):__doc__.ind
 UNRECORDED = "unrecorded"                  # the machine of rows measured before rows carried a stamp
 CPU = torch.device("cpu")
 PROCESS_WORDS = {"own": "each cell in its own process", "shared": "cells sharing a process"}
-# --doc-section -> (marker name in docs/benchmarks.md, heading). The goal cells get a table of their own because
-# cells pool their rows across commits: rows measured after an engine change that moves them go in a rows file
-# of their own, and this section shows them apart from the main table's older rows.
+# --doc-section -> (marker name, heading, the file it is written into). The goal cells get a table of their own
+# because cells pool their rows across commits: rows measured after an engine change that moves them go in a rows
+# file of their own, and that table shows them apart from the main table's older rows, in the goals' notes entry.
 DOC_SECTIONS = {
-    "main": (SECTION, "## Batched speculation: prompts in flight (`scripts/bench_batch.py`)"),
-    "goals": (SECTION + "_goals", "### Issue #11's goal cells in one sitting, at the current engine"),
+    "main": (SECTION, "## Batched speculation: prompts in flight (`scripts/bench_batch.py`)", _common.BENCHMARKS_MD),
+    "goals": (SECTION + "_goals", "### Issue #11's goal cells in one sitting, at the current engine",
+              _common.REPO / "docs" / "notes" / "2026-11-25-batch-cold-disk-goals.md"),
 }
 
 
@@ -145,10 +146,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     #                                     dir, out} as JSON; measure that cell alone, write its dict to out, exit
     p.add_argument("--rows", default=None, help="JSONL file the rows are appended to (resume: done cells are skipped); "
                                                 "a .jsonl.gz is read only (--report-only, --predict)")
-    p.add_argument("--write-docs", action="store_true", help="replace this script's section (--doc-section) of docs/benchmarks.md")
+    p.add_argument("--write-docs", action="store_true", help="replace this script's section (--doc-section)")
     p.add_argument("--doc-section", default="main", choices=sorted(DOC_SECTIONS),
-                   help="with --write-docs, which section: main (the table of every cell) or goals (issue #11's "
-                        "goal cells measured in one sitting at the current engine, from a rows file of their own)")
+                   help="with --write-docs, which section: main (the table of every cell, in docs/benchmarks.md) or "
+                        "goals (the goal cells measured in one sitting at one commit, from a rows file of their own, "
+                        "in docs/notes/2026-11-25-batch-cold-disk-goals.md)")
     p.add_argument("--report-only", action="store_true",
                    help="measure nothing: the table (and with --write-docs the section) from the --rows of these "
                         "--prompt-sets and settings")
@@ -596,7 +598,7 @@ def main(argv=None) -> int:
     print("\n" + COLUMN_NOTES + "\n")
     print("\n".join(goal_lines(kept)))
     if args.write_docs:
-        section, heading = DOC_SECTIONS[args.doc_section]
+        section, heading, path = DOC_SECTIONS[args.doc_section]
         head, line, shown = headline(kept)
         body = "\n".join([
             heading,
@@ -613,7 +615,7 @@ def main(argv=None) -> int:
             "prints every kind (shared: a run's cells in one process) with passes, tokens a pass, draft and pass seconds "
             "and agreement with B=1, and what each column is.",
             "", _common.markdown_table(head, line), "", *goal_lines(shown, compact=True)])
-        _common.write_doc_section(section, body)
+        _common.write_doc_section(section, body, path=path)
     return 0
 
 

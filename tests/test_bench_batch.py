@@ -212,7 +212,9 @@ def test_own_process_cells_run_as_child_processes_and_a_failed_one_is_one_line(t
 
 def test_the_goal_cells_render_into_a_section_of_their_own(tmp_path, monkeypatch):
     written = {}
-    monkeypatch.setattr(bench._common, "write_doc_section", lambda name, body: written.setdefault(name, body))
+    paths = {}
+    monkeypatch.setattr(bench._common, "write_doc_section",
+                        lambda name, body, path: (written.setdefault(name, body), paths.setdefault(name, path.name)))
     args = bench.parse_args(["--prompt-sets", "chat"])
     rows = [{**row("offspec", B, speed, 1, prompt_set="chat", regime="disk"), "settings": bench.settings_of(args, "chat")}
             for B, speed in ((1, 2.0), (8, 7.0))]
@@ -224,6 +226,7 @@ def test_the_goal_cells_render_into_a_section_of_their_own(tmp_path, monkeypatch
     body = written["bench_batch_goals"]
     assert body.startswith("### Issue #11's goal cells") and "3.50× offspec B=1 (2.00); goal ≥ 3×: met" in body
     assert bench.main(common) == 0 and written["bench_batch"].startswith("## Batched speculation")
+    assert paths == {"bench_batch_goals": "2026-11-25-batch-cold-disk-goals.md", "bench_batch": "benchmarks.md"}
 
 
 def test_the_docs_table_is_tokens_per_second_by_B_for_one_machine_and_process_per_regime():
@@ -276,7 +279,9 @@ def test_the_section_says_where_the_rows_it_shows_were_measured_and_the_table_ex
     """The "Measured on" line is that of the rows the section's table shows, not of every row kept (here the
     unstamped shared-process rows the table leaves out); the printed table comes with what its columns are."""
     written = {}
-    monkeypatch.setattr(bench._common, "write_doc_section", lambda name, body: written.setdefault(name, body))
+    paths = {}
+    monkeypatch.setattr(bench._common, "write_doc_section",
+                        lambda name, body, path: (written.setdefault(name, body), paths.setdefault(name, path.name)))
     args = bench.parse_args(["--prompt-sets", "code"])
     own = {"settings": {**bench.settings_of(args, "code"), "cell_process": "own"}}
     shared = {"settings": {**bench.settings_of(args, "code"), "cell_process": "shared"}}

@@ -58,7 +58,7 @@ def test_the_peer_keeps_the_layers_where_the_regime_does_and_the_rest_on_the_com
 def test_rows_are_kept_per_device_and_a_gpu_report_renders_here(tmp_path, monkeypatch, capsys):
     """A GPU's rows carry its model as their machine, key their settings by device, and never pool with a CPU's;
     --report-only --device cuda renders them on a machine without CUDA."""
-    monkeypatch.setattr(bench._common, "write_doc_section", lambda name, body: None)
+    monkeypatch.setattr(bench._common, "write_doc_section", lambda name, body, path=None: None)
     cpu_args = bench.parse_args(["--device", "cpu"])
     gpu_args = bench.parse_args(["--device", "cuda", "--report-only"])
     assert bench.settings_of(cpu_args, "code")["device"] == "cpu"

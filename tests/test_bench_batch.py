@@ -279,9 +279,7 @@ def test_the_section_says_where_the_rows_it_shows_were_measured_and_the_table_ex
     """The "Measured on" line is that of the rows the section's table shows, not of every row kept (here the
     unstamped shared-process rows the table leaves out); the printed table comes with what its columns are."""
     written = {}
-    paths = {}
-    monkeypatch.setattr(bench._common, "write_doc_section",
-                        lambda name, body, path: (written.setdefault(name, body), paths.setdefault(name, path.name)))
+    monkeypatch.setattr(bench._common, "write_doc_section", lambda name, body, path: written.setdefault(name, body))
     args = bench.parse_args(["--prompt-sets", "code"])
     own = {"settings": {**bench.settings_of(args, "code"), "cell_process": "own"}}
     shared = {"settings": {**bench.settings_of(args, "code"), "cell_process": "shared"}}

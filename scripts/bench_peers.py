@@ -141,7 +141,7 @@ def main(argv=None) -> int:
     ids = {pid for pid, _ in prompts}
     stored = bench.read_rows(args.rows)
     rows = [r for r in timing_rows(stored) if r["id"] in ids]
-    checks = {r["id"]: r for r in stored if r.get("kind") == FP32_CHECK}
+    checks = rechecks(stored)
     todo = {} if dtype == torch.float32 else recheck_todo(rows, checks)
     if todo:
         for entry in fp32_check(todo, dict(prompts), target_dir, draft_dir, assist, models.eos_ids).values():
@@ -154,6 +154,11 @@ def main(argv=None) -> int:
               "explain it", file=sys.stderr)
         return 1
     return 0
+
+
+def rechecks(rows: list[dict]) -> dict[str, dict]:
+    """A rows file's float32 rechecks by prompt id (a later one for a prompt wins)."""
+    return {r["id"]: r for r in rows if r.get("kind") == FP32_CHECK}
 
 
 def timing_rows(rows: list[dict]) -> list[dict]:

@@ -48,7 +48,7 @@ def group_checks(rows_by_file: list[list[dict]]) -> dict[tuple, dict]:
     recheck row names its prompt alone, and groups of two regimes share their prompts' ids."""
     checks: dict[tuple, dict] = {}
     for rows in rows_by_file:
-        found = {r["id"]: r for r in rows if r.get("kind") == bench_peers.FP32_CHECK}
+        found = bench_peers.rechecks(rows)
         for key in groups_of(rows):
             checks.setdefault(key, {}).update(found)
     return checks
@@ -248,9 +248,10 @@ def main(argv=None) -> int:
     rows_by_file = [bench.read_rows(f) for f in args.rows]
     if not groups_of([r for rows in rows_by_file for r in rows]):
         p.error(f"{', '.join(args.rows)} hold no timing rows")
-    section, readme = render(rows_by_file, [relative(f) for f in args.rows], [relative(f) for f in args.sweep])
+    sweep_files = [relative(f) for f in args.sweep]
+    section, readme = render(rows_by_file, [relative(f) for f in args.rows], sweep_files)
     sweep = [[r for r in bench.read_rows(f) if r.get("kind") == "sweep"] for f in args.sweep]
-    sweep_text = sweep_section(sweep, [relative(f) for f in args.sweep]) if any(sweep) else None
+    sweep_text = sweep_section(sweep, sweep_files) if any(sweep) else None
     print(section + (f"\n\n{sweep_text}" if sweep_text else ""))
     if args.write_docs:
         _common.write_doc_section("bench_peers", section)

@@ -3,11 +3,8 @@
 # peer, code (HumanEval) and chat (MT-Bench first turns), 16 prompts each, 64 new tokens, greedy, bf16, host RAM
 # and cold disk. Every step resumes from its rows file, so a killed run is rerun as is. A step that reports a
 # token difference float32 does not explain (exit 1) does not stop the others; the grid then exits 1.
-# Cost on the 2-core CPU machine, planned from a one-prompt pilot (cpu) and earlier rows (disk), then measured
-# (2026-11-26 and -27): cpu 16 prompts in 19-28 min a set; disk code 35-45 min; the disk chat sweep 5-8 min a
-# prompt (chat drafts are accepted less, so the peer's cold-disk passes are many); disk chat 42 min and 5 more for
-# its float32 rechecks (planned: 90). ~3 h in all.
-# hf-plain runs in the host-RAM regime only: on cold disk it costs ~3 s a token (1.7 h for the two sets).
+# Its cost, planned and measured step by step: docs/notes/2026-11-26-one-harness-and-the-peer-grid.md.
+# hf-plain runs in the host-RAM regime only (on a cold disk it would cost more than the rest of the grid).
 # The peer's settings come from its sweeps: disk chat's is made here (64 new tokens, 1 run); the other three
 # were measured earlier at 128 new tokens, 3 runs each (their rows say so).
 set -uo pipefail

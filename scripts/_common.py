@@ -61,22 +61,24 @@ def relative_command(command: str) -> str:
 
 
 def git_commit() -> Optional[str]:
-    """offspec.bench.git_commit(): $OFFSPEC_COMMIT when set, else the checkout's short HEAD with '+changes' when
+    """offspec.bench.runner.git_commit(): $OFFSPEC_COMMIT when set, else the checkout's short HEAD with '+changes' when
     tracked files differ from it; None outside a checkout."""
-    from offspec.bench import git_commit as commit      # when called: by then the script has put its checkout on sys.path
+    from offspec.bench.runner import (
+        git_commit as commit,  # when called: by then the script has put its checkout on sys.path
+    )
     return commit()
 
 
 def cpu_model() -> str:
-    """offspec.bench.cpu_model(): the CPU's model name."""
-    from offspec.bench import cpu_model as model
+    """offspec.bench.runner.cpu_model(): the CPU's model name."""
+    from offspec.bench.runner import cpu_model as model
     return model()
 
 
 def compute_device(name: str, here: bool = True) -> torch.device:
     """A benchmark's --device: auto = the GPU when there is one (the regime offspec is built for), else the CPU.
     here False (a report of stored rows): the device may be another machine's; only its rows are picked."""
-    from offspec.load import parse_device     # when called: by then the script has put its checkout on sys.path
+    from offspec.engine.load import parse_device  # when called: by then the script has put its checkout on sys.path
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     return parse_device(name, check_available=here)
@@ -214,7 +216,7 @@ def run_header(device: torch.device, started: float, load_at_start: str, rows: O
 def run_main(main: Callable[[], int]) -> None:
     """A script's entry point: exit with main()'s code; an OffspecError (bad input, a plan that does not fit) is
     one `error:` line on stderr and exit 1, not a traceback."""
-    from offspec.errors import OffspecError     # when called: by then the script has put its checkout on sys.path
+    from offspec.errors import OffspecError  # when called: by then the script has put its checkout on sys.path
     try:
         sys.exit(main())
     except OffspecError as err:

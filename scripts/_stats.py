@@ -1,4 +1,4 @@
-"""Statistics and provenance shared by the benchmark scripts: offspec.bench's (the one runner's). The line that
+"""Statistics and provenance shared by the benchmark scripts: offspec.bench.runner's (the one runner's). The line that
 says where, when and at which commits a table's rows were measured is _common.measured_line.
 
 - A cell's figure is the median over prompts of each prompt's value, with a percentile-bootstrap 95% interval
@@ -12,6 +12,6 @@ says where, when and at which commits a table's rows were measured is _common.me
 """
 from __future__ import annotations
 
-from offspec.bench import fmt_ci, median_ci, ratio_ci, shuffled_order, stamp
+from offspec.bench.runner import fmt_ci, median_ci, ratio_ci, shuffled_order, stamp
 
 __all__ = ["fmt_ci", "median_ci", "ratio_ci", "shuffled_order", "stamp"]

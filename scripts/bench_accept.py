@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
 """Tokens per target pass against tree budget, per growth policy: one engine, one tree setting changed.
 
-Each system is offspec.bench's `<policy>-<N>` (chain-8: an 8-token chain, classic speculative decoding;
-dyspec-64: a dyspec tree of at most 64 nodes), run by offspec.bench.measure on an engine loaded as
+Each system is offspec.bench.runner's `<policy>-<N>` (chain-8: an 8-token chain, classic speculative decoding;
+dyspec-64: a dyspec tree of at most 64 nodes), run by offspec.bench.runner.measure on an engine loaded as
 `offspec generate --offload OFFLOAD` loads it (Models and the memory plan), every system on every prompt,
 interleaved per prompt, at each temperature (T > 0 with seed --seed). The prompts are the peer grid's
 (scripts/bench_peers.py): HumanEval (after "Complete this Python function:") or MT-Bench first turns, chat
@@ -10,11 +10,11 @@ template applied. EOS is ignored, so every run makes --new-tokens tokens, and a 
 that cut.
 
   tokens/pass   each prompt's tokens / target passes; a cell is the median over prompts with its bootstrap 95%
-                interval (offspec.bench.median_ci)
+                interval (offspec.bench.runner.median_ci)
   tree          the mean over prompts of each run's mean nodes a round (near the end of a run a tree stops short
                 of its budget: no deeper than the tokens left need)
   vs chain      the system's median tokens/pass over the best chain's (the chain length with the highest
-                median), with a paired bootstrap interval: prompts resampled with both (offspec.bench.ratio_ci)
+                median), with a paired bootstrap interval: prompts resampled with both (offspec.bench.runner.ratio_ci)
 
 Tokens per pass do not depend on the machine's speed or load (greedy: the tokens; T > 0: the seed); each cell's
 seconds are kept in its row but not tabled: what a budget costs on a machine is the peer grid's question
@@ -55,7 +55,7 @@ def parse_args(argv=None):
     p.add_argument("--prompt-set", choices=peer_hf.PROMPT_SETS, default="code")
     p.add_argument("--prompts", type=int, default=16, help="the first N prompts of the set")
     p.add_argument("--new-tokens", type=int, default=64, help="tokens generated per run, EOS ignored")
-    p.add_argument("--systems", default=",".join(SYSTEMS), help="comma-separated <policy>-<N> (offspec.bench)")
+    p.add_argument("--systems", default=",".join(SYSTEMS), help="comma-separated <policy>-<N> (offspec.bench.runner)")
     p.add_argument("--temperatures", default="0,0.6", help="comma-separated, repeats dropped; 0 = greedy")
     p.add_argument("--seed", type=int, default=0, help="sampling seed at T > 0")
     p.add_argument("--offload", default="none", choices=("none", "cpu", "disk"), help="where the target's layers live")
@@ -102,8 +102,8 @@ def main(argv=None) -> int:
 
 def measure(args) -> None:
     """Load the engine as `offspec generate` does and measure every (prompt, temperature) the rows file lacks."""
-    from offspec.demo import ensure_demo_models
-    from offspec.load import Models, parse_dtype, runtime_config
+    from offspec.engine.load import Models, parse_dtype, runtime_config
+    from offspec.formats.demo import ensure_demo_models
 
     target_dir, draft_dir = (args.target, args.draft) if args.target else ensure_demo_models()
     settings = {"prompt_set": args.prompt_set, "new_tokens": args.new_tokens, "dtype": args.dtype,

@@ -88,17 +88,18 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _common  # noqa: E402
 import _stats  # noqa: E402
+
 from offspec import bench  # noqa: E402
-from offspec.costmodel import LINK_GB_PER_S  # noqa: E402
+from offspec.bench.prompt_sets import load_prompt_set  # noqa: E402
 from offspec.config import OffloadConfig, RunLimits, RuntimeConfig, TreeConfig  # noqa: E402
-from offspec.demo import ensure_demo_models  # noqa: E402
-from offspec.generate import GenerationRequest  # noqa: E402
-from offspec.load import Models, parse_dtype  # noqa: E402
-from offspec.metrics import JobReport, synchronize  # noqa: E402
-from offspec.plan import layer_nbytes  # noqa: E402
-from offspec.prompt import encode_prompt  # noqa: E402
-from offspec.prompt_sets import load_prompt_set  # noqa: E402
-from offspec.quant import auto_draft_quant  # noqa: E402
+from offspec.engine.generate import GenerationRequest  # noqa: E402
+from offspec.engine.load import Models, parse_dtype  # noqa: E402
+from offspec.engine.metrics import JobReport, synchronize  # noqa: E402
+from offspec.engine.prompt import encode_prompt  # noqa: E402
+from offspec.formats.demo import ensure_demo_models  # noqa: E402
+from offspec.formats.quant import auto_draft_quant  # noqa: E402
+from offspec.plan.core import layer_nbytes  # noqa: E402
+from offspec.plan.costmodel import LINK_GB_PER_S  # noqa: E402
 
 SECTION = "bench_batch"
 # The docstring's column notes, printed beneath the table they explain (python -O drops docstrings: none then).
@@ -124,7 +125,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=_common.HelpFormatter)
     p.add_argument("--prompts", type=int, default=16, help="prompts of each set (the first N)")
     p.add_argument("--prompt-sets", default="code",
-                   help="code (HumanEval), chat (MT-Bench first turns), or both: code,chat (offspec/prompt_sets.py)")
+                   help="code (HumanEval), chat (MT-Bench first turns), or both: code,chat (offspec/bench/prompt_sets.py)")
     p.add_argument("--new-tokens", type=int, default=64, help="tokens per prompt (EOS ignored)")
     p.add_argument("--concurrency", default="1,2,4,8,auto",
                    help="offspec B values, comma separated; auto = `offspec batch --concurrency auto`")
@@ -162,7 +163,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--link-gbps", type=float, default=LINK_GB_PER_S, help="prediction: host-to-device GB/s, pinned (PCIe 4.0 x16)")
     p.add_argument("--draft-ms", type=float, default=None,
                    help="prediction: one batched draft call, ms [default: the 1B-shaped draft's call measured on a "
-                        "GPU at the call's width (offspec.costmodel.REFERENCE_GPU)]")
+                        "GPU at the call's width (offspec.plan.costmodel.REFERENCE_GPU)]")
     p.add_argument("--tree-nodes", type=int, default=64, help="prediction: tree nodes per prompt per pass")
     args = p.parse_args(argv)
     if not (args.report_only or args.predict or args.one_cell):
@@ -176,13 +177,18 @@ def predict(args, rows: list[dict]) -> tuple[str, list[str]]:
     """The PREDICTION section: the plan and cost model for a 70B on a 24 GB GPU at B = 1..64; and the lines saying
     why the B values that do not fit do not (printed, not in the section)."""
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-    from shapes import headers_only_checkpoint        # config + safetensors headers of real models, no weights
+    from shapes import headers_only_checkpoint  # config + safetensors headers of real models, no weights
 
-    from offspec.checkpoint import Checkpoint
-    from offspec.costmodel import (REFERENCE_GPU, GpuSetup, draft_call_seconds, pass_compute_seconds,
-                                   predict_seconds_per_token)
     from offspec.errors import BudgetError
-    from offspec.plan import GB, Machine, ModelSpec, make_plan
+    from offspec.formats.checkpoint import Checkpoint
+    from offspec.plan.core import GB, Machine, ModelSpec, make_plan
+    from offspec.plan.costmodel import (
+        REFERENCE_GPU,
+        GpuSetup,
+        draft_call_seconds,
+        pass_compute_seconds,
+        predict_seconds_per_token,
+    )
     measured = [r["tokens_per_pass"] for r in rows if r["regime"] == "disk" and r["system"] == "offspec"
                 and r["concurrency"] == 1 and r["prompt_set"] == "code"]
     tau = args.tokens_per_row_pass or (statistics.median(measured) if measured else 8.0)
@@ -230,7 +236,7 @@ def predict(args, rows: list[dict]) -> tuple[str, list[str]]:
 
 
 def load_rows(path) -> list[dict]:
-    """The rows of --rows (.jsonl, or .jsonl.gz: offspec.bench.read_rows); a torn last line (a run killed while writing) is
+    """The rows of --rows (.jsonl, or .jsonl.gz: offspec.bench.runner.read_rows); a torn last line (a run killed while writing) is
     skipped with a warning."""
     rows = bench.read_rows(path, torn="ignored (its cell will be measured again)")
     for row in rows:                   # rows from before prompt sets were all HumanEval, before repeats one run
@@ -301,7 +307,8 @@ def offspec_cell(models: Models, regime: str, requests: list[GenerationRequest],
 def peer_cell(target_dir, regime: str, prompt_ids: list[list[int]], B: int, args, offload_folder) -> dict:
     """transformers generate over left-padded batches of B prompts (greedy, exactly --new-tokens each)."""
     from peer_hf import HfSystems
-    from offspec.stores import drop_page_cache
+
+    from offspec.stream.stores import drop_page_cache
     device = args.device
     hf = HfSystems(target_dir, None, parse_dtype(args.dtype), regime, offload_folder, cold=True,
                    device=device)

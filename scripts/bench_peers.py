@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """offspec against the transformers peer and against its own ablations, on one regime and one prompt set.
 
-Systems (--systems), every one on every prompt, interleaved per prompt by offspec.bench's runner:
+Systems (--systems), every one on every prompt, interleaved per prompt by offspec.bench.runner:
   hf-assisted  transformers generate with the draft as assistant (scripts/peer_hf.py), accelerate offloading the
                target, at the best setting the peer's own sweep found for this regime and prompt set (the --sweep
                rows; each cell stores the settings transformers read back)
@@ -65,7 +65,7 @@ def parse_args(argv=None):
     p.add_argument("--new-tokens", type=int, default=64, help="token budget per prompt (both sides stop at EOS)")
     p.add_argument("--repeats", type=int, default=1, help="timed runs per system and prompt, order shuffled")
     p.add_argument("--systems", default=",".join(SYSTEMS),
-                   help=f"comma-separated: {', '.join(PEERS)}, and offspec systems (offspec.bench: default, none, "
+                   help=f"comma-separated: {', '.join(PEERS)}, and offspec systems (offspec.bench.runner: default, none, "
                         "<policy>-<N>); none is required (the identity reference)")
     p.add_argument("--sweep", nargs="+", default=[], metavar="FILE",
                    help="the peer's sweep rows (scripts/peer_hf.py): hf-assisted runs the best setting they hold "
@@ -112,8 +112,8 @@ def peer_assist(args) -> dict:
 
 
 def main(argv=None) -> int:
-    from offspec.demo import ensure_demo_models
-    from offspec.load import Models, parse_dtype
+    from offspec.engine.load import Models, parse_dtype
+    from offspec.formats.demo import ensure_demo_models
 
     p, args = parse_args(argv)
     dtype = parse_dtype(args.dtype)
@@ -169,7 +169,7 @@ def timing_rows(rows: list[dict]) -> list[dict]:
 def measure(args, models, prompts, dtype, assist, done, extra) -> None:
     """Load offspec as `offspec generate --offload REGIME` does and the peer beside it, then measure every
     prompt the rows file lacks."""
-    from offspec.load import runtime_config
+    from offspec.engine.load import runtime_config
 
     trees = {name: bench.system_tree(name, TreeConfig()) for name in args.systems if name not in PEERS}
     longest = max(len(ids) for _, ids in prompts) + args.new_tokens
@@ -247,7 +247,7 @@ def fp32_check(todo: dict, prompt_ids: dict, target_dir, draft_dir, assist, eos_
     from transformers import AutoModelForCausalLM
 
     from offspec.config import RuntimeConfig
-    from offspec.load import load_engine
+    from offspec.engine.load import load_engine
 
     print(f"== fp32 recheck of {len(todo)} prompt(s) that differ in bf16 ...", file=sys.stderr)
     fp32 = dict(dtype=torch.float32, device_map={"": "cpu"})

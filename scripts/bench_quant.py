@@ -46,12 +46,13 @@ sys.path.insert(0, str(ROOT))                  # this checkout's offspec
 sys.path.insert(0, str(ROOT / "scripts"))      # _common, also when imported as a module by the tests
 import _common  # noqa: E402
 import _stats  # noqa: E402
+
 from offspec import bench  # noqa: E402
 from offspec.config import OffloadConfig, RuntimeConfig, TreeConfig  # noqa: E402
-from offspec.generate import GenerationRequest, run  # noqa: E402
-from offspec.kv_cache import KVCache  # noqa: E402
-from offspec.load import load_engine, parse_dtype  # noqa: E402
-from offspec.model import RowSpan  # noqa: E402
+from offspec.engine.generate import GenerationRequest, run  # noqa: E402
+from offspec.engine.load import load_engine, parse_dtype  # noqa: E402
+from offspec.model.forward import RowSpan  # noqa: E402
+from offspec.model.kv_cache import KVCache  # noqa: E402
 
 SECTION = "bench_quant"
 CPU = torch.device("cpu")
@@ -67,7 +68,6 @@ def text_set(tokenizer, chunk_tokens: int, chunks_each: int) -> dict[str, list[i
     """{name: token ids}: `chunks_each` chunks of `chunk_tokens` tokens of prose and of code, always the same."""
     import gzip
     import importlib.resources
-
     import pydoc_data.topics
 
     prose = "\n\n".join(pydoc_data.topics.topics[t] for t in PROSE_TOPICS)
@@ -86,13 +86,13 @@ def text_set(tokenizer, chunk_tokens: int, chunks_each: int) -> dict[str, list[i
 
 
 def read_rows(path: str) -> list[dict]:
-    """The rows of --rows (.jsonl, or .jsonl.gz: offspec.bench.read_rows); a torn last line (a run killed while writing) is
+    """The rows of --rows (.jsonl, or .jsonl.gz: offspec.bench.runner.read_rows); a torn last line (a run killed while writing) is
     skipped with a warning."""
     return bench.read_rows(path or None, torn="ignored (it will be measured again)")
 
 
 def append_row(path: str, row: dict) -> None:
-    """One line, fsynced (offspec.bench.append_row; a .gz rows file is refused)."""
+    """One line, fsynced (offspec.bench.runner.append_row; a .gz rows file is refused)."""
     if path:
         bench.append_row(path, row)
 
@@ -115,7 +115,7 @@ def published_target(args, target_dir) -> str:
 
     from safetensors.torch import load_file, save_file
 
-    from offspec.published import quantize
+    from offspec.formats.published import quantize
     folder = Path(args.store_root) / f"target-{PUBLISHED}"
     if (folder / "config.json").is_file():
         return str(folder)
@@ -142,8 +142,8 @@ def published_target(args, target_dir) -> str:
 
 
 def measure_quality(args, target_dir, rows: list[dict]) -> None:
-    from offspec.demo import humaneval_prompts
-    from offspec.prompt import encode_prompt
+    from offspec.engine.prompt import encode_prompt
+    from offspec.formats.demo import humaneval_prompts
 
     dtype = parse_dtype(args.dtype)
     for quant in OWN_QUANTS:
@@ -193,8 +193,8 @@ def measure_speed(args, target_dir, draft_dir, rows: list[dict]) -> None:
     repeat, each quantization runs once, in an order shuffled per (prompt, repeat). A drive that changes speed
     for minutes (it did: bf16 passes went from 1.9 s to 1.07 s between two block-ordered runs) then slows every
     quantization alike, and each (prompt, repeat) is a pair measured seconds apart."""
-    from offspec.demo import DEFAULT_TARGET, ensure_demo_gguf, humaneval_prompts
-    from offspec.prompt import encode_prompt
+    from offspec.engine.prompt import encode_prompt
+    from offspec.formats.demo import DEFAULT_TARGET, ensure_demo_gguf, humaneval_prompts
 
     dtype = parse_dtype(args.dtype)
     prompts = humaneval_prompts(args.prompts)
@@ -433,7 +433,7 @@ def parse_args():
 
 
 def main() -> int:
-    from offspec.demo import ensure_demo_models
+    from offspec.formats.demo import ensure_demo_models
 
     args = parse_args()
     started, load_at_start = time.time(), _common.load_average()

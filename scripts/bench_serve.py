@@ -28,9 +28,10 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 import _common  # noqa: E402
 import _stats  # noqa: E402
+
 from offspec import bench  # noqa: E402
 from offspec.config import OffloadConfig, RunLimits, RuntimeConfig, SamplingConfig, TreeConfig  # noqa: E402
-from offspec.load import load_engine, parse_dtype  # noqa: E402
+from offspec.engine.load import load_engine, parse_dtype  # noqa: E402
 
 SECTION = "bench_serve"
 CPU = torch.device("cpu")
@@ -53,8 +54,8 @@ def matching(rows: list[dict], args) -> list[dict]:
 
 def start(args):
     """The demo pair (or --target/--draft) behind an in-process server -> (service, server, thread, url)."""
-    from offspec.demo import ensure_demo_models
-    from offspec.serve import EngineService, ServeConfig, make_app, run_in_thread
+    from offspec.formats.demo import ensure_demo_models
+    from offspec.serve.app import EngineService, ServeConfig, make_app, run_in_thread
 
     target, draft = (args.target, args.draft) if args.target else ensure_demo_models()
     tree = TreeConfig(policy="dyspec", budget=args.tree_budget)
@@ -136,7 +137,7 @@ def report(args, rows: list[dict], started: float, load_at_start: str) -> str:
 
 
 def main() -> int:
-    from offspec.demo import humaneval_prompts
+    from offspec.formats.demo import humaneval_prompts
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--clients", type=int, default=8, help="prompts sent, and requests in flight at once")

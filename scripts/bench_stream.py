@@ -62,18 +62,25 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # this checkout's offspec, not an installed one
 import _common  # noqa: E402
-from offspec.checkpoint import Checkpoint
+
 from offspec.config import OffloadConfig
-from offspec.demo import DEFAULT_TARGET, ensure_demo_model, offspec_home
-from offspec.kv_cache import KVCache
-from offspec.load import parse_device, parse_dtype, store_dir_for
-from offspec.metrics import Timer
-from offspec.layout import LAYER_PARTS, LayerLayout
-from offspec.model import Model, RowSpan
-from offspec.load import TargetLayers, open_target_layers
-from offspec.plan import LayerPlan
-from offspec.stores import LAYERS_BIN, READS_IN_FLIGHT, DiskStore, HostArenaStore, drop_page_cache, sequential_read
-from offspec.transfer import format_bytes, make_backend
+from offspec.engine.load import TargetLayers, open_target_layers, parse_device, parse_dtype, store_dir_for
+from offspec.engine.metrics import Timer
+from offspec.formats.checkpoint import Checkpoint
+from offspec.formats.demo import DEFAULT_TARGET, ensure_demo_model, offspec_home
+from offspec.formats.layout import LAYER_PARTS, LayerLayout
+from offspec.model.forward import Model, RowSpan
+from offspec.model.kv_cache import KVCache
+from offspec.plan.core import LayerPlan
+from offspec.stream.stores import (
+    LAYERS_BIN,
+    READS_IN_FLIGHT,
+    DiskStore,
+    HostArenaStore,
+    drop_page_cache,
+    sequential_read,
+)
+from offspec.stream.transfer import format_bytes, make_backend
 
 SECTION = "bench_stream"
 SETTLE_TIMEOUT_S = 120.0   # the streamer's prefetch of the next pass must finish within this

@@ -69,15 +69,16 @@ sys.path.insert(0, str(REPO / "scripts"))
 
 import _common  # noqa: E402
 from bench_stream import forward_at, make_inputs, prefill, settle  # noqa: E402
-from offspec.bench import first_divergence  # noqa: E402
+
+from offspec.bench.runner import first_divergence  # noqa: E402
+from offspec.cli.doctor import measure_bandwidth  # noqa: E402
 from offspec.config import ModelConfig, OffloadConfig  # noqa: E402
-from offspec.doctor import measure_bandwidth  # noqa: E402
-from offspec.kv_cache import KVCache  # noqa: E402
-from offspec.layout import GlobalWeights, layer_shapes  # noqa: E402
-from offspec.metrics import Timer  # noqa: E402
-from offspec.model import Model  # noqa: E402
-from offspec.load import open_target_layers  # noqa: E402
-from offspec.plan import LayerPlan, layer_nbytes  # noqa: E402
+from offspec.engine.load import open_target_layers  # noqa: E402
+from offspec.engine.metrics import Timer  # noqa: E402
+from offspec.formats.layout import GlobalWeights, layer_shapes  # noqa: E402
+from offspec.model.forward import Model  # noqa: E402
+from offspec.model.kv_cache import KVCache  # noqa: E402
+from offspec.plan.core import LayerPlan, layer_nbytes  # noqa: E402
 
 DEFAULT_OUT = REPO / "docs" / "gpu_check.json"
 # In this order; doctor comes after demo, so its advice covers the demo target that the demo section prepared.
@@ -355,8 +356,8 @@ def demo_pair(args, tmp: str) -> tuple[str, str, str]:
     tokens check the streamed path as the demo pair's would; its speed is not the demo pair's."""
     if args.target is not None:
         return args.target, args.draft, "given"
-    from offspec.demo import ensure_demo_models
     from offspec.errors import OffspecError
+    from offspec.formats.demo import ensure_demo_models
     try:
         target, draft = ensure_demo_models(progress=False)
         return str(target), str(draft), "the demo pair"
@@ -373,7 +374,7 @@ def demo_runs(target: str, draft: str, device: torch.device, max_new_tokens: int
     target's layers with 2 slots: 2 ring slots + 1 resident layer, every other layer streamed from the pinned host
     arena. The batch run is the float32 streamed run with 2 prompts in flight (`prompts_file`: the demo prompt,
     then its companion), writing its results beside the file."""
-    from offspec.checkpoint import Checkpoint
+    from offspec.formats.checkpoint import Checkpoint
     cfg = Checkpoint(target).config
     models = ["--target", target, "--draft", draft, "--device", str(device), "--max-new-tokens", str(max_new_tokens)]
 

@@ -51,11 +51,12 @@ sys.path.insert(0, str(REPO / "scripts"))
 import _common  # noqa: E402
 from bench_stream import forward_at, make_inputs, prefill  # noqa: E402
 from gpu_check import measure_overlap, random_globals, random_layers, write_text  # noqa: E402
+
 from offspec.config import ModelConfig, OffloadConfig  # noqa: E402
-from offspec.load import open_target_layers  # noqa: E402
-from offspec.metrics import Timer  # noqa: E402
-from offspec.model import Model  # noqa: E402
-from offspec.plan import LayerPlan, layer_nbytes  # noqa: E402
+from offspec.engine.load import open_target_layers  # noqa: E402
+from offspec.engine.metrics import Timer  # noqa: E402
+from offspec.model.forward import Model  # noqa: E402
+from offspec.plan.core import LayerPlan, layer_nbytes  # noqa: E402
 
 PARTS = ("check", "pass70b", "drafts", "dequant")
 CHUNKS = (None, 1 << 24, 1 << 26)   # the published formats' dequantization, timed at offspec's chunk and larger ones
@@ -164,7 +165,7 @@ def dequant_quants(cfg: ModelConfig) -> tuple[str, ...]:
 @contextlib.contextmanager
 def chunk_elements(n: Optional[int]):
     """The published and GGUF formats dequantize `n` weights a chunk on a GPU (None: as offspec does)."""
-    from offspec import gguf_blocks, published
+    from offspec.formats import gguf_blocks, published
     before = published.DEQUANT_ELEMENTS, dict(gguf_blocks.DEQUANT_ELEMENTS)
     if n is not None:
         published.DEQUANT_ELEMENTS, gguf_blocks.DEQUANT_ELEMENTS["cuda"] = n, n
@@ -188,8 +189,8 @@ def time_dequant(layout, block: torch.Tensor, dense: torch.Tensor, device: torch
 
 def dequant_part(args, device: torch.device, results: Results) -> None:
     from offspec.errors import InputError
-    from offspec.published import is_published, short
-    from offspec.quant import QuantizedLayout
+    from offspec.formats.published import is_published, short
+    from offspec.formats.quant import QuantizedLayout
     cfg = shape(LLAMA_70B, args, 1)
     weights = random_layers(cfg, device, torch.bfloat16)(0)
     for quant in dequant_quants(cfg):

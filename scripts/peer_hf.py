@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """The transformers peer: Hugging Face transformers generate with accelerate offloading the target, plain or with
 the draft as its assistant (assisted generation), on the models and prompts offspec runs. scripts/bench_peers.py
-measures it beside offspec through offspec.bench's runner; run alone, this script sweeps the assistant's settings.
+measures it beside offspec through offspec.bench.runner; run alone, this script sweeps the assistant's settings.
 
 hf-assisted's settings (AssistSettings) go on the ASSISTANT's generation_config, where transformers reads them, and
 every cell stores what transformers actually used (peer_settings, read back after the call), the target passes a
@@ -41,9 +41,9 @@ sys.path.insert(0, str(ROOT / "scripts"))
 import _common  # noqa: E402
 
 from offspec import bench  # noqa: E402
-from offspec.metrics import synchronize  # noqa: E402
-from offspec.prompt_sets import PROMPT_SETS, load_prompt_set  # noqa: E402
-from offspec.stores import drop_page_cache  # noqa: E402
+from offspec.bench.prompt_sets import PROMPT_SETS, load_prompt_set  # noqa: E402
+from offspec.engine.metrics import synchronize  # noqa: E402
+from offspec.stream.stores import drop_page_cache  # noqa: E402
 
 SWEEP_KIND = "sweep"         # the "kind" of sweep rows
 CODE_INSTRUCTION = "Complete this Python function:\n\n"   # put before each HumanEval prompt
@@ -196,7 +196,7 @@ def hf_generate(target, ids, new_tokens: int, assistant=None, assist: Optional[A
 
 
 def peer_cell(run: PeerRun) -> dict:
-    """A cell in offspec.bench's form, with the peer's counters: passes, tokens per pass, draft tokens verified
+    """A cell in offspec.bench.runner's form, with the peer's counters: passes, tokens per pass, draft tokens verified
     and, when assisted, the settings transformers used."""
     cell = {"tokens": run.tokens, "seconds": run.seconds, "passes": run.passes,
             "tokens_per_pass": len(run.tokens) / max(run.passes, 1), "peer_max_draft_tokens": run.max_draft_tokens,
@@ -246,7 +246,7 @@ class HfSystems:
         self.eos_ids = eos_ids      # the tokens a generation stops at (None: the target's generation_config's)
 
     def runner(self, assisted: bool, assist: Optional[AssistSettings] = None, temperature: float = 0.0):
-        """An offspec.bench runner: one generate call (assisted: with the draft under `assist`; None =
+        """An offspec.bench.runner runner: one generate call (assisted: with the draft under `assist`; None =
         transformers' defaults)."""
         def measure(ids, new_tokens, seed):
             return peer_cell(hf_generate(self.target, ids, new_tokens, self.draft if assisted else None, assist,
@@ -257,7 +257,7 @@ class HfSystems:
 def encoded_prompts(prompt_set: str, count: int, offset: int, tokenizer) -> list[tuple[str, list[int]]]:
     """(prompt id, chat-templated ids) for `count` prompts of the set from `offset` on; HumanEval prompts get
     CODE_INSTRUCTION before them."""
-    from offspec.prompt import encode_prompt
+    from offspec.engine.prompt import encode_prompt
 
     return [(pid, encode_prompt(tokenizer, (CODE_INSTRUCTION if prompt_set == "code" else "") + text))
             for pid, text in load_prompt_set(prompt_set, offset + count)[offset:]]
@@ -310,8 +310,8 @@ def parse_args(argv=None):
 def main(argv=None) -> int:
     from transformers import AutoTokenizer
 
-    from offspec.demo import ensure_demo_models
-    from offspec.load import parse_dtype
+    from offspec.engine.load import parse_dtype
+    from offspec.formats.demo import ensure_demo_models
 
     args = parse_args(argv)
     bench.check_appendable(args.rows)

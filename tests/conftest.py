@@ -13,6 +13,6 @@ def nan_filled_caches(monkeypatch):
     """Every KV cache a test makes starts full of NaN, not whatever memory held: offspec does not zero its
     caches (kv_cache.uninitialized), so a slot read before it is written, even masked off, must turn the
     outputs to NaN in every test rather than pass on memory that happened to be zero."""
-    from offspec import kv_cache
+    from offspec.model import kv_cache
     monkeypatch.setattr(kv_cache, "uninitialized",
                         lambda shape, dtype, device: torch.full(shape, float("nan"), dtype=dtype, device=device))

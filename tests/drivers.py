@@ -7,13 +7,13 @@ from typing import Callable, Optional, Sequence, Union
 
 import torch
 
-from offspec.calibrate import Calibration
 from offspec.config import SamplingConfig, TreeConfig
-from offspec.grow import grow_steps
-from offspec.kv_cache import KVCache
-from offspec.model import MaskRows, Model, RowSpan
-from offspec.ngram import NgramChain
-from offspec.tree import TokenTree
+from offspec.model.forward import MaskRows, Model, RowSpan
+from offspec.model.kv_cache import KVCache
+from offspec.spec.calibrate import Calibration
+from offspec.spec.grow import grow_steps
+from offspec.spec.ngram import NgramChain
+from offspec.spec.tree import TokenTree
 
 DraftStep = Callable[[TokenTree, torch.Tensor], torch.Tensor]   # (working tree, frontier (F,)) -> (F, V)
 
@@ -59,7 +59,7 @@ def loaded_prompt_logits(model, prompt: Sequence[int], offload=None, resident_qu
     """The target `model` (a folder or file) loaded alone in float32 on the CPU as `offload` (default resident)
     says -> (its logits over `prompt` in one pass, (T, V); the load.Loaded, closed)."""
     from offspec.config import OffloadConfig, RuntimeConfig
-    from offspec.load import load_engine
+    from offspec.engine.load import load_engine
 
     cpu = torch.device("cpu")
     loaded = load_engine(model, None, offload or OffloadConfig(),
@@ -78,8 +78,8 @@ def assert_logits_as_published(model, reference, prompt: Sequence[int]) -> None:
     logits of `reference`, the dense folder of its dequantized weights, bit for bit: resident (dequantized at load),
     streamed from RAM and from the disk store, and held as published on the device (--resident-quant on); every
     load runs the checkpoint's own quantization."""
-    from offspec.checkpoint import open_checkpoint
     from offspec.config import OffloadConfig
+    from offspec.formats.checkpoint import open_checkpoint
 
     want, _ = loaded_prompt_logits(reference, prompt)
     quant = open_checkpoint(model).quant
@@ -95,10 +95,10 @@ def assert_speculative_greedy_is_plain(target, draft, prompt: Sequence[int], tre
     """`target` read as published (no flag), streamed from RAM beside `draft`, float32: speculative greedy with
     `tree` gives the plain greedy tokens of that quantized target, with trees that pay (more than 1.2 tokens a
     pass), and the report names the checkpoint's quantization."""
-    from offspec.checkpoint import open_checkpoint
     from offspec.config import OffloadConfig, RuntimeConfig
-    from offspec.generate import GenerationRequest, run
-    from offspec.load import load_engine
+    from offspec.engine.generate import GenerationRequest, run
+    from offspec.engine.load import load_engine
+    from offspec.formats.checkpoint import open_checkpoint
 
     loaded = load_engine(target, draft, OffloadConfig(mode="cpu", n_slots=2),
                          RuntimeConfig(device=torch.device("cpu"), dtype=torch.float32), progress=False)

@@ -6,16 +6,16 @@ distribution is read straight off its path, and exact target distributions are m
 import numpy as np
 import pytest
 import torch
+from drivers import grow
 from scipy.stats import chisquare
 
-import offspec.accept as accept
-from offspec.accept import Verdict, verify_greedy, verify_stochastic
-from offspec.calibrate import Calibrator, judged_greedy, judged_path, observe
+import offspec.spec.accept as accept
 from offspec.config import SamplingConfig, TreeConfig
-from offspec.ngram import lookup
-from offspec.sampling import make_generator, process_logits
-from offspec.tree import TokenTree
-from drivers import grow
+from offspec.spec.accept import Verdict, verify_greedy, verify_stochastic
+from offspec.spec.calibrate import Calibrator, judged_greedy, judged_path, observe
+from offspec.spec.ngram import lookup
+from offspec.spec.sampling import make_generator, process_logits
+from offspec.spec.tree import TokenTree
 
 GREEDY = SamplingConfig(temperature=0.0)
 
@@ -320,7 +320,7 @@ CHAIN_CUT_IDS = ["static-d1", "adaptive-d1", "adaptive-d3", "dyspec-C-d3", "stat
 def first_triples_with_a_chain(cfg: TreeConfig, budget: int, chain: tuple[int, ...]) -> tuple[np.ndarray, int]:
     """-> (the first three emitted tokens of CHAIN_CUT_DRAWS generations, as 16 t1 + 4 t2 + t3; how many trees
     had one of the chain's nodes)."""
-    from offspec.ngram import NgramChain
+    from offspec.spec.ngram import NgramChain
     q, p = torch.full((4,), 0.25), torch.tensor([0.7, 0.2, 0.1, 0.0])
     g, sampling, chains = make_generator(0), SamplingConfig(temperature=1.0), (NgramChain(chain, 1),)
     triples, with_chain = [], 0
@@ -351,7 +351,7 @@ def test_an_ngram_chain_never_decides_a_drawn_siblings_presence(cfg, budget, cha
 def test_chi_square_catches_a_chain_that_follows_drawn_nodes_during_the_cut(monkeypatch, cfg, budget, chain):
     """Negative control: the rule the fold replaced (during the cut a chain follows a drawn node with its token,
     as it may at T = 0) is caught in every case above."""
-    from offspec.grow import _Growth
+    from offspec.spec.grow import _Growth
 
     graft = _Growth.graft_ngrams
 

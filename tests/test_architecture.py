@@ -15,7 +15,7 @@ BLOCK = re.compile(r"^```imports\n(.*?)^```", re.MULTILINE | re.DOTALL)   # the 
 
 
 def module_name(path: Path) -> str:
-    """offspec/ring.py -> "ring"; offspec/offload/ring.py -> "offload.ring"; offspec/offload/__init__.py -> "offload"."""
+    """offspec/stream/ring.py -> "ring"; offspec/offload/ring.py -> "offload.ring"; offspec/offload/__init__.py -> "offload"."""
     parts = path.relative_to(PACKAGE).with_suffix("").parts
     return ".".join(parts[:-1] if parts[-1] == "__init__" and len(parts) > 1 else parts)
 

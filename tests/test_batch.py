@@ -3,8 +3,8 @@ import json
 
 import pytest
 
-from offspec.batch import ResultFile, read_prompt_file
 from offspec.errors import InputError
+from offspec.jobs.prompt_files import ResultFile, read_prompt_file
 
 
 def test_txt_one_prompt_per_line(tmp_path):
@@ -66,7 +66,7 @@ def test_openai_batch_format(tmp_path):
     """Lines of the OpenAI batch format (as vLLM's run-batch reads them) beside offspec's own; results keep custom_id."""
     from types import SimpleNamespace
 
-    from offspec.batch import result_record
+    from offspec.jobs.prompt_files import result_record
     f = tmp_path / "p.jsonl"
     line = {"custom_id": "req-1", "method": "POST", "url": "/v1/chat/completions",
             "body": {"model": "x", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 7}}
@@ -143,8 +143,8 @@ def test_resume_reads_custom_id_of_openai_shaped_lines(tmp_path):
 def test_job_report_counts_a_shared_pass_once():
     """Two rows shared a pass (each Step carries the whole pass), a third ran a pass alone: 2 passes, and the
     per-pass costs are those two passes' means."""
-    from offspec.cluster import WorkerReport
-    from offspec.metrics import JobReport, Step
+    from offspec.engine.metrics import JobReport, Step
+    from offspec.jobs.cluster import WorkerReport
 
     def step(rows, draft, target, wait, moved, nbytes):
         return Step(tokens=[1], accepted=1, tree_size=1, tree_depth=1, pass_tokens=2, draft_seconds=draft,

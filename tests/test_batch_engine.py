@@ -9,12 +9,12 @@ from dataclasses import replace
 
 import pytest
 import torch
-
-from offspec.config import OffloadConfig, RunLimits, RuntimeConfig, SamplingConfig, TreeConfig
-from offspec.generate import Engine, GenerationRequest
-from offspec.load import load_engine
 from drivers import forward_one
 from tiny import hf_config, make_model, perturbed_copy, save_agreeing_pair, save_checkpoint
+
+from offspec.config import OffloadConfig, RunLimits, RuntimeConfig, SamplingConfig, TreeConfig
+from offspec.engine.generate import Engine, GenerationRequest
+from offspec.engine.load import load_engine
 
 RUNTIME = RuntimeConfig(device=torch.device("cpu"), dtype=torch.float32)
 
@@ -138,7 +138,7 @@ def test_requests_put_while_the_batch_runs_take_free_rows_at_the_next_pass(engin
     (as the driver does on receiving its line); it takes the free row at the next pass, so every pass until
     the feed runs dry has both rows, and each output equals the request alone. The batch ends once the feed
     is closed and its rows have finished."""
-    from offspec.feed import RequestFeed
+    from offspec.engine.feed import RequestFeed
 
     requests = [GenerationRequest(prompt_ids=p, max_new_tokens=n, tree=TreeConfig(policy="dyspec", budget=12),
                                   ignore_eos=True) for p, n in zip(prompts(6), (9, 5, 14, 3, 8, 6))]
@@ -165,7 +165,7 @@ def test_a_cancelled_request_leaves_at_the_next_pass_and_the_others_run_as_alone
     """RequestFeed.cancel (a server's client that went away): a running request yields nothing after the pass
     it was cancelled in and its row takes the next waiting request; a waiting one never runs; the others'
     outputs are their outputs alone."""
-    from offspec.feed import RequestFeed
+    from offspec.engine.feed import RequestFeed
 
     requests = [GenerationRequest(prompt_ids=p, max_new_tokens=n, tree=TreeConfig(policy="dyspec", budget=12),
                                   ignore_eos=True) for p, n in zip(prompts(4), (30, 10, 10, 10))]
@@ -189,7 +189,7 @@ def test_a_cancelled_request_leaves_at_the_next_pass_and_the_others_run_as_alone
 def test_fixed_budget_rows_after_auto_budget_rows_finished(engine):
     """A batch whose auto-budget rows have all finished goes on with fixed-budget rows alone (the controller
     then has no row to budget: it must not divide by their count)."""
-    from offspec.feed import RequestFeed
+    from offspec.engine.feed import RequestFeed
 
     auto = GenerationRequest(prompt_ids=prompts(1)[0], max_new_tokens=3, ignore_eos=True)
     fixed = GenerationRequest(prompt_ids=prompts(2)[1], max_new_tokens=12, ignore_eos=True,
@@ -210,7 +210,8 @@ def test_with_no_row_in_flight_the_batch_waits_for_the_feed(engine):
     """An open, empty feed: run_batch waits (no busy loop, no early end) until another thread puts a
     request, and ends when that thread closes the feed."""
     import threading
-    from offspec.feed import RequestFeed
+
+    from offspec.engine.feed import RequestFeed
 
     request = GenerationRequest(prompt_ids=prompts(1)[0], max_new_tokens=5, ignore_eos=True)
     feed = RequestFeed(tokens_a_row=len(request.prompt_ids) + 5)
@@ -232,7 +233,7 @@ def test_with_no_row_in_flight_the_batch_waits_for_the_feed(engine):
 def test_a_request_longer_than_an_open_feed_said_is_refused(pair):
     """An open feed's rows hold tokens_a_row + the largest tree; a request needing more is refused in one line
     (it would overrun its cache row), the others run."""
-    from offspec.feed import RequestFeed
+    from offspec.engine.feed import RequestFeed
 
     small_trees = load_engine(pair[0], pair[1], OffloadConfig(), RUNTIME, progress=False,
                               limits=RunLimits(concurrency=2, tree_budget=8)).engine
@@ -250,7 +251,7 @@ def test_a_request_longer_than_an_open_feed_said_is_refused(pair):
 def test_a_feed_closed_ahead_of_its_last_put_stays_open_for_it():
     """A Ray actor's calls may run out of order: the driver's close(after=n) can arrive before its last put;
     the feed ends only once n requests came, and refuses more."""
-    from offspec.feed import RequestFeed
+    from offspec.engine.feed import RequestFeed
 
     feed = RequestFeed()
     feed.put([(0, "a")])
@@ -299,7 +300,7 @@ def test_streamed_batch_equals_resident_alone(pair, engine, tmp_path):
 
 def fresh_prefill(model, tokens):
     """(k, v) of `tokens` run from scratch through `model`, each (L, H_kv, T, hd)."""
-    from offspec.kv_cache import KVCache
+    from offspec.model.kv_cache import KVCache
     T = len(tokens)
     cache = KVCache.for_model(model.cfg, T, torch.float32, torch.device("cpu"))
     positions = torch.arange(T)
@@ -371,8 +372,8 @@ class _TreeView:
 @pytest.mark.parametrize("broken", ["sibling visible in a draft mask row", "draft positions off by one",
                                     "another row's cache visible"])
 def test_negative_controls_are_caught(engine, monkeypatch, broken):
-    from offspec.generate import Engine
-    from offspec.kv_cache import KVCache
+    from offspec.engine.generate import Engine
+    from offspec.model.kv_cache import KVCache
     if broken == "another row's cache visible":
         real_write = KVCache.write
 
@@ -405,9 +406,9 @@ def test_sampling_is_lossless_with_several_rows_in_flight(tmp_path):
     error of 0.15 is caught with power > 0.998 (one of 0.1 with power >= 0.69)."""
     import numpy as np
     from scipy.stats import chisquare
-
-    from offspec.sampling import process_logits
     from tiny import make_tokenizer
+
+    from offspec.spec.sampling import process_logits
 
     target = make_model(hf_config("llama", n_layers=2, vocab=24), seed=11, scale=3.0)
     with torch.no_grad():
@@ -473,7 +474,7 @@ def context_pair(tmp_path_factory):
 
 def continuation_law(target, prompt: tuple[int, ...], sampling: SamplingConfig, k: int) -> dict[tuple, float]:
     """{(t_1 .. t_k): P(t_1 .. t_k | prompt)} under the transformers model, every factor processed by `sampling`."""
-    from offspec.sampling import process_logits
+    from offspec.spec.sampling import process_logits
     with torch.no_grad():
         q = process_logits(target(torch.tensor([prompt])).logits[0, -1], sampling).double()   # (V,)
     if k == 1:
@@ -528,8 +529,8 @@ def test_continuations_follow_the_context_dependent_targets_law(context_pair, tr
 @pytest.mark.parametrize("broken", ["verifier reads the parent's distribution", "target attends to the whole tree",
                                     "cache keeps the first tree rows"])
 def test_the_law_test_catches_wrong_verification_attention_and_caches(context_pair, monkeypatch, broken):
-    from offspec import generate
-    from offspec.kv_cache import KVCache
+    from offspec.engine import generate
+    from offspec.model.kv_cache import KVCache
     if broken.startswith("verifier"):
         accept = generate.Engine._accept
 
@@ -584,7 +585,7 @@ def test_a_long_prompt_joins_in_chunks_beside_decoding_rows(engine, per_pass):
 def test_auto_concurrency_refills_only_the_rows_the_costs_favour(engine, monkeypatch):
     """adapt_rows: `concurrency` is the most rows; a finished row is refilled only while the planner's
     rows_worth says so. The outputs stay each request's own."""
-    from offspec.controller import Controller
+    from offspec.engine.controller import Controller
     requests = [GenerationRequest(prompt_ids=p, max_new_tokens=n, ignore_eos=True)          # auto tree budget
                 for p, n in zip(prompts(6), [5, 17, 9, 12, 3, 8])]
     for worth, most_seen in ((2, 2), (None, 4)):
@@ -606,7 +607,7 @@ def test_while_plain_decoding_wins_a_probe_grows_one_tree_the_least_behind(engin
     prompts), the rows then decode plainly, and each probe that re-times trees grows the tree of one row only,
     the one whose draft has the least to read. The engine hands the planner each row's backlog and tokens left
     after the commits, and the catch-up's tokens; the outputs stay each request's own."""
-    from offspec.controller import Controller
+    from offspec.engine.controller import Controller
     monkeypatch.setattr(Controller, "target_fit", lambda self: (0.0, 1.0))
     monkeypatch.setattr(Controller, "draft_fit", lambda self, unsure="per call": (1.0, 1.0))
     monkeypatch.setattr(Controller, "catch_up_fit", lambda self: 1.0)
@@ -643,7 +644,7 @@ def test_a_cpu_job_probes_first_only_where_the_target_is_resident(pair, mode):
     """Resident on a CPU (a pass and a draft's prompt read are both compute) the job's first round grows no tree
     and the next one row's (probe_first); where the target streams, a pass costs its read of every layer as on a
     GPU, and every row grows its tree from the first round. Either way each row's tokens are its own."""
-    from offspec.controller import Controller
+    from offspec.engine.controller import Controller
     offload = OffloadConfig(mode=mode, n_slots=2)
     eng = load_engine(pair[0], pair[1], offload, RUNTIME, progress=False, limits=LIMITS).engine
     grew = []

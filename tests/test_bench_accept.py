@@ -1,12 +1,12 @@
 """scripts/bench_accept.py end to end on tiny checkpoints (CPU, float32, seconds): fixed tree policies measured by
-offspec.bench's runner through the memory plan, tokens per pass up to the cut, the best chain as the reference,
+offspec.bench.runner through the memory plan, tokens per pass up to the cut, the best chain as the reference,
 resume and refusals; and the old bench_accept rows' report (scripts/devtools/levers_report.py)."""
 import json
 
 import pytest
-
 from scripts_module import load_script
 from tiny import hf_config, make_model, make_tokenizer, perturbed_copy, save_checkpoint
+
 from offspec.errors import InputError
 
 

@@ -1,5 +1,5 @@
 """scripts/_common.py: a section's head says where and when its rows were measured (never the rendering's own time),
-and a section is written between its markers; offspec.bench's rows files, which every script reads and appends to,
+and a section is written between its markers; offspec.bench.runner's rows files, which every script reads and appends to,
 are read plain or gzip-compressed and appended to only plain."""
 import gzip
 import json
@@ -7,9 +7,9 @@ import sys
 
 import pytest
 import torch
-
 from scripts_module import load_script
-from offspec import bench
+
+from offspec.bench import runner as bench
 from offspec.errors import InputError
 
 common = load_script("_common")
@@ -115,7 +115,7 @@ def test_both_the_plain_and_the_compressed_file_is_one_clear_error(tmp_path):
 
 
 def test_git_commit_and_cpu_model_are_offspec_benchs(monkeypatch):
-    from offspec import bench
+    from offspec.bench import runner as bench
     monkeypatch.setenv("OFFSPEC_COMMIT", "feedbee")
     assert common.git_commit() == bench.git_commit() == "feedbee"
     assert common.cpu_model() == bench.cpu_model()

@@ -1,4 +1,4 @@
-"""offspec.bench's statistics (the runner's, which the scripts share): bootstrap intervals over prompts, paired
+"""offspec.bench.runner's statistics (the runner's, which the scripts share): bootstrap intervals over prompts, paired
 ratios, shuffled run orders, row stamps."""
 import statistics
 
@@ -8,7 +8,7 @@ import pytest
 
 @pytest.fixture(scope="module")
 def st():
-    from offspec import bench
+    from offspec.bench import runner as bench
     return bench
 
 

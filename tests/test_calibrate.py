@@ -3,14 +3,22 @@ test_generate)."""
 import math
 
 import torch
-
-from offspec.calibrate import (AcceptanceCounts, Calibration, Calibrator, NGRAM_PRIOR, _isotonic, judged_greedy,
-                               judged_path, observe)
-from offspec.config import SamplingConfig, TreeConfig
-from offspec.ngram import NgramChain, lookup
-from offspec.sampling import make_generator
-from offspec.tree import TokenTree
 from drivers import grow
+
+from offspec.config import SamplingConfig, TreeConfig
+from offspec.spec.calibrate import (
+    NGRAM_PRIOR,
+    AcceptanceCounts,
+    Calibration,
+    Calibrator,
+    _isotonic,
+    judged_greedy,
+    judged_path,
+    observe,
+)
+from offspec.spec.ngram import NgramChain, lookup
+from offspec.spec.sampling import make_generator
+from offspec.spec.tree import TokenTree
 
 
 def test_lookup_takes_the_longest_match_most_recent_first():
@@ -103,6 +111,7 @@ def test_ngram_chains_graft_onto_the_tree_and_share_the_budget():
 
 def test_calibration_plot_reads_bench_rows(tmp_path):
     import json
+
     from scripts_module import load_script
 
     plot = load_script("calibration_plot")
@@ -120,7 +129,7 @@ def test_calibration_plot_reads_bench_rows(tmp_path):
     assert plot.main(["--rows", str(rows), "--prompt-set", "chat", "--out", str(out)]) == 0
     assert out.stat().st_size > 1000
     assert plot.main(["--rows", str(rows), "--prompt-set", "code", "--out", str(out)]) == 1
-    import gzip                                                         # the rows as committed: gzip-compressed
+    import gzip  # the rows as committed: gzip-compressed
     packed = tmp_path / "packed.jsonl.gz"
     packed.write_bytes(gzip.compress(rows.read_bytes()))
     out.unlink()

@@ -4,10 +4,10 @@ import shutil
 
 import pytest
 import torch
-
-from offspec.checkpoint import Checkpoint, parse_config
-from offspec.errors import CheckpointError
 from tiny import hf_config, make_model, save_checkpoint
+
+from offspec.errors import CheckpointError
+from offspec.formats.checkpoint import Checkpoint, parse_config
 
 
 @pytest.fixture(scope="module")
@@ -83,7 +83,7 @@ def test_truncated_safetensors(good, tmp_path):
 
 def test_headers_only_folder_describes_itself_but_does_not_load(good, tmp_path):
     """A folder of config + safetensors headers (no data) is enough to plan: headers_only opens it."""
-    from offspec.checkpoint import read_safetensors_header
+    from offspec.formats.checkpoint import read_safetensors_header
     path = copy(good, tmp_path)
     f = path / "model.safetensors"
     header, needed = read_safetensors_header(f)
@@ -98,7 +98,7 @@ def test_headers_only_folder_describes_itself_but_does_not_load(good, tmp_path):
 
 def test_headers_given_describe_the_checkpoint_without_weight_files(good, tmp_path):
     """headers= (a hub model's, read from the hub): config.json alone on disk, the same description as the folder."""
-    from offspec.checkpoint import read_safetensors_header
+    from offspec.formats.checkpoint import read_safetensors_header
     header, _ = read_safetensors_header(good / "model.safetensors")
     path = tmp_path / "config_only"
     path.mkdir()
@@ -147,7 +147,7 @@ def test_a_folder_without_tokenizer_files_says_so(arch, tmp_path):
     """Without tokenizer files transformers builds an empty Qwen2 tokenizer (every prompt then encodes to
     nothing) and fails on a Llama folder with a message about its backend: both are one line naming the folder
     and the files it lacks."""
-    from offspec.checkpoint import TOKENIZER_FILES, load_tokenizer
+    from offspec.formats.checkpoint import TOKENIZER_FILES, load_tokenizer
     path = save_checkpoint(make_model(hf_config(arch, n_layers=1)), tmp_path / arch)
     for file in path.iterdir():
         if file.name.startswith(("tokenizer", "special_tokens", "vocab", "merges")):

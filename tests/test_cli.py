@@ -13,15 +13,15 @@ import click
 import pytest
 import torch
 from click.testing import CliRunner
+from tiny import CHARS, SPECIALS, hf_config, make_model, perturbed_copy, save_checkpoint
 
-import offspec.generate
-from offspec.cli import main
+import offspec.engine.generate
+from offspec.cli.main import main
 from offspec.config import OffloadConfig, RuntimeConfig, TreeConfig
-from offspec.generate import GenerationRequest, run
-from offspec.load import load_engine
-from offspec.plan import AUTO_CONCURRENCY
-from offspec.prompt import encode_prompt
-from tiny import SPECIALS, CHARS, hf_config, make_model, perturbed_copy, save_checkpoint
+from offspec.engine.generate import GenerationRequest, run
+from offspec.engine.load import load_engine
+from offspec.engine.prompt import encode_prompt
+from offspec.plan.core import AUTO_CONCURRENCY
 
 RUNTIME = RuntimeConfig(device=torch.device("cpu"), dtype=torch.float32)
 FAST = ["--device", "cpu", "--dtype", "float32", "--offload", "none"]
@@ -179,7 +179,7 @@ def test_draft_quant_auto(m, monkeypatch, dtype, expected):
         seen["runtime"], seen["tree"] = runtime, None
         raise KeyboardInterrupt          # stop before loading: only the configs are checked
 
-    monkeypatch.setattr("offspec.load.Models.load", fake_load)
+    monkeypatch.setattr("offspec.engine.load.Models.load", fake_load)
     cli("generate", *m.models, "--device", "cpu", "--dtype", dtype, PROMPT)
     assert seen["runtime"].draft_quant == expected
 
@@ -210,9 +210,9 @@ def test_offload_modes_stream_the_target(m, tmp_path, mode):
 def test_offload_cpu_and_disk_tiers_in_one_run(m, tmp_path):
     """--offload cpu+disk with a host budget of one layer (of the tiny target's two): one streamed layer copied
     from host RAM, the other read from the store in the same passes; the tokens are the resident target's."""
-    from offspec.checkpoint import Checkpoint
-    from offspec.layout import BLOCK_ALIGN, N_STAGING, arena_stride, round_up
-    from offspec.quant import target_layout
+    from offspec.formats.checkpoint import Checkpoint
+    from offspec.formats.layout import BLOCK_ALIGN, N_STAGING, arena_stride, round_up
+    from offspec.formats.quant import target_layout
     block = target_layout(Checkpoint(m.target, headers_only=True).config, torch.float32, "none").nbytes
     budget = arena_stride(block) + N_STAGING * round_up(block, BLOCK_ALIGN)   # one arena layer + staging
     _, report = generate_json(m, tmp_path, "--offload", "cpu+disk", "--store-dir", tmp_path / "store",
@@ -232,14 +232,14 @@ def test_offload_auto_keeps_the_target_resident_on_cpu(m, tmp_path):
 
 def test_engine_is_closed_and_ctrl_c_exits_130(m, monkeypatch):
     closed = []
-    real_close = offspec.generate.Engine.close
-    monkeypatch.setattr(offspec.generate.Engine, "close", lambda self: (closed.append(1), real_close(self)))
+    real_close = offspec.engine.generate.Engine.close
+    monkeypatch.setattr(offspec.engine.generate.Engine, "close", lambda self: (closed.append(1), real_close(self)))
     ok(cli("generate", *m.models, *FAST, "--max-new-tokens", 2, PROMPT))
     assert closed == [1]
 
     def interrupted(*args, **kwargs):
         raise KeyboardInterrupt
-    monkeypatch.setattr(offspec.generate, "run", interrupted)
+    monkeypatch.setattr(offspec.engine.generate, "run", interrupted)
     result = cli("generate", *m.models, *FAST, "--offload", "cpu", PROMPT)
     assert result.exit_code == 130 and "Traceback" not in result.output
     assert result.stderr.strip().splitlines()[-1] == "offspec: interrupted"
@@ -303,21 +303,21 @@ def test_batch_interrupted_then_resumed_loses_and_duplicates_nothing(m, tmp_path
     out = tmp_path / "out.jsonl"
     args = ["batch", prompts, "-o", out, *m.models, *FAST, "--max-new-tokens", 3, "--concurrency", concurrency]
 
-    calls, real_run = [], offspec.generate.report_of
+    calls, real_run = [], offspec.engine.generate.report_of
 
     def run_then_ctrl_c(*a, **kw):          # Ctrl-C as the third prompt finishes
         calls.append(1)
         if len(calls) == 3:
             raise KeyboardInterrupt
         return real_run(*a, **kw)
-    monkeypatch.setattr(offspec.generate, "report_of", run_then_ctrl_c)
+    monkeypatch.setattr(offspec.engine.generate, "report_of", run_then_ctrl_c)
     result = cli(*args)
     assert result.exit_code == 130 and "Traceback" not in result.output
     assert "rerun to resume" in result.stderr
     kept = [r["id"] for r in read_results(out)]                   # finished lines kept, each complete (in the
     assert len(kept) == len(set(kept)) == 2 and set(kept) <= set(ids)   # order rows finish: any, with 3 rows)
 
-    monkeypatch.setattr(offspec.generate, "report_of", real_run)
+    monkeypatch.setattr(offspec.engine.generate, "report_of", real_run)
     result = ok(cli(*args))
     assert "resuming: 2 of 6" in result.stderr
     rows = read_results(out)
@@ -376,7 +376,7 @@ def test_batch_openai_lines_honour_their_body_and_answer_in_openai_shape(m, tmp_
 
 
 def test_every_json_report_says_which_offspec_models_settings_and_tokens_per_second(m, tmp_path):
-    from offspec.metrics import offspec_version
+    from offspec.engine.metrics import offspec_version
     prompts = write_jsonl(tmp_path / "p.jsonl", [{"id": "x", "prompt": "a prompt that is long enough"}])
     runs = {"generate": (["generate", *m.models, *FAST, "--max-new-tokens", 4, PROMPT], "tokens_per_second"),
             "batch": (["batch", prompts, "-o", tmp_path / "out.jsonl", *m.models, *FAST, "--max-new-tokens", 4],
@@ -514,13 +514,14 @@ def test_models_prepare_then_disk_generate_and_corrupt_stores(m, tmp_path):
 def test_os_error_on_the_loader_thread_is_one_line(m, tmp_path, monkeypatch):
     """An I/O error while streaming arrives wrapped from the loader thread; the CLI still prints one line."""
     import errno
-    import offspec.stores
+
+    import offspec.stream.stores
 
     def failing_read(self, layer, out, offset, gate):   # a DiskStore reader thread's read of one piece
         raise OSError(errno.EIO, "Input/output error", "layers.bin")
     disk = ["--device", "cpu", "--dtype", "float32", "--offload", "disk", "--store-dir", tmp_path / "store"]
     ok(cli("models", "prepare", m.target, "--dtype", "float32", "--store-dir", tmp_path / "store"))
-    monkeypatch.setattr(offspec.stores.DiskStore, "_read_piece", failing_read)
+    monkeypatch.setattr(offspec.stream.stores.DiskStore, "_read_piece", failing_read)
     assert_clean_error(cli("generate", *m.models, *disk, PROMPT), "Input/output error: layers.bin")
 
 
@@ -698,7 +699,7 @@ def test_help_explains_every_option_with_its_default(path, command):
 @pytest.mark.parametrize("name", ["generate", "batch", "bench"])
 def test_help_puts_the_common_options_first_and_lists_each_once(name):
     """Two sections: the options most runs set, then "Advanced options"; every option (and its help) once."""
-    from offspec.cli import ESSENTIAL_OPTIONS
+    from offspec.cli.main import ESSENTIAL_OPTIONS
 
     command = main.commands[name]
     result = CliRunner().invoke(main, [name, "--help"], prog_name="offspec", terminal_width=120)

@@ -19,15 +19,16 @@ import torch
 
 ray = pytest.importorskip("ray", reason="the Ray tests need ray (pip install -e .[test])")
 
-from offspec.cluster import LOCAL_OBJECT_STORE, Cluster, WorkerSpec
-from offspec.config import OffloadConfig, RunLimits, RuntimeConfig, TreeConfig
-from offspec.generate import GenerationRequest
-from offspec.checkpoint import load_tokenizer
-from offspec.jobs import PromptDone
-from offspec.plan import AUTO_CONCURRENCY
-from offspec.prompt import encode_prompt
 from test_cli import FAST, cli, ok, printable_only, read_results, write_jsonl
 from tiny import hf_config, make_model, perturbed_copy, save_checkpoint
+
+from offspec.config import OffloadConfig, RunLimits, RuntimeConfig, TreeConfig
+from offspec.engine.generate import GenerationRequest
+from offspec.engine.prompt import encode_prompt
+from offspec.formats.checkpoint import load_tokenizer
+from offspec.jobs.cluster import LOCAL_OBJECT_STORE, Cluster, WorkerSpec
+from offspec.jobs.runner import PromptDone
+from offspec.plan.core import AUTO_CONCURRENCY
 
 REPO = Path(__file__).resolve().parents[1]
 RUNTIME = RuntimeConfig(device=torch.device("cpu"), dtype=torch.float32)
@@ -220,16 +221,16 @@ def test_workers_on_one_node_build_a_disk_store_once(m, tmp_path, monkeypatch):
     and the second open it (without the lock both would see no store and write the same files)."""
     import threading
 
-    import offspec.load
-    from offspec.cluster import BatchWorker
+    import offspec.engine.load
+    from offspec.jobs.cluster import BatchWorker
 
-    builds, real_prepare = [], offspec.load.prepare_disk_store
+    builds, real_prepare = [], offspec.engine.load.prepare_disk_store
 
     def counted_prepare(*args, **kwargs):
         builds.append(threading.current_thread().name)
         time.sleep(0.5)                          # a build long enough for the other worker to arrive meanwhile
         return real_prepare(*args, **kwargs)
-    monkeypatch.setattr(offspec.load, "prepare_disk_store", counted_prepare)
+    monkeypatch.setattr(offspec.engine.load, "prepare_disk_store", counted_prepare)
     monkeypatch.setenv("OFFSPEC_HOME", str(tmp_path / "home"))
     spec = WorkerSpec(target=str(m.target), draft=None, demo=False,
                       offload=OffloadConfig(mode="disk", store_dir=str(tmp_path / "store")), runtime=RUNTIME,

@@ -1,8 +1,8 @@
 """The runtime controller: one node budget per pass, shared by node value among the rows in flight."""
 import torch
 
-from offspec.controller import Controller, RoundRecord, RowView
-from offspec.tree import TokenTree
+from offspec.engine.controller import Controller, RoundRecord, RowView
+from offspec.spec.tree import TokenTree
 
 
 def budget(controller, row):
@@ -352,7 +352,7 @@ def rows_by_hand(p: Controller, most: int) -> int:
     being the best over k pooled nodes (k = 0: plain decoding) of tokens over seconds, the trees' seconds the
     model's times the measured miss, their draft priced per node where more rows than measured are extrapolated
     and the fit cannot tell a call from a node."""
-    from offspec.controller import ROW_GAIN
+    from offspec.engine.controller import ROW_GAIN
     R = len(p.trees)
     a, b = p.target_fit()
     e = p.catch_up_fit()
@@ -419,7 +419,7 @@ def test_one_pass_verifies_at_most_max_budget_nodes_over_all_rows():
 
 def test_held_resident_layers_add_their_dequantization_to_the_predicted_pass():
     """--resident-quant: fewer bytes stream, and each held layer's dequantization (in line with compute) is added."""
-    from offspec.costmodel import GpuSetup, predict_seconds_per_token
+    from offspec.plan.costmodel import GpuSetup, predict_seconds_per_token
     setup = GpuSetup(link_gb_per_s=24.0, dequant_s_per_layer=1e-3)
     plain = predict_seconds_per_token(48 * 10**9, setup, tokens_per_pass=8, draft_seconds_per_round=0.0)
     held = predict_seconds_per_token(24 * 10**9, setup, tokens_per_pass=8, draft_seconds_per_round=0.0, held_layers=50)
@@ -525,7 +525,7 @@ def test_a_row_alone_on_a_cpu_with_the_target_resident_prefills_plainly_then_gro
     """Its first token comes after the target's prefill alone: the first round grows no tree, the next one its
     32-node tree. Where the pass streams or runs on a GPU, the first round grows the tree with the prefill (on a
     CPU a fixed 16 nodes: the next test)."""
-    from offspec.controller import RunStart
+    from offspec.engine.controller import RunStart
     cpu = Controller.for_run(RunStart(gpu=False, streamed=False, rows=1, max_budget=1024))
     assert budget(cpu, "r") == 0
     cpu.observe(RoundRecord({"r": TokenTree(0, capacity=1)}, draft_seconds=0.0, target_seconds=0.5,
@@ -561,7 +561,7 @@ def test_a_tree_held_shallow_by_the_last_tokens_does_not_replace_the_rows_refere
 
 def test_one_row_on_a_cpu_whose_target_streams_grows_a_fixed_tree():
     """There every round's tree is 16 nodes, whatever the rounds measured; two rows, or a GPU, choose theirs."""
-    from offspec.controller import RunStart
+    from offspec.engine.controller import RunStart
 
     p = Controller.for_run(RunStart(gpu=False, streamed=True, rows=1, max_budget=1024))
     for n, seconds in ((17, 0.6), (9, 0.5), (33, 0.8), (5, 0.45)):

@@ -5,8 +5,15 @@ from pathlib import Path
 
 import pytest
 
-from offspec.costmodel import (H100, GpuSetup, _at, dequant_seconds, draft_call_seconds, pass_compute_seconds,
-                               predict_seconds_per_token)
+from offspec.plan.costmodel import (
+    H100,
+    GpuSetup,
+    _at,
+    dequant_seconds,
+    draft_call_seconds,
+    pass_compute_seconds,
+    predict_seconds_per_token,
+)
 
 DOCS = Path(__file__).resolve().parents[1] / "docs"
 

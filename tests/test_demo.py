@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from offspec import demo
 from offspec.errors import CheckpointError, InputError
+from offspec.formats import demo
 
 # Three fake parts; together they start with the GGUF magic like a real split file.
 FAKE_PARTS = [demo.GGUF_MAGIC + b"\x03\x00\x00\x00header", b"tensor-data-" * 100, b"tail"]

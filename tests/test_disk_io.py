@@ -7,15 +7,13 @@ import time
 
 import pytest
 import torch
+from test_offload import N_LAYERS, REGIMES, TINY, TearingBackend, filled_layers, random_layers, run_protocol
 
 from offspec.errors import StoreError
-from offspec.layout import LayerLayout, layer_shapes
-from offspec.transfer import format_bytes
-from offspec.layout import BLOCK_ALIGN
-from offspec.ring import LayerStreamer
-from offspec.stores import LAYERS_BIN, DiskStore, prepare_disk_store
-from offspec.transfer import CpuBackend, HostBuffer
-from test_offload import N_LAYERS, REGIMES, TINY, TearingBackend, filled_layers, random_layers, run_protocol
+from offspec.formats.layout import BLOCK_ALIGN, LayerLayout, layer_shapes
+from offspec.stream.ring import LayerStreamer
+from offspec.stream.stores import LAYERS_BIN, DiskStore, prepare_disk_store
+from offspec.stream.transfer import CpuBackend, HostBuffer, format_bytes
 
 # TINY's float32 block is 11 * BLOCK_ALIGN: with 3 reads in flight, pieces of 4, 4 and 3 blocks.
 

@@ -5,10 +5,10 @@ import json
 import pytest
 import torch
 from click.testing import CliRunner
-
-from offspec.cli import main
-from offspec.doctor import check, link
 from tiny import hf_config, make_model, perturbed_copy, save_checkpoint
+
+from offspec.cli.doctor import check, link
+from offspec.cli.main import main
 
 
 @pytest.fixture(scope="module")
@@ -46,13 +46,13 @@ def test_doctor_without_a_target_still_checks_the_machine(monkeypatch, tmp_path)
 
 
 def test_a_failing_section_is_recorded_and_the_rest_still_run(pair, tmp_path, monkeypatch):
-    import offspec.doctor as doctor_mod
+    import offspec.cli.doctor as doctor_mod
 
     def broken(*args):
         raise OSError(5, "Input/output error")
 
     monkeypatch.setattr(doctor_mod, "drive", broken)
-    from offspec.checkpoint import Checkpoint
+    from offspec.formats.checkpoint import Checkpoint
     report = check(Checkpoint(pair[0], headers_only=True), None, torch.device("cpu"), str(tmp_path), quick=True)
     assert report["drive"]["status"] == "failed" and "Input/output error" in report["drive"]["error"]
     assert report["link"]["status"] == "ok" and report["advice"]["status"] == "ok"

@@ -4,13 +4,13 @@ import time
 
 import pytest
 import torch
-
-from offspec.checkpoint import Checkpoint
-from offspec.config import OffloadConfig, RuntimeConfig, SamplingConfig, TreeConfig
-from offspec.generate import GenerationRequest, run
-from offspec.load import load_engine
 from drivers import forward_one
 from tiny import hf_config, make_model, perturbed_copy, save_agreeing_pair, save_checkpoint
+
+from offspec.config import OffloadConfig, RuntimeConfig, SamplingConfig, TreeConfig
+from offspec.engine.generate import GenerationRequest, run
+from offspec.engine.load import load_engine
+from offspec.formats.checkpoint import Checkpoint
 
 RUNTIME = RuntimeConfig(device=torch.device("cpu"), dtype=torch.float32)
 
@@ -198,12 +198,12 @@ def test_streamed_target_equals_resident(pair, tmp_path, offload):
 
 def test_streamed_with_resident_layers_bitwise(pair):
     """Logits of a streamed target with some layers resident equal the all-resident logits bitwise."""
-    from offspec.layout import LayerLayout
+    from offspec.formats.layout import LayerLayout
     layer_bytes = LayerLayout.of(Checkpoint(pair[0]).config, torch.float32).nbytes
     streamed = engine(pair, OffloadConfig(mode="cpu", n_slots=2, gpu_budget=4 * layer_bytes))
     resident = engine(pair)
     try:
-        from offspec.kv_cache import KVCache
+        from offspec.model.kv_cache import KVCache
         cfg = resident.target.cfg
         toks = torch.tensor(PROMPT)
         T = toks.shape[0]
@@ -229,7 +229,7 @@ def test_engine_sampling_is_lossless(tmp_path):
     import numpy as np
     from scipy.stats import chisquare
 
-    from offspec.sampling import process_logits
+    from offspec.spec.sampling import process_logits
 
     target = make_model(hf_config("llama", n_layers=2, vocab=24), seed=11, scale=3.0)
     with torch.no_grad():
@@ -271,7 +271,7 @@ def replace_seed(sampling, seed):
 def test_stop_checker_decodes_only_a_tail():
     """Stop strings are found when they end at the newest token, however long the output, and each check
     decodes a bounded tail (not the whole text, which made long generations quadratic)."""
-    from offspec.generate import StopChecker
+    from offspec.engine.generate import StopChecker
 
     class CharTokenizer:                       # token id = a character's code point
         longest = 0
@@ -301,7 +301,7 @@ def test_max_new_tokens_below_one_is_refused_by_the_library():
 
 def test_both_kv_caches_are_capped_at_the_context(pair, monkeypatch):
     """max_new_tokens of a million on a 512-token model: neither cache is sized by it (the draft's was)."""
-    from offspec import generate as gen_mod
+    from offspec.engine import generate as gen_mod
     capacities = []
     real = gen_mod.KVCache.for_model
 
@@ -345,8 +345,8 @@ def test_a_planned_context_caps_the_engine(pair):
 @pytest.mark.parametrize("chunk", [1, 3, 7])
 def test_chunked_forward_equals_one_piece(pair, chunk):
     """Each layer over its rows in chunks, the mask built per chunk: the same logits (fp32) and the same cache."""
-    from offspec.generate import PassMask
-    from offspec.kv_cache import KVCache
+    from offspec.engine.generate import PassMask
+    from offspec.model.kv_cache import KVCache
     eng = engine(pair)
     cfg = eng.target.cfg
     T = len(PROMPT)
@@ -367,8 +367,8 @@ def test_nan_caches_catch_a_masked_off_read_of_an_unwritten_slot(pair):
     writes (that column masked off for every row) reads a slot nothing wrote, and the logits turn NaN. So a
     forward that read unwritten cache memory fails every test instead of passing on memory that happened to be
     zero (the bug a chunked prefill once had); over exactly its written columns the same forward is finite."""
-    from offspec.generate import causal_rows
-    from offspec.kv_cache import KVCache
+    from offspec.engine.generate import causal_rows
+    from offspec.model.kv_cache import KVCache
     eng = engine(pair)
     T, cpu = len(PROMPT), torch.device("cpu")
     outs = []
@@ -382,8 +382,8 @@ def test_nan_caches_catch_a_masked_off_read_of_an_unwritten_slot(pair):
 
 def test_pass_mask_rows_match_the_whole_mask():
     """PassMask(a, b) = rows a..b-1 of [causal pending rows | tree rows (prefix + ancestors)]; the docstring's example."""
-    from offspec.generate import PassMask
-    from offspec.tree import TokenTree
+    from offspec.engine.generate import PassMask
+    from offspec.spec.tree import TokenTree
     tree = TokenTree(9)
     tree.add(0, 4, 0.5)
     mask = PassMask(3, 2, tree.mask, torch.device("cpu"))
@@ -408,7 +408,7 @@ def test_small_prefill_chunk_keeps_greedy_output(pair):
 def test_sampled_verification_processes_only_the_rows_it_visits(pair, monkeypatch):
     """At T > 0 the target's logits are turned into distributions only at the root and along the accepted
     path, never for all N tree rows (N x V floats plus top-p's sort temporaries: gigabytes at N = 1024)."""
-    from offspec import generate as gen_mod
+    from offspec.engine import generate as gen_mod
     rows_processed = []
     real = gen_mod.process_logits
 
@@ -439,7 +439,7 @@ def test_sampled_verification_processes_only_the_rows_it_visits(pair, monkeypatc
 
 def test_timer_waits_for_the_compute_stream_only(monkeypatch):
     """Timing never calls the device-wide torch.cuda.synchronize (it would wait for the copy stream too)."""
-    from offspec import metrics
+    from offspec.engine import metrics
     calls = []
 
     class Stream:
@@ -457,8 +457,8 @@ def test_every_copy_is_counted_once_even_when_it_ends_during_the_draft(tmp_path,
     """With as many slots as streamed layers, every copy of a pass is issued at the end of the pass before and
     may end while the draft works (here the draft's growth waits a little, as a GPU's copies would end). The
     report still counts each pass's layers once: the streamer's readings tile the run (docs/streaming.md §6)."""
-    from offspec.generate import Engine
-    from offspec.layout import LayerLayout
+    from offspec.engine.generate import Engine
+    from offspec.formats.layout import LayerLayout
     grow_all = Engine._grow_all
 
     def slow_draft(self, *args):
@@ -482,7 +482,7 @@ def test_on_a_cpu_the_draft_loads_beside_the_first_round(pair):
     """A CPU run with the target resident starts with a plain prefill round, so the draft loads on a thread
     beside it (draft.DraftBeside): the first token does not wait for it, the tokens are plain greedy's, and
     what the run waited for the draft after that round is counted in the start, not in decoding."""
-    from offspec.draft import DraftBeside
+    from offspec.model.draft import DraftBeside
     eng = engine(pair)
     try:
         assert isinstance(eng.draft, DraftBeside)
@@ -501,7 +501,7 @@ def test_on_a_cpu_the_draft_loads_beside_the_first_round(pair):
 
 
 def test_a_draft_that_fails_to_load_beside_says_so_at_its_first_use(pair, monkeypatch):
-    import offspec.draft as draft_module
+    import offspec.model.draft as draft_module
     from offspec.errors import CheckpointError
 
     def broken(*args, **kwargs):

@@ -9,13 +9,18 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from drivers import (
+    assert_logits_as_published,
+    assert_speculative_greedy_is_plain,
+    loaded_prompt_logits,
+    on_a_side_stream_without_syncs,
+)
+from tiny import hf_config, make_model, perturbed_copy, save_gguf
 
-from offspec import gguf_blocks, published
-from offspec.checkpoint import Checkpoint, open_checkpoint, same_tokenizer_files
 from offspec.config import OffloadConfig, TreeConfig
 from offspec.errors import CheckpointError
-from drivers import assert_logits_as_published, assert_speculative_greedy_is_plain, loaded_prompt_logits, on_a_side_stream_without_syncs
-from tiny import hf_config, make_model, perturbed_copy, save_gguf
+from offspec.formats import gguf_blocks, published
+from offspec.formats.checkpoint import Checkpoint, open_checkpoint, same_tokenizer_files
 
 gguf = pytest.importorskip("gguf")
 
@@ -81,7 +86,8 @@ def pair(tmp_path_factory, request):
     that often agrees with it, and transformers' own reading of the target (its GGUF loader, dequantizing with
     gguf-py) saved as a dense float32 folder: the reference."""
     from transformers import AutoModelForCausalLM
-    from offspec.demo import convert_gguf
+
+    from offspec.formats.demo import convert_gguf
     root = tmp_path_factory.mktemp(request.param)
     model = make_model(hf_config(request.param, n_layers=3, hidden=256, heads=4, kv_heads=2, vocab=300), seed=7,
                        scale=3.0)
@@ -123,7 +129,8 @@ def test_generate_reads_the_files_and_their_tokenizer(pair, tmp_path):
     """`offspec generate --target x.gguf --draft y.gguf`: the tokenizer comes from the file (converted once, then
     cached; both files' are one), the tokens are the reference folder's, and the report names the format."""
     from click.testing import CliRunner
-    from offspec.cli import main
+
+    from offspec.cli.main import main
     target, draft, reference = pair
     runner, tokens = CliRunner(), []
     for model, extra in ((reference, []), (target, ["--draft", str(draft), "--offload", "cpu"])):
@@ -142,8 +149,9 @@ def test_models_info_plans_it_from_its_blocks(pair):
     """Bytes per layer from the file's types, each matrix at its largest type over the layers (v: F16 in one
     layer, gate: BF16 in one, down: Q6_K in one)."""
     from click.testing import CliRunner
-    from offspec.cli import main
-    from offspec.plan import TargetLayerSizes
+
+    from offspec.cli.main import main
+    from offspec.plan.core import TargetLayerSizes
     ckpt = open_checkpoint(pair[0])
     cfg = ckpt.config
     sizes = TargetLayerSizes.of(cfg, torch.float32, ckpt.quant)
@@ -218,7 +226,8 @@ def test_what_is_not_supported_is_one_line(tmp_path, case, needle):
     """A type, a tensor or an architecture offspec does not read, a truncated or foreign file: one line naming it,
     and `offspec generate` exits non-zero with it."""
     from click.testing import CliRunner
-    from offspec.cli import main
+
+    from offspec.cli.main import main
     model = make_model(hf_config("qwen3" if case == "extra" else "qwen2", n_layers=1, hidden=256, heads=4, kv_heads=2,
                                  vocab=300))
     meta = {"number": {"qwen2.attention.head_count": "four"}, "partial rotary": {"qwen2.rope.dimension_count": 32},
@@ -258,9 +267,9 @@ def test_each_layer_moves_its_own_bytes_whole_or_split(pair):
     """A matrix whose type differs between layers reserves its largest type's bytes in every block, but a load
     copies only what the layer's own type takes: whole, or part by part through a split ring, whose layers (each
     dequantized with its own types) equal the checkpoint's."""
-    from offspec.load import open_target_layers
-    from offspec.plan import LayerPlan, TargetLayerSizes
-    from offspec.quant import target_layout
+    from offspec.engine.load import open_target_layers
+    from offspec.formats.quant import target_layout
+    from offspec.plan.core import LayerPlan, TargetLayerSizes
     ckpt = open_checkpoint(pair[0])
     cfg, quant = ckpt.config, ckpt.quant
     layout = target_layout(cfg, torch.float32, quant)
@@ -289,7 +298,7 @@ def test_each_layer_moves_its_own_bytes_whole_or_split(pair):
 def test_a_tied_model_without_output_weight(tmp_path):
     """llama.cpp writes no output.weight for a model whose lm_head is its embedding (Qwen2.5's small models): read
     tied, its logits are those of transformers' reading of the file."""
-    from offspec.demo import convert_gguf
+    from offspec.formats.demo import convert_gguf
     model = make_model(hf_config("qwen2", n_layers=2, hidden=256, heads=4, kv_heads=2, vocab=300, tie=True), seed=4)
     path = save_gguf(model, tmp_path / "tied.gguf", {"down_proj": "Q6_K"})
     ckpt = open_checkpoint(path)

@@ -20,20 +20,19 @@ import os
 from dataclasses import dataclass
 
 import pytest
+import test_offload
 import torch
-
-from offspec.config import ModelConfig, OffloadConfig
-from offspec.kv_cache import KVCache
-from offspec.layout import GlobalWeights, LayerLayout, layer_shapes
-from offspec.model import Model, ResidentLayers
-from offspec.load import open_target_layers
-from offspec.plan import LayerPlan, layer_nbytes
-from offspec.ring import LayerStreamer
-from offspec.stores import HostArenaStore
-from offspec.transfer import PAGE_BYTES, CudaBackend, CudaEvent, check_copy
 from drivers import forward_one
 
-import test_offload
+from offspec.config import ModelConfig, OffloadConfig
+from offspec.engine.load import open_target_layers
+from offspec.formats.layout import GlobalWeights, LayerLayout, layer_shapes
+from offspec.model.forward import Model, ResidentLayers
+from offspec.model.kv_cache import KVCache
+from offspec.plan.core import LayerPlan, layer_nbytes
+from offspec.stream.ring import LayerStreamer
+from offspec.stream.stores import HostArenaStore
+from offspec.stream.transfer import PAGE_BYTES, CudaBackend, CudaEvent, check_copy
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device "
@@ -355,8 +354,9 @@ def test_cuda_embedding_and_lm_head_in_host_memory_equal_them_on_the_device(monk
     """The plan's embed_on_host / lm_head_on_host: the embedding looked up on the host and the lm_head crossing
     in chunks (four here) give the on-device logits (the chunks' matmuls may round differently: close, not
     bitwise), pass after pass through the streamed target."""
-    import offspec.model as model_module
     from dataclasses import replace
+
+    import offspec.model.forward as model_module
     device = cuda()
     layers, globals_ = random_model(device)
     monkeypatch.setattr(model_module, "LM_HEAD_CHUNK_BYTES", MODEL.vocab_size * MODEL.hidden_size)  # float32: 4

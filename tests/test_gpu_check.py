@@ -11,10 +11,10 @@ from pathlib import Path
 import pytest
 import torch
 from click.testing import CliRunner
+from scripts_module import load_script
+from tiny import hf_config, make_model, perturbed_copy, save_checkpoint
 
 from offspec.config import ModelConfig
-from tiny import hf_config, make_model, perturbed_copy, save_checkpoint
-from scripts_module import load_script
 
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "gpu_check.py"
 CPU = torch.device("cpu")
@@ -110,7 +110,7 @@ def tiny_pair(tmp_path_factory):
 
 def in_process(argv, timeout=None):
     """The script's run_cli, but in this process through click's CliRunner (seconds instead of a process start)."""
-    from offspec.cli import main
+    from offspec.cli.main import main
     result = CliRunner().invoke(main, argv, prog_name="offspec")
     return SimpleRun(result.exit_code, 0.0, result.output[-3000:])
 
@@ -144,12 +144,12 @@ def test_demo_section_on_tiny_checkpoints(gc, tiny_pair):
 
 def test_without_the_demo_models_the_demo_section_runs_a_random_pair(gc, monkeypatch):
     """The device machine lent to a session has no demo models: the section builds a random pair and checks it."""
-    import offspec.demo
+    import offspec.formats.demo
     from offspec.errors import CheckpointError
 
     def missing(progress=True):
         raise CheckpointError("the demo model parts are not installed")
-    monkeypatch.setattr(offspec.demo, "ensure_demo_models", missing)
+    monkeypatch.setattr(offspec.formats.demo, "ensure_demo_models", missing)
     result = gc.run_section(lambda: gc.demo_section(options(gc, "--max-new-tokens", "6"), CPU, run=in_process))
     assert result["status"] == "passed", result
     assert result["pair"].startswith("a random 8-layer pair (no demo pair: the demo model parts are not installed")
@@ -275,7 +275,7 @@ def test_gpu_session_parts_run_on_a_cpu_with_tiny_shapes(tmp_path):
     assert all(r["block_bytes"] < r["dense_bytes"] for r in timed.values())
     chunks = {r["chunk"] for r in data["dequant"]["rows"] if r["quant"] == "awq-g128"}
     assert chunks == set(gs.CHUNKS) and all(r["issue_seconds"] > 0 for r in data["dequant"]["rows"])
-    from offspec import gguf_blocks, published
+    from offspec.formats import gguf_blocks, published
     assert published.DEQUANT_ELEMENTS == 1 << 22 and gguf_blocks.DEQUANT_ELEMENTS["cuda"] == 1 << 22   # restored
     text = (tmp_path / "gpu_70b.md").read_text()
     assert "## pass70b" in text and "## drafts" in text and "## dequant" in text

@@ -3,11 +3,11 @@ import math
 
 import pytest
 import torch
+from drivers import grow
 
 from offspec.config import SamplingConfig, TreeConfig
-from offspec.sampling import make_generator, process_logits
-from offspec.tree import TokenTree
-from drivers import grow
+from offspec.spec.sampling import make_generator, process_logits
+from offspec.spec.tree import TokenTree
 
 V = 12
 GREEDY = SamplingConfig(temperature=0.0)

@@ -6,18 +6,18 @@ import shutil
 from pathlib import Path
 
 import huggingface_hub
-from huggingface_hub.errors import LocalEntryNotFoundError
 import pytest
 import torch
 from click.testing import CliRunner
-
-from offspec.cli import main
-from offspec.config import OffloadConfig, RuntimeConfig, TreeConfig
-from offspec.errors import CheckpointError
-from offspec.generate import GenerationRequest, run
-from offspec.hub import HUB_FILES, HUB_SKIP, hub_cache_dir, resolve_model
-from offspec.load import load_engine
+from huggingface_hub.errors import LocalEntryNotFoundError
 from tiny import hf_config, make_model, perturbed_copy, save_checkpoint
+
+from offspec.cli.main import main
+from offspec.config import OffloadConfig, RuntimeConfig, TreeConfig
+from offspec.engine.generate import GenerationRequest, run
+from offspec.engine.load import load_engine
+from offspec.errors import CheckpointError
+from offspec.formats.hub import HUB_FILES, HUB_SKIP, hub_cache_dir, resolve_model
 
 RUNTIME = RuntimeConfig(device=torch.device("cpu"), dtype=torch.float32)
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
@@ -180,7 +180,7 @@ def fake_hub(monkeypatch, models: dict[str, str], shards: int = 30):
     import fnmatch
     import json
 
-    import httpx2                      # huggingface_hub's HTTP client: its errors carry a response
+    import httpx2  # huggingface_hub's HTTP client: its errors carry a response
     from huggingface_hub.errors import RepositoryNotFoundError
     from huggingface_hub.utils import SafetensorsFileMetadata, SafetensorsRepoMetadata, TensorInfo
     from shapes import MODELS, tensor_shapes

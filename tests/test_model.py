@@ -1,13 +1,13 @@
 """Our functional forward against transformers' own models (fp32), prompt then token by token with the cache."""
 import pytest
 import torch
-
-from offspec.checkpoint import Checkpoint
-from offspec.draft import load_resident
-from offspec.kv_cache import KVCache
-from offspec.model import RowSpan
 from drivers import forward_one
 from tiny import hf_config, make_model, save_checkpoint
+
+from offspec.formats.checkpoint import Checkpoint
+from offspec.model.draft import load_resident
+from offspec.model.forward import RowSpan
+from offspec.model.kv_cache import KVCache
 
 CPU = torch.device("cpu")
 
@@ -97,7 +97,7 @@ def test_attention_in_bounded_query_blocks_equals_one_call(tmp_path, monkeypatch
     the one-call ones (to float32 rounding: the kernel's blocking follows its query count) and transformers';
     the plan counts the smaller scores."""
     import offspec.config as config
-    from offspec.plan import activation_nbytes
+    from offspec.plan.core import activation_nbytes
     hf = make_model(hf_config("llama"), seed=5)
     ckpt = Checkpoint(save_checkpoint(hf, tmp_path / "m"))
     ours = load_resident(ckpt, CPU, torch.float32)
@@ -122,7 +122,7 @@ def test_attention_never_asks_for_cudnn(tmp_path, monkeypatch):
     """Every attention call of a pass runs with cuDNN's SDPA backend off and the others on: cuDNN plans each new
     query and key length anew, and a tree pass brings new lengths on nearly every call (docs/streaming.md §9).
     The flags are PyTorch's global ones, so a CPU run sees what a GPU run would ask."""
-    import offspec.model as model
+    import offspec.model.forward as model
     hf = make_model(hf_config("llama"), seed=5)
     ckpt = Checkpoint(save_checkpoint(hf, tmp_path / "m"))
     ours = load_resident(ckpt, CPU, torch.float32)
@@ -143,7 +143,7 @@ def test_attention_never_asks_for_cudnn(tmp_path, monkeypatch):
 def test_logits_from_an_lm_head_in_chunks_equal_one_matmul(monkeypatch):
     """model.chunked_logits (an lm_head in host memory crossing a chunk at a time): the same logits as one
     matmul, with a chunk that does not divide the vocabulary; the chunk size is LM_HEAD_CHUNK_BYTES."""
-    import offspec.model as model_module
+    import offspec.model.forward as model_module
     g = torch.Generator().manual_seed(3)
     x, head = torch.randn(5, 16, generator=g), torch.randn(100, 16, generator=g)
     monkeypatch.setattr(model_module, "LM_HEAD_CHUNK_BYTES", 7 * 16 * 4)      # 7 rows of float32 a chunk

@@ -9,20 +9,26 @@ import time
 
 import pytest
 import torch
+from drivers import forward_one
 
 from offspec.config import ModelConfig, OffloadConfig
+from offspec.engine.load import open_target_layers
 from offspec.errors import BudgetError, InputError, StoreError
-from offspec.kv_cache import KVCache
-from offspec.layout import LAYER_PARTS, GlobalWeights, LayerLayout, arena_stride, layer_shapes
-from offspec.model import Model, ResidentLayers
-from offspec.layout import BLOCK_ALIGN
-from offspec.load import open_target_layers
-from offspec.plan import LayerPlan, layer_nbytes, place_layers
-from offspec.ring import LayerStreamer
-from offspec.stores import (LAYERS_BIN, MANIFEST, DiskStore, HostArenaStore, disk_store_exists, prepare_disk_store,
-                            store_fingerprint)
-from offspec.transfer import PAGE_BYTES, CpuBackend, CpuEvent
-from drivers import forward_one
+from offspec.formats.layout import BLOCK_ALIGN, LAYER_PARTS, GlobalWeights, LayerLayout, arena_stride, layer_shapes
+from offspec.model.forward import Model, ResidentLayers
+from offspec.model.kv_cache import KVCache
+from offspec.plan.core import LayerPlan, layer_nbytes, place_layers
+from offspec.stream.ring import LayerStreamer
+from offspec.stream.stores import (
+    LAYERS_BIN,
+    MANIFEST,
+    DiskStore,
+    HostArenaStore,
+    disk_store_exists,
+    prepare_disk_store,
+    store_fingerprint,
+)
+from offspec.stream.transfer import PAGE_BYTES, CpuBackend, CpuEvent
 
 CPU = torch.device("cpu")
 TINY = ModelConfig(arch="llama", vocab_size=64, hidden_size=32, intermediate_size=64, n_layers=7,
@@ -97,9 +103,11 @@ def per_pass_slots(base: type = LayerStreamer) -> type:
     It overrides the methods of ring.py that map a load number to its slot with their own source, recompiled
     with that one change, so the harness is shown to catch the bug in the code it tests."""
     import __future__
+
     import inspect
     import textwrap
-    from offspec import ring
+
+    from offspec.stream import ring
     correct, buggy = "n % self.n_slots", "self.streamed[n % len(self.streamed)] % self.n_slots"
     methods, changed = {}, 0
     for name, method in vars(ring.LayerStreamer).items():
@@ -289,8 +297,8 @@ def test_tiered_layers_equal_checkpoint_bitwise(tmp_path, n_host, n_resident, n_
     """cpu+disk: the placement's host layers copied from the arena, the others read from the store, through one
     ring, pass after pass: each layer equals the checkpoint's bit for bit, in order, and only the disk tier is
     read from the drive."""
-    from offspec.quant import target_layout
-    from offspec.stores import TieredStore
+    from offspec.formats.quant import target_layout
+    from offspec.stream.stores import TieredStore
     weights = random_layers(TINY)
     stride = arena_stride(target_layout(TINY, torch.float32, "none").nbytes)
     offload = OffloadConfig(mode="cpu+disk", n_slots=n_slots, host_budget=n_host * stride,
@@ -367,7 +375,7 @@ def test_abandoned_pass_is_finished_before_the_next(tmp_path):
 
 def test_arena_pins_in_whole_layer_pieces(monkeypatch):
     """No layer may straddle two pinned registrations, and every piece starts on a page."""
-    import offspec.layout as layout_module
+    import offspec.formats.layout as layout_module
     layout = LayerLayout.of(TINY, torch.float32)
     stride = arena_stride(layout.nbytes)
     monkeypatch.setattr(layout_module, "PIN_CHUNK_BYTES", 3 * stride + 1)
@@ -394,8 +402,8 @@ def test_arena_pins_in_whole_layer_pieces(monkeypatch):
 def test_an_arena_pinned_in_part_stages_its_pinned_layers_as_pinned(monkeypatch):
     """An arena over its pinned budget has its first pieces pinned (transfer.HostBuffer.pinned_nbytes): a layer in
     them is staged pinned (its copy asynchronous), one past them pageable; the store says how much is pinned."""
-    import offspec.layout as layout_module
-    from offspec.transfer import HostBuffer
+    import offspec.formats.layout as layout_module
+    from offspec.stream.transfer import HostBuffer
     layout = LayerLayout.of(TINY, torch.float32)
     stride = arena_stride(layout.nbytes)
     monkeypatch.setattr(layout_module, "PIN_CHUNK_BYTES", stride)       # a piece a layer
@@ -634,8 +642,8 @@ RSS_SCRIPT = r"""
 import json, sys
 import psutil, torch
 from offspec.config import ModelConfig, OffloadConfig
-from offspec.load import open_target_layers
-from offspec.plan import LayerPlan
+from offspec.engine.load import open_target_layers
+from offspec.plan.core import LayerPlan
 cfg = ModelConfig(**json.loads(sys.argv[2]))
 def no_checkpoint(i):
     raise AssertionError("the store should exist already")
@@ -742,7 +750,7 @@ def test_cuda_streamed_equals_checkpoint(tmp_path, mode, split):
     """The CUDA path, under sync-debug mode "error": no hidden synchronization inside a pass (cpu+disk: three
     layers in the pinned arena, the rest read from the store through the same ring; split: each layer's parts
     copied run by run into slots the size of the largest)."""
-    from offspec.quant import target_layout
+    from offspec.formats.quant import target_layout
     device = torch.device("cuda")
     weights = random_layers(TINY)
     stride = arena_stride(target_layout(TINY, torch.float32, "none").nbytes)
@@ -778,8 +786,8 @@ def test_cuda_streamed_equals_checkpoint(tmp_path, mode, split):
 def test_cuda_arena_pinned_in_part_equals_checkpoint(monkeypatch):
     """An arena over its pinned budget on CUDA: its first pieces registered (a piece a layer here), the others
     copied pageable (synchronously, from the loader thread), every layer as the checkpoint has it."""
-    import offspec.layout as layout_module
-    from offspec.quant import target_layout
+    import offspec.formats.layout as layout_module
+    from offspec.formats.quant import target_layout
     device = torch.device("cuda")
     weights = random_layers(TINY)
     stride = arena_stride(target_layout(TINY, torch.float32, "none").nbytes)

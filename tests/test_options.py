@@ -1,15 +1,15 @@
-"""The options named for a machine (offspec/options.py): every target quantization and offload mode planned, the
+"""The options named for a machine (offspec/plan/options.py): every target quantization and offload mode planned, the
 one auto would use and the fastest marked, what does not fit named, and what would keep the layers in RAM."""
 from __future__ import annotations
 
 import pytest
 import torch
-
-from offspec.checkpoint import Checkpoint
-from offspec.config import OffloadConfig, RunLimits, RuntimeConfig
-from offspec.options import compare
-from offspec.plan import GB, Machine, ModelSpec, make_plan, predicted_pass_seconds
 from shapes import headers_only_checkpoint
+
+from offspec.config import OffloadConfig, RunLimits, RuntimeConfig
+from offspec.formats.checkpoint import Checkpoint
+from offspec.plan.core import GB, Machine, ModelSpec, make_plan, predicted_pass_seconds
+from offspec.plan.options import compare
 
 
 @pytest.fixture(scope="module")
@@ -68,7 +68,7 @@ def test_models_info_prints_the_options_and_shows_them_before_a_refusal(tmp_path
 
     from click.testing import CliRunner
 
-    from offspec.cli import main
+    from offspec.cli.main import main
     t, d = (headers_only_checkpoint(tmp_path, name) for name in ("Llama-3.1-70B-Instruct", "Llama-3.2-1B-Instruct"))
     machine = ["--device-memory", "24GB", "--host-memory", "64GB"]
     out = tmp_path / "plan.json"

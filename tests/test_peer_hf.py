@@ -5,9 +5,8 @@ best setting is the one with the lowest median."""
 
 import pytest
 import torch
-
-from tiny import hf_config, make_model, perturbed_copy
 from scripts_module import load_script
+from tiny import hf_config, make_model, perturbed_copy
 
 PROMPT = [1, 10, 11, 12, 13, 14, 15]
 NEW_TOKENS = 40
@@ -120,8 +119,8 @@ def test_best_setting_is_the_lowest_median_over_the_prompts_every_setting_ran(bp
 
 
 def test_runner_cells_are_offspec_bench_cells(bp, models):
-    """HfSystems.runner's cells carry what offspec.bench.measure and the tables read."""
-    from offspec import bench
+    """HfSystems.runner's cells carry what offspec.bench.runner.measure and the tables read."""
+    from offspec.bench import runner as bench
 
     target, draft = models
     hf = bp.HfSystems.__new__(bp.HfSystems)

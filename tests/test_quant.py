@@ -3,13 +3,13 @@ leaves speculative output exactly the target's."""
 import pytest
 import torch
 import torch.nn.functional as F
-
-from offspec.config import OffloadConfig, RuntimeConfig, TreeConfig
-from offspec.generate import GenerationRequest, run
-from offspec.load import load_engine
-from offspec.quant import FUSED_MAX_ROWS, Int8Weight, linear, narrow_rows
 from drivers import forward_one
 from tiny import hf_config, make_model, perturbed_copy, save_checkpoint
+
+from offspec.config import OffloadConfig, RuntimeConfig, TreeConfig
+from offspec.engine.generate import GenerationRequest, run
+from offspec.engine.load import load_engine
+from offspec.formats.quant import FUSED_MAX_ROWS, Int8Weight, linear, narrow_rows
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -95,7 +95,7 @@ def test_int8_draft_weights(pair):
 @pytest.mark.parametrize("quant", ["int8", "nf4"])
 @pytest.mark.parametrize("rows", [1, FUSED_MAX_ROWS + 3])
 def test_a_held_weight_is_the_dequantized_matrix_and_keeps_no_dense_copy(quant, rows):
-    from offspec.quant import HeldWeight
+    from offspec.formats.quant import HeldWeight
     torch.manual_seed(0)
     w, bias = torch.randn(40, 64), torch.randn(40)
     held = HeldWeight.quantize(w, quant)
@@ -112,9 +112,9 @@ def test_a_held_weight_is_the_dequantized_matrix_and_keeps_no_dense_copy(quant, 
 
 def draft_logits(ckpt_dir, quant):
     """The draft alone over the prompt, one forward: (T, V) float32."""
-    from offspec.checkpoint import Checkpoint
-    from offspec.draft import load_resident
-    from offspec.kv_cache import KVCache
+    from offspec.formats.checkpoint import Checkpoint
+    from offspec.model.draft import load_resident
+    from offspec.model.kv_cache import KVCache
     model = load_resident(Checkpoint(ckpt_dir), torch.device("cpu"), torch.float32, quant)
     T = 20
     cache = KVCache.for_model(model.cfg, T, torch.float32, torch.device("cpu"))
@@ -134,7 +134,7 @@ def unit_scale_draft(tmp_path_factory):
 def test_held_draft_logits_are_close_to_the_dense_drafts(unit_scale_draft, quant, most_rel, most_kl):
     """Measured: int8-held 0.015 relative error, KL 1.3e-4; nf4 0.20, KL 0.022 (bitsandbytes nf4 keeps a
     weight within ~10% of its block's spread, over 28 matrices here)."""
-    from offspec.quant import HeldWeight
+    from offspec.formats.quant import HeldWeight
     _, dense = draft_logits(unit_scale_draft, "none")
     model, held = draft_logits(unit_scale_draft, quant)
     layer = model.layers.layers[0]
@@ -175,7 +175,7 @@ def test_the_help_and_the_readme_quote_the_int8_copys_bound():
 
     from click.testing import CliRunner
 
-    from offspec.cli import main
+    from offspec.cli.main import main
     help_text = " ".join(CliRunner().invoke(main, ["generate", "--help"]).output.split())
     assert f"covers at most {FUSED_MAX_ROWS} of that prompt's tokens" in help_text
     readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
@@ -185,7 +185,7 @@ def test_the_help_and_the_readme_quote_the_int8_copys_bound():
 def test_int8_rows_leaves_its_input_alone_and_matches_the_whole_matrix_formula():
     """int8_rows works a block of rows at a time, in place on a float32 copy: a float32 input is not touched, and
     q and scale equal the formula applied to the whole matrix at once (several blocks and a partial one)."""
-    from offspec.quant import INT8_ROWS_AT_ONCE, int8_rows
+    from offspec.formats.quant import INT8_ROWS_AT_ONCE, int8_rows
     for dtype in (torch.float32, torch.bfloat16):
         w = torch.randn(2 * INT8_ROWS_AT_ONCE + 37, 48, generator=torch.Generator().manual_seed(1)).to(dtype)
         before = w.clone()

@@ -16,10 +16,10 @@ needs_demo = pytest.mark.skipif(
 @needs_demo
 def test_demo_pair_speculative_greedy_equals_transformers():
     from offspec.config import OffloadConfig, RuntimeConfig, TreeConfig
-    from offspec.demo import ensure_demo_models
-    from offspec.generate import GenerationRequest, run
-    from offspec.load import load_engine
-    from offspec.prompt import encode_prompt
+    from offspec.engine.generate import GenerationRequest, run
+    from offspec.engine.load import load_engine
+    from offspec.engine.prompt import encode_prompt
+    from offspec.formats.demo import ensure_demo_models
 
     target_dir, draft_dir = ensure_demo_models(progress=False)
     loaded = load_engine(target_dir, draft_dir, OffloadConfig(mode="cpu"),
@@ -50,12 +50,12 @@ def test_demo_pair_speculative_greedy_equals_transformers():
 def test_the_demo_gguf_files_stream_as_their_converted_folders():
     """The demo pair read from its GGUF files as they are: every weight equals the converted folder's (bf16, as
     transformers dequantized it), and streamed speculative greedy gives the folder's tokens."""
-    from offspec.checkpoint import Checkpoint, open_checkpoint
     from offspec.config import OffloadConfig, RuntimeConfig, TreeConfig
-    from offspec.demo import DEFAULT_DRAFT, DEFAULT_TARGET, ensure_demo_gguf, ensure_demo_models
-    from offspec.generate import GenerationRequest, run
-    from offspec.load import load_engine
-    from offspec.prompt import encode_prompt
+    from offspec.engine.generate import GenerationRequest, run
+    from offspec.engine.load import load_engine
+    from offspec.engine.prompt import encode_prompt
+    from offspec.formats.checkpoint import Checkpoint, open_checkpoint
+    from offspec.formats.demo import DEFAULT_DRAFT, DEFAULT_TARGET, ensure_demo_gguf, ensure_demo_models
 
     cpu, bf16 = torch.device("cpu"), torch.bfloat16
     folders = ensure_demo_models(progress=False)

@@ -5,12 +5,18 @@ import json
 
 import pytest
 
-from offspec.batch import read_prompt_file
 from offspec.config import TreeConfig
+from offspec.engine.prompt import encode_prompt
+from offspec.engine.request import (
+    GenerationRequest,
+    RowLimits,
+    check_max_new_tokens,
+    check_messages,
+    check_request,
+    check_text,
+)
 from offspec.errors import InputError
-from offspec.prompt import encode_prompt
-from offspec.request import (GenerationRequest, RowLimits, check_max_new_tokens, check_messages, check_request,
-                             check_text)
+from offspec.jobs.prompt_files import read_prompt_file
 
 LIMITS = RowLimits(context=64, max_tree_budget=16, capacity=48)
 

@@ -7,8 +7,7 @@ import torch
 from scipy.stats import chisquare
 
 from offspec.config import SamplingConfig
-from offspec.sampling import (draw_without_replacement, greedy, make_generator, process_logits, residual,
-                              sample)
+from offspec.spec.sampling import draw_without_replacement, greedy, make_generator, process_logits, residual, sample
 
 
 def test_greedy_keeps_the_plain_softmax():
@@ -40,8 +39,7 @@ def test_top_k_and_temperature():
 
 
 def test_matches_transformers_warpers_on_batches():
-    from transformers.generation.logits_process import (TemperatureLogitsWarper, TopKLogitsWarper,
-                                                        TopPLogitsWarper)
+    from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
     logits = torch.randn(3, 5, 50, generator=torch.Generator().manual_seed(0)) * 3    # (..., V)
     for T, k, p in [(0.6, 0, 0.9), (1.0, 10, 1.0), (1.3, 7, 0.7)]:
         ours = process_logits(logits, SamplingConfig(temperature=T, top_k=k, top_p=p))

@@ -13,13 +13,14 @@ pytest.importorskip("uvicorn")
 openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
 
-from offspec.config import OffloadConfig, RunLimits, RuntimeConfig, SamplingConfig, TreeConfig  # noqa: E402
-from offspec.generate import GenerationRequest, run  # noqa: E402
-from offspec.load import load_engine  # noqa: E402
-from offspec.prompt import encode_prompt  # noqa: E402
-from offspec.serve import EngineService, ServeConfig, make_app, run_in_thread  # noqa: E402
 from tiny import save_agreeing_pair  # noqa: E402
+
+from offspec.config import OffloadConfig, RunLimits, RuntimeConfig, SamplingConfig, TreeConfig  # noqa: E402
+from offspec.engine.generate import GenerationRequest, run  # noqa: E402
+from offspec.engine.load import load_engine  # noqa: E402
+from offspec.engine.prompt import encode_prompt  # noqa: E402
 from offspec.errors import InputError
+from offspec.serve.app import EngineService, ServeConfig, make_app, run_in_thread  # noqa: E402
 
 KEY = "sk-test"
 TREE = TreeConfig(policy="dyspec", budget=8)
@@ -282,7 +283,8 @@ def test_a_chunked_body_over_the_cap_is_413(server):
 
 def test_a_non_loopback_host_needs_a_key(pair):
     from click.testing import CliRunner
-    from offspec.cli import main
+
+    from offspec.cli.main import main
     r = CliRunner().invoke(main, ["serve", "--target", str(pair[0]), "--host", "0.0.0.0"])
     assert r.exit_code != 0 and "--api-key" in r.output and "Traceback" not in r.output
 
@@ -291,6 +293,7 @@ def test_bench_serve_reports_its_rows():
     """scripts/bench_serve.py's table from rows (no model): tokens/s, the concurrent run against the sequential one
     before it, passes, and how many answers matched."""
     from types import SimpleNamespace
+
     from scripts_module import load_script
     bench = load_script("bench_serve")
     rows = [dict(way=way, seconds=s, tokens=64, tokens_per_s=64 / s, passes=p, request_passes=rp, texts=texts,
@@ -308,6 +311,7 @@ def test_bench_serve_report_only_states_the_settings_its_rows_were_measured_with
     import gzip
     import json
     import sys
+
     from scripts_module import load_script
     bench = load_script("bench_serve")
 
@@ -352,7 +356,7 @@ def test_the_offspec_serve_command_answers_a_client(pair, tmp_path):
     with __import__("socket").socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    code = "import sys; from offspec.cli import main; sys.exit(main())"
+    code = "import sys; from offspec.cli.main import main; sys.exit(main())"
     proc = subprocess.Popen([sys.executable, "-c", code, "serve", "--target", str(pair[0]), "--draft", str(pair[1]),
                              "--device", "cpu", "--dtype", "float32", "--port", str(port), "--api-key", KEY,
                              "--model-name", "tiny", "--tree-budget", "8"],

@@ -7,21 +7,40 @@ from dataclasses import replace
 
 import pytest
 import torch
-
-from offspec.config import ModelConfig, OffloadConfig, RunLimits, RuntimeConfig
-from offspec.errors import BudgetError
-from offspec.kv_cache import KVCache
-from offspec.layout import LAYER_PARTS, WHOLE, GlobalWeights, LayerLayout, layer_shapes
-from offspec.load import open_target_layers
-from offspec.model import Model
-from offspec.plan import (LayerPlan, Machine, ModelSpec, TargetLayerSizes, choose_placement, layer_nbytes,
-                          make_plan, place_layers, split_activation_nbytes, split_tiers)
-from offspec.ring import LayerStreamer
-from offspec.stores import DiskStore, HostArenaStore, prepare_disk_store
 from drivers import forward_one
 from shapes import headers_only_checkpoint
-from test_offload import (N_LAYERS, REGIMES, TINY, NoRawBackend, NoWarBackend, TearingBackend, filled_layers,
-                          random_layers, run_protocol)
+from test_offload import (
+    N_LAYERS,
+    REGIMES,
+    TINY,
+    NoRawBackend,
+    NoWarBackend,
+    TearingBackend,
+    filled_layers,
+    random_layers,
+    run_protocol,
+)
+
+from offspec.config import ModelConfig, OffloadConfig, RunLimits, RuntimeConfig
+from offspec.engine.load import open_target_layers
+from offspec.errors import BudgetError
+from offspec.formats.layout import LAYER_PARTS, WHOLE, GlobalWeights, LayerLayout, layer_shapes
+from offspec.model.forward import Model
+from offspec.model.kv_cache import KVCache
+from offspec.plan.core import (
+    LayerPlan,
+    Machine,
+    ModelSpec,
+    TargetLayerSizes,
+    choose_placement,
+    layer_nbytes,
+    make_plan,
+    place_layers,
+    split_activation_nbytes,
+    split_tiers,
+)
+from offspec.stream.ring import LayerStreamer
+from offspec.stream.stores import DiskStore, HostArenaStore, prepare_disk_store
 
 CPU = torch.device("cpu")
 PARTS = tuple(LAYER_PARTS)
@@ -190,7 +209,7 @@ def test_the_plan_splits_only_where_whole_slots_do_not_fit():
 def test_a_70b_on_a_small_gpu_streams_in_parts(tmp_path):
     """Llama-3.1-70B in bf16 on a 6 GB GPU beside a 1B draft in nf4: two whole slots (3.4 GB) do not fit, two
     of its parts do; the plan counts the MLP intermediates they keep, and the device holds everything."""
-    from offspec.checkpoint import Checkpoint
+    from offspec.formats.checkpoint import Checkpoint
     target, draft = (ModelSpec.of(Checkpoint(headers_only_checkpoint(tmp_path, name), headers_only=True))
                      for name in ("Llama-3.1-70B-Instruct", "Llama-3.2-1B-Instruct"))
     runtime = RuntimeConfig(device=torch.device("cuda"), dtype=torch.bfloat16, draft_quant="nf4")
@@ -222,7 +241,7 @@ def test_a_70b_on_a_small_gpu_streams_in_parts(tmp_path):
 def test_a_cpu_run_without_a_budget_plans_whole_slots_only(tmp_path):
     """With no --gpu-budget a CPU run streams everything through whole slots (choose_placement never makes that
     ring smaller), so the plan's room check and the auto tree budget count whole slots, not a split ring."""
-    from offspec.checkpoint import Checkpoint
+    from offspec.formats.checkpoint import Checkpoint
     target, draft = (ModelSpec.of(Checkpoint(headers_only_checkpoint(tmp_path, name), headers_only=True))
                      for name in ("Llama-3.1-8B-Instruct", "Llama-3.2-1B-Instruct"))
     runtime = RuntimeConfig(device=CPU, dtype=torch.bfloat16)
@@ -238,9 +257,10 @@ def test_generate_streams_in_parts_and_keeps_the_targets_tokens(tmp_path):
     """`offspec generate` with a --gpu-budget under two whole layers on the CPU path: the plan splits the ring,
     the report says so, and the greedy tokens (float32, with trees) are the resident target's own."""
     from click.testing import CliRunner
-    from offspec.cli import main
-    from offspec.checkpoint import Checkpoint
     from tiny import hf_config, make_model, perturbed_copy, save_checkpoint
+
+    from offspec.cli.main import main
+    from offspec.formats.checkpoint import Checkpoint
     target = make_model(hf_config("qwen2", n_layers=3), seed=7, scale=3.0)
     t = save_checkpoint(target, tmp_path / "target")
     d = save_checkpoint(perturbed_copy(target, noise=0.02), tmp_path / "draft")

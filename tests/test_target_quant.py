@@ -10,18 +10,18 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
-
-from offspec.config import ModelConfig, OffloadConfig, RuntimeConfig, SamplingConfig, TreeConfig
-from offspec.errors import BudgetError, InputError, StoreError
-from offspec.generate import GenerationRequest, run
-from offspec.kv_cache import KVCache
-from offspec.layout import LayerLayout, layer_shapes
-from offspec.load import load_engine, store_dir_for
-from offspec.stores import MANIFEST, DiskStore, prepare_disk_store
-from offspec.quant import NF4_BLOCK, QuantizedLayout, dequantized
-from offspec.transfer import CpuBackend
 from drivers import forward_one
 from tiny import hf_config, make_model, make_tokenizer, perturbed_copy, save_agreeing_pair, save_checkpoint
+
+from offspec.config import ModelConfig, OffloadConfig, RuntimeConfig, SamplingConfig, TreeConfig
+from offspec.engine.generate import GenerationRequest, run
+from offspec.engine.load import load_engine, store_dir_for
+from offspec.errors import BudgetError, InputError, StoreError
+from offspec.formats.layout import LayerLayout, layer_shapes
+from offspec.formats.quant import NF4_BLOCK, QuantizedLayout, dequantized
+from offspec.model.kv_cache import KVCache
+from offspec.stream.stores import MANIFEST, DiskStore, prepare_disk_store
+from offspec.stream.transfer import CpuBackend
 
 CPU = torch.device("cpu")
 PROMPT = tuple(range(5, 25))
@@ -139,10 +139,10 @@ def test_a_compact_ring_equals_the_resident_quantized_target_bitwise(pair, tmp_p
     """A compact ring (slots of blocks only, each dequantized at its use into the one shared scratch, which
     held resident layers share too) gives the quantized target's logits bit for bit, pass after pass, and
     moves quantized bytes; the device holds 2 blocks and one dense layer instead of 2 blocks + 2 dense layers."""
-    from offspec.checkpoint import Checkpoint
-    from offspec.load import load_target
-    from offspec.plan import LayerPlan, Placement
-    from offspec.quant import QuantizedResident
+    from offspec.engine.load import load_target
+    from offspec.formats.checkpoint import Checkpoint
+    from offspec.formats.quant import QuantizedResident
+    from offspec.plan.core import LayerPlan, Placement
     want = prompt_logits(engine(pair, quant, draft=False, resident_quant="off"))
     ckpt = Checkpoint(pair[0])
     dense_layer = LayerLayout.of(ckpt.config, torch.float32).nbytes
@@ -173,10 +173,10 @@ def test_a_split_ring_equals_the_resident_quantized_target_bitwise(pair, tmp_pat
     """A split ring of quantized layers (slots of a block's largest part, each part dequantized on the copy
     queue into its slot's dense part, or compact: at its use into one part-sized scratch) gives the quantized
     target's logits bit for bit, pass after pass, moving every block's bytes once a pass."""
-    from offspec.checkpoint import Checkpoint
-    from offspec.layout import LAYER_PARTS
-    from offspec.load import load_target
-    from offspec.plan import LayerPlan, Placement
+    from offspec.engine.load import load_target
+    from offspec.formats.checkpoint import Checkpoint
+    from offspec.formats.layout import LAYER_PARTS
+    from offspec.plan.core import LayerPlan, Placement
     want = prompt_logits(engine(pair, quant, draft=False, resident_quant="off"))
     ckpt = Checkpoint(pair[0])
     layout = QuantizedLayout.of(ckpt.config, torch.float32, quant)
@@ -202,7 +202,7 @@ def test_a_split_ring_equals_the_resident_quantized_target_bitwise(pair, tmp_pat
 
 
 def test_the_plan_takes_a_compact_ring_only_where_whole_slots_do_not_fit():
-    from offspec.plan import choose_placement
+    from offspec.plan.core import choose_placement
     dense, block = 1000, 300
     offload = OffloadConfig(mode="cpu", n_slots=2)
     roomy = choose_placement(10, dense, offload, 2 * (block + dense), slot_bytes=block + dense, held_bytes=block)
@@ -219,7 +219,7 @@ def test_held_resident_layers_equal_streamed_and_dequantized_resident_bitwise(pa
     """--resident-quant: resident layers held as their quantized blocks and dequantized every pass into one
     scratch layer give the same logits, bit for bit, as the quantized target fully resident-dequantized and
     fully streamed, all resident or beside a ring; the dense target (the control) differs."""
-    from offspec.quant import QuantizedResident
+    from offspec.formats.quant import QuantizedResident
     want = prompt_logits(engine(pair, quant, draft=False, resident_quant="off"))
     assert not torch.equal(want, prompt_logits(engine(pair, "none", draft=False)))
     streamed = engine(pair, quant, OffloadConfig(mode="cpu", n_slots=2), draft=False)
@@ -237,9 +237,9 @@ def test_held_resident_layers_equal_streamed_and_dequantized_resident_bitwise(pa
 
     # Two held layers beside a ring of two, as a plan places them for a model too deep to be all held (the plan's
     # arithmetic: tests/test_plan.py); the loader obeys the placement it is given.
-    from offspec.checkpoint import Checkpoint
-    from offspec.load import load_target
-    from offspec.plan import LayerPlan, Placement
+    from offspec.engine.load import load_target
+    from offspec.formats.checkpoint import Checkpoint
+    from offspec.plan.core import LayerPlan, Placement
     dense_layer = LayerLayout.of(held.target.cfg, torch.float32).nbytes
     block = QuantizedLayout.of(held.target.cfg, torch.float32, quant).nbytes
     placement = Placement("disk", 5, dense_layer, resident=(0, 1), n_slots=2, slot_nbytes=block + dense_layer,
@@ -316,7 +316,7 @@ def test_sampling_is_exact_for_the_quantized_target(tmp_path):
     ≥ 2000 (2 TV)^2 = 80, caught with power > 0.999."""
     from scipy.stats import chisquare
 
-    from offspec.sampling import process_logits
+    from offspec.spec.sampling import process_logits
 
     V = 24
     target = make_model(hf_config("llama", n_layers=2, vocab=V), seed=11, scale=3.0)
@@ -356,8 +356,9 @@ def test_sampling_is_exact_for_the_quantized_target(tmp_path):
 # ---------------------------------------------------------------- stores keyed by quantization
 
 def test_default_stores_are_keyed_by_quantization(pair):
-    from offspec.checkpoint import Checkpoint
     from pathlib import Path
+
+    from offspec.formats.checkpoint import Checkpoint
     ckpt = Checkpoint(pair[0])
     dirs = {q: store_dir_for(ckpt, torch.bfloat16, Path("/h"), q) for q in ("none", "int8", "nf4")}
     assert len(set(dirs.values())) == 3 and "nf4" in dirs["nf4"].name
@@ -366,7 +367,7 @@ def test_default_stores_are_keyed_by_quantization(pair):
 
 @pytest.mark.parametrize("built,asked", [("nf4", "int8"), ("int8", "nf4"), ("nf4", "none"), ("none", "nf4")])
 def test_a_store_of_another_quantization_is_refused(tmp_path, built, asked):
-    from offspec.quant import target_layout
+    from offspec.formats.quant import target_layout
     g = torch.Generator().manual_seed(0)
     tensors = {name: torch.randn(shape, generator=g) for name, shape in layer_shapes(CFG).items()}
     prepare_disk_store(lambda i: tensors, 1, target_layout(CFG, torch.float32, built), str(tmp_path), progress=False,
@@ -381,7 +382,7 @@ def test_a_store_of_another_quantization_is_refused(tmp_path, built, asked):
 
 
 def test_the_quantized_store_is_built_once(pair, monkeypatch):
-    from offspec import load
+    from offspec.engine import load
     builds = []
     real = load.prepare_disk_store
     monkeypatch.setattr(load, "prepare_disk_store", lambda *a, **k: builds.append(1) or real(*a, **k))
@@ -402,7 +403,7 @@ def no_bitsandbytes(monkeypatch):
     """`import bitsandbytes` fails, as where it is not installed or its native library does not load."""
     import builtins
 
-    from offspec import quant
+    from offspec.formats import quant
     real_import = builtins.__import__
 
     def fake_import(name, *args, **kwargs):
@@ -420,7 +421,7 @@ def test_missing_bitsandbytes_is_one_line(pair, no_bitsandbytes):
 
 
 def test_a_device_bitsandbytes_cannot_serve_is_refused_before_packing(pair, monkeypatch):
-    from offspec import quant
+    from offspec.formats import quant
 
     def no_kernel(*args, **kwargs):
         raise NotImplementedError("Could not run 'bitsandbytes::dequantize_4bit' with arguments from the 'CPU' backend")
@@ -435,7 +436,7 @@ def test_a_device_bitsandbytes_cannot_serve_is_refused_before_packing(pair, monk
 def cli(*args):
     from click.testing import CliRunner
 
-    from offspec.cli import main
+    from offspec.cli.main import main
     return CliRunner().invoke(main, [str(a) for a in args], prog_name="offspec")
 
 
@@ -507,7 +508,7 @@ def test_a_dense_store_from_before_quantization_still_opens(tmp_path):
 def layers_and_their_dequantization(cfg, quant, device):
     """Random fp32 layers, their quantized layout, and each layer packed and dequantized on `device`: what any
     way of running the quantized layers there must give bit for bit."""
-    from offspec.quant import target_layout
+    from offspec.formats.quant import target_layout
     g = torch.Generator().manual_seed(0)
     weights = {i: {name: torch.randn(shape, generator=g) for name, shape in layer_shapes(cfg).items()}
                for i in range(cfg.n_layers)}
@@ -527,8 +528,8 @@ def layers_and_their_dequantization(cfg, quant, device):
 def test_cuda_streamed_quantized_equals_resident_quantized(tmp_path, quant, mode):
     """On CUDA: bitsandbytes' dequantization into the slot runs on the copy stream (dequantize_4bit.out / in-place
     int8), with no hidden synchronization in a pass, and gives the resident quantized layers bit for bit."""
-    from offspec.load import open_target_layers
-    from offspec.plan import LayerPlan
+    from offspec.engine.load import open_target_layers
+    from offspec.plan.core import LayerPlan
     cfg = replace(CFG, n_layers=7)
     device = torch.device("cuda")
     weights, _, expected = layers_and_their_dequantization(cfg, quant, device)
@@ -548,8 +549,8 @@ def test_cuda_streamed_quantized_equals_resident_quantized(tmp_path, quant, mode
 def test_cuda_compact_ring_equals_resident_quantized(tmp_path, quant):
     """A compact ring on CUDA: blocks only in the slots, each dequantized into the shared scratch on the compute
     stream at its use, the slot released right after; no hidden synchronization, the same layers bit for bit."""
-    from offspec.load import open_target_layers
-    from offspec.plan import LayerPlan, Placement
+    from offspec.engine.load import open_target_layers
+    from offspec.plan.core import LayerPlan, Placement
     cfg = replace(CFG, n_layers=7)
     device = torch.device("cuda")
     weights, _, expected = layers_and_their_dequantization(cfg, quant, device)
@@ -568,8 +569,8 @@ def test_cuda_compact_ring_equals_resident_quantized(tmp_path, quant):
 def test_cuda_split_compact_ring_equals_resident_quantized(tmp_path, quant):
     """A split compact ring on CUDA: each block's parts in turn, each dequantized at its use into a part-sized
     scratch; no hidden synchronization, the same layers bit for bit."""
-    from offspec.load import open_target_layers
-    from offspec.plan import LayerPlan, Placement
+    from offspec.engine.load import open_target_layers
+    from offspec.plan.core import LayerPlan, Placement
     cfg = replace(CFG, n_layers=7)
     device = torch.device("cuda")
     weights, _, expected = layers_and_their_dequantization(cfg, quant, device)
@@ -634,8 +635,9 @@ def test_bench_quant_builds_the_published_target_once(tmp_path):
     folder offspec opens as AWQ with no flag."""
     from types import SimpleNamespace
 
-    from offspec.checkpoint import Checkpoint
     from scripts_module import load_script
+
+    from offspec.formats.checkpoint import Checkpoint
     bench = load_script("bench_quant")
     dense = save_checkpoint(make_model(hf_config("qwen2", n_layers=1, hidden=128), seed=2), tmp_path / "dense")
     args = SimpleNamespace(store_root=str(tmp_path / "stores"))
@@ -733,9 +735,9 @@ def test_cuda_held_resident_layers_equal_dequantized_resident(tmp_path, quant):
     """On CUDA: resident layers held quantized, dequantized into the shared scratch on the compute stream
     (beside the ring's copies on the copy stream), with no hidden synchronization in a pass, give the
     dequantized layers bit for bit; every pass dequantizes again."""
-    from offspec.load import open_target_layers
-    from offspec.plan import LayerPlan, Placement
-    from offspec.quant import QuantizedResident
+    from offspec.engine.load import open_target_layers
+    from offspec.formats.quant import QuantizedResident
+    from offspec.plan.core import LayerPlan, Placement
     cfg = replace(CFG, n_layers=7)
     device = torch.device("cuda")
     weights, layout, expected = layers_and_their_dequantization(cfg, quant, device)
@@ -765,7 +767,7 @@ def test_cuda_held_resident_layers_equal_dequantized_resident(tmp_path, quant):
 def test_cuda_held_draft_weight(quant, dtype):
     """On CUDA: a HeldWeight (the draft's --draft-quant int8-held / nf4) is quantized and dequantized on the GPU
     (bitsandbytes' CUDA kernels for nf4), and linear() over it is F.linear over its dequantized matrix."""
-    from offspec.quant import HeldWeight, linear
+    from offspec.formats.quant import HeldWeight, linear
     g = torch.Generator().manual_seed(0)
     w = torch.randn(96, 128, generator=g).to(dtype)
     on_cpu, on_gpu = HeldWeight.quantize(w, quant), HeldWeight.quantize(w.cuda(), quant)

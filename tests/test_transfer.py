@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from offspec.errors import StoreError
-from offspec.transfer import PAGE_BYTES, CpuBackend, CudaBackend, check_copy, make_backend
+from offspec.stream.transfer import PAGE_BYTES, CpuBackend, CudaBackend, check_copy, make_backend
 
 
 def wait_until(predicate, timeout=5.0):
@@ -184,8 +184,8 @@ def boom(*a, **k):
 torch.cuda._lazy_init = boom
 torch.cuda.Stream = boom
 torch.cuda.Event = boom
-import offspec.load, offspec.ring, offspec.stores, offspec.transfer
-from offspec.transfer import make_backend
+import offspec.engine.load, offspec.stream.ring, offspec.stream.stores, offspec.stream.transfer
+from offspec.stream.transfer import make_backend
 b = make_backend(torch.device("cpu"))
 e = b.new_event(); e.record(b.copy_queue); e.synchronize()
 b.host_buffer(4096).close()

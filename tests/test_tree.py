@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from offspec.tree import TokenTree
+from offspec.spec.tree import TokenTree
 
 
 def small_tree() -> TokenTree:

@@ -1,8 +1,8 @@
 """scripts/devtools/tree_ab.py's model-free parts: the per-prompt table across commits, and its refusals."""
 import pytest
+from scripts_module import load_script
 
 from offspec.errors import InputError
-from scripts_module import load_script
 
 ab = load_script("tree_ab")
 SETTINGS = {"policy": "dyspec", "budget": 64, "prompt_set": "code", "raw": True, "new_tokens": 96,
@@ -35,14 +35,14 @@ def test_no_checkout_is_one_line_and_exit_2(tmp_path, capsys):
 
 
 def test_a_checkout_without_offspec_is_refused_before_any_model_loads(tmp_path, monkeypatch):
-    monkeypatch.setattr("offspec.demo.ensure_demo_models", lambda: pytest.fail("models loaded"))
+    monkeypatch.setattr("offspec.formats.demo.ensure_demo_models", lambda: pytest.fail("models loaded"))
     with pytest.raises(InputError, match="no offspec package there"):
         ab.main(["--checkout", str(tmp_path), "--budget", "64", "--rows", str(tmp_path / "r.jsonl")])
 
 
 def test_a_compressed_rows_file_is_refused_before_any_model_loads(tmp_path, monkeypatch):
     import gzip
-    monkeypatch.setattr("offspec.demo.ensure_demo_models", lambda: pytest.fail("models loaded"))
+    monkeypatch.setattr("offspec.formats.demo.ensure_demo_models", lambda: pytest.fail("models loaded"))
     (tmp_path / "r.jsonl.gz").write_bytes(gzip.compress(b""))
     with pytest.raises(InputError, match="r.jsonl.gz is a compressed archive; gunzip it to add rows"):
         ab.main(["--checkout", str(tmp_path), "--budget", "64", "--rows", str(tmp_path / "r.jsonl")])

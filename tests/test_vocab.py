@@ -8,14 +8,14 @@ import numpy as np
 import pytest
 import torch
 from scipy.stats import chisquare
+from tiny import hf_config, make_model, make_tokenizer, perturbed_copy, save_checkpoint, with_rows
 
 from offspec.config import OffloadConfig, RuntimeConfig, SamplingConfig, TreeConfig
+from offspec.engine.generate import Engine, GenerationRequest, run
+from offspec.engine.load import load_engine
 from offspec.errors import CheckpointError
-from offspec.generate import Engine, GenerationRequest, run
-from offspec.load import load_engine
-from offspec.sampling import process_logits
-from offspec.vocab import PLACEHOLDER_ID, SharedVocab, check_same_tokenizer
-from tiny import hf_config, make_model, make_tokenizer, perturbed_copy, save_checkpoint, with_rows
+from offspec.model.vocab import PLACEHOLDER_ID, SharedVocab, check_same_tokenizer
+from offspec.spec.sampling import process_logits
 
 RUNTIME = RuntimeConfig(device=torch.device("cpu"), dtype=torch.float32)
 N_IDS = 100                                   # len(make_tokenizer()): ids 0..99; rows past them are padding
@@ -187,8 +187,8 @@ def test_chi_square_catches_a_truncated_target_distribution(context_free, monkey
     n = cf.engine.vocab.n_shared
 
     def accept_with_truncated_q(tree, q_logits, sampling, generator):
-        from offspec.accept import verify_stochastic
-        from offspec.calibrate import judged_path
+        from offspec.spec.accept import verify_stochastic
+        from offspec.spec.calibrate import judged_path
         q = process_logits(q_logits[:, :n], sampling)                                    # (N, n): WRONG
         verdict = verify_stochastic(tree, torch.nn.functional.pad(q, (0, q_logits.shape[-1] - n)).__getitem__, generator)
         return verdict, judged_path(tree, verdict.nodes)
@@ -247,9 +247,10 @@ def test_a_draft_with_the_targets_tokenizer_files_shares_its_tokenizer(tmp_path)
     byte different, or a file in one folder only: each folder's own tokenizer is read and compared."""
     import shutil
 
-    from offspec.checkpoint import same_tokenizer_files
-    from offspec.load import Models
     from tiny import save_agreeing_pair
+
+    from offspec.engine.load import Models
+    from offspec.formats.checkpoint import same_tokenizer_files
     target, draft = save_agreeing_pair(tmp_path, n_layers=1)[:2]
     assert same_tokenizer_files(target, draft)
     models = Models.open(target, draft)

@@ -9,12 +9,12 @@ from pathlib import Path
 import click
 from click.testing import CliRunner
 
-from offspec import ngram
-from offspec.cli import main
+from offspec.cli.main import main
 from offspec.config import AUTO_MAX_TREE_BUDGET, DEFAULT_PREFILL_CHUNK
-from offspec.controller import MIN_JOIN_CHUNK, ONE_ROW_CPU_BUDGET, ROW_GAIN
-from offspec.plan import AUTO_CONCURRENCY, PINNED_FRACTION
-from offspec.quant import FUSED_MAX_ROWS
+from offspec.engine.controller import MIN_JOIN_CHUNK, ONE_ROW_CPU_BUDGET, ROW_GAIN
+from offspec.formats.quant import FUSED_MAX_ROWS
+from offspec.plan.core import AUTO_CONCURRENCY, PINNED_FRACTION
+from offspec.spec import ngram
 
 ROOT = Path(__file__).resolve().parents[1]
 

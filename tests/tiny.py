@@ -18,7 +18,7 @@ VOCAB = 128
 def make_tokenizer(n_tokens: int | None = None, padding_tokens: int = 0):
     """The char-level tokenizer: 100 ids (the specials, then CHARS), or its first `n_tokens` ids; then
     `padding_tokens` '[PAD<id>]' entries, as GGUF conversions append up to a padded row count."""
-    from tokenizers import Tokenizer, models, pre_tokenizers, decoders
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
     tokens = (SPECIALS + CHARS)[:n_tokens]
@@ -128,7 +128,7 @@ def save_published_checkpoint(model, path: Path, quant: str = "awq-g32", act_ord
 
     from safetensors.torch import load_file, save_file
 
-    from offspec.published import ct_params, gptq_params, quantize
+    from offspec.formats.published import ct_params, gptq_params, quantize
     path = save_checkpoint(model, path, tokenizer, dtype=torch.float16)
     (weights_file,) = path.glob("*.safetensors")
     tensors = load_file(weights_file)
@@ -188,8 +188,8 @@ BYTE_LEVEL_MERGES = ["h e", "l l"]
 def _gguf_blocks(w: torch.Tensor, type_name: str, g: torch.Generator):
     """w (N, K) float32 -> its GGML blocks (N, row bytes) uint8 numpy. Types gguf-py quantizes are quantized from
     w; the K-quants (no quantizer in gguf-py) are random blocks whose scales give weights of about w's size."""
-    import numpy as np
     import gguf
+    import numpy as np
     qtype = gguf.GGMLQuantizationType[type_name]
     if type_name not in ("Q4_K", "Q5_K", "Q6_K"):
         return gguf.quants.quantize(w.numpy(), qtype)

@@ -4,7 +4,7 @@ held quantized (int8-held, nf4).
 
 A round grows its tree with one draft call per depth, so the time of one call decides how deep a tree can pay
 for itself. On a CPU a call over a few rows is memory-bound (it reads every draft weight once), which is what
-the int8 copy of the draft's matrices (offspec/quant.py, `--draft-quant int8`) halves. For each setting this
+the int8 copy of the draft's matrices (offspec/formats/quant.py, `--draft-quant int8`) halves. For each setting this
 times Model.forward of the resident demo draft (0.5B) over R rows after a --context-token prefix in its KV
 cache, R in --rows, median of --calls calls:
 
@@ -34,15 +34,16 @@ import torch
 
 sys.path[:0] = [str(Path(__file__).resolve().parents[2]), str(Path(__file__).resolve().parents[1])]   # this checkout's offspec, scripts/
 import _common  # noqa: E402
-from offspec.checkpoint import Checkpoint  # noqa: E402
+
 from offspec.config import OffloadConfig, RuntimeConfig  # noqa: E402
-from offspec.demo import ensure_demo_models  # noqa: E402
-from offspec.draft import load_resident  # noqa: E402
-from offspec.kv_cache import KVCache  # noqa: E402
-from offspec.load import load_target, parse_dtype  # noqa: E402
-from offspec.model import RowSpan  # noqa: E402
-from offspec.plan import LayerPlan, ModelSpec, draft_weights_nbytes, int8_copy_nbytes  # noqa: E402
-from offspec.transfer import CpuBackend  # noqa: E402
+from offspec.engine.load import load_target, parse_dtype  # noqa: E402
+from offspec.formats.checkpoint import Checkpoint  # noqa: E402
+from offspec.formats.demo import ensure_demo_models  # noqa: E402
+from offspec.model.draft import load_resident  # noqa: E402
+from offspec.model.forward import RowSpan  # noqa: E402
+from offspec.model.kv_cache import KVCache  # noqa: E402
+from offspec.plan.core import LayerPlan, ModelSpec, draft_weights_nbytes, int8_copy_nbytes  # noqa: E402
+from offspec.stream.transfer import CpuBackend  # noqa: E402
 
 SECTION = "bench_draft"
 NOTES = _common.REPO / "docs" / "notes" / "2026-11-26-draft-int8-copy.md"   # where --write-docs writes

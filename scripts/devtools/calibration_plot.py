@@ -1,6 +1,6 @@
 #!/usr/bin/env python
 """Predicted vs observed acceptance of tree nodes, by depth, from the old bench_accept's archived rows (their "calibration" field,
-offspec.calibrate.AcceptanceCounts.report): one panel per depth bucket, each bin of draft probability a point
+offspec.spec.calibrate.AcceptanceCounts.report): one panel per depth bucket, each bin of draft probability a point
 at (predicted, observed) for two predictors: the draft's probability p (DySpec's estimate) and the calibrated
 estimate the trees were grown with. On the diagonal = predicts acceptance. N-gram nodes: one point per depth.
 
@@ -20,6 +20,7 @@ from pathlib import Path
 
 sys.path[:0] = [str(Path(__file__).resolve().parents[2]), str(Path(__file__).resolve().parents[1])]   # offspec, scripts/
 import _common  # noqa: E402
+
 from offspec import bench  # noqa: E402
 
 

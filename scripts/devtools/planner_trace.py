@@ -26,14 +26,15 @@ import torch
 
 sys.path[:0] = [str(Path(__file__).resolve().parents[2]), str(Path(__file__).resolve().parents[1])]   # offspec, scripts/
 import _common  # noqa: E402
+
 from offspec import controller  # noqa: E402
+from offspec.bench.prompt_sets import load_prompt_set  # noqa: E402
 from offspec.config import OffloadConfig, RunLimits, RuntimeConfig, TreeConfig  # noqa: E402
-from offspec.demo import ensure_demo_models  # noqa: E402
-from offspec.generate import GenerationRequest  # noqa: E402
-from offspec.grow import POLICIES  # noqa: E402
-from offspec.load import Models  # noqa: E402
-from offspec.prompt import encode_prompt  # noqa: E402
-from offspec.prompt_sets import load_prompt_set  # noqa: E402
+from offspec.engine.generate import GenerationRequest  # noqa: E402
+from offspec.engine.load import Models  # noqa: E402
+from offspec.engine.prompt import encode_prompt  # noqa: E402
+from offspec.formats.demo import ensure_demo_models  # noqa: E402
+from offspec.spec.grow import POLICIES  # noqa: E402
 
 
 def traced(log: list):

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))   # offspec
-from offspec.model import SDPA_BACKENDS  # noqa: E402
+from offspec.model.forward import SDPA_BACKENDS  # noqa: E402
 
 HEADS = {"tiny": (4, 2, 16), "70B": (64, 8, 128)}     # (query heads, KV heads, head dim)
 BACKENDS = {"default": None, "no-cudnn": SDPA_BACKENDS,   # offspec's own choice (model.attend)

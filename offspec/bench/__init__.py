@@ -1,0 +1,1 @@
+"""Benchmarks' shared runner (offspec bench, scripts/) and their prompt sets."""

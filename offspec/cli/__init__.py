@@ -1,0 +1,1 @@
+"""The `offspec` command: one module per command, the shared options in one."""

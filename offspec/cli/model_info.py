@@ -1,0 +1,147 @@
+"""`offspec models info`: a model's shapes and the memory plan of a run, with the predicted pass time.
+
+    machine_for(device_bytes, host_bytes)          the machine to plan for: sizes given, else this one
+    model_info(target, draft, plan, dtype, rates)  the report's lines: model, layer sizes, plan, PREDICTED times
+    draft_vocab_mismatch(target, draft)            why the draft cannot speculate for the target (a WARNING line)
+
+Reads config.json and the safetensors headers only (checkpoint.Checkpoint(..., headers_only=True)): a plan can be
+made for weights and machines that are not here. The PREDICTED lines take their rates as given (`offspec doctor`
+measures the link and the drive; docs/benchmarks.md has measured tokens per pass).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from offspec.formats.gguf_blocks import is_gguf
+from offspec.formats.published import describe as describe_quant
+from offspec.formats.published import short as short_quant
+from offspec.plan.core import (
+    DISK_GBPS,
+    LINK_GBPS,
+    Machine,
+    MemoryPlan,
+    predicted_pass_seconds,
+    streamed_dequant_seconds,
+)
+
+
+@dataclass(frozen=True)
+class Rates:
+    """What the PREDICTED lines assume: given, not measured."""
+    tokens_per_pass: float = 8.0    # tokens one target pass yields (the bonus token included, so >= 1)
+    link_gbps: float = LINK_GBPS    # host-to-device GB/s of the streamed layers' copies (PCIe 4.0 x16, pinned)
+    disk_gbps: float = DISK_GBPS    # read GB/s of the disk store's drive, for disk offload (a PCIe 4.0 NVMe: 3-7)
+
+
+def machine_for(device_bytes: Optional[int], host_bytes: Optional[int]) -> Machine:
+    """The machine a plan is made for: a GPU of device_bytes (present or not) when given; else this machine's GPU
+    (its free memory now), or this CPU. host_bytes: the usable host RAM; None = this machine's."""
+    if device_bytes is not None or not torch.cuda.is_available():
+        return Machine.given(device_bytes, host_bytes)
+    measured = Machine.measure(torch.device("cuda"))
+    if host_bytes is None:
+        return measured
+    return Machine("cuda", measured.device_bytes, host_bytes, "given", measured.name)
+
+
+def draft_vocab_mismatch(target, draft) -> Optional[str]:
+    """Why `draft` cannot speculate for `target` (checkpoint.Checkpoints), else None: where both folders hold
+    tokenizer files, the checks a run makes (vocab.check_same_tokenizer, each model's rows covering its own
+    tokenizer); else, from the headers alone, their embedding row counts (vocab.rows_mismatch)."""
+    from offspec.errors import CheckpointError
+    from offspec.formats.checkpoint import load_tokenizer
+    from offspec.formats.hub import model_name
+    from offspec.model.vocab import check_rows_cover_tokenizer, check_same_tokenizer, rows_mismatch, token_id_count
+
+    if not all(c.has_tokenizer for c in (target, draft)):
+        return rows_mismatch(target.config.vocab_size, draft.config.vocab_size)
+    try:
+        target_tok, draft_tok = load_tokenizer(target.path), load_tokenizer(draft.path)
+        check_same_tokenizer(target_tok, draft_tok)
+        for c, tok, who in ((target, target_tok, "target"), (draft, draft_tok, "draft")):
+            check_rows_cover_tokenizer(c.config.vocab_size, token_id_count(tok), f"{who} {model_name(c.path)}")
+    except CheckpointError as e:
+        return f"{e}; a run with this draft is refused"
+    return None
+
+
+def model_info(target, draft, plan: MemoryPlan, dtype: torch.dtype, rates: Rates) -> str:
+    """The report `offspec models info` prints. target, draft: checkpoint.Checkpoints (headers are enough; draft
+    may be None); plan: their memory plan (plan.make_plan) in `dtype`."""
+    from offspec.formats.hub import model_name
+    from offspec.plan.costmodel import (
+        REFERENCE_GPU,
+        GpuSetup,
+        dequant_measured,
+        dequant_seconds,
+        predict_seconds_per_token,
+    )
+
+    cfg = target.config
+    layer_bytes, block = plan.placement.layer_nbytes, plan.block_nbytes
+    quant = short_quant(plan.target_quant)
+    dtype_name = str(dtype).replace("torch.", "")
+    lines = [
+        f"folder:          {target.path}",
+        f"architecture:    {cfg.arch} ({', '.join(target.raw_config.get('architectures') or [])})",
+        f"parameters:      {target.parameter_count() / 1e9:.3f} B",
+        "stored dtype:    " + (f"GGML blocks (runs in {str(target.dtype).replace('torch.', '')} unless --dtype says)"
+                                 if is_gguf(target.quant) else str(target.dtype).replace("torch.", "")),
+        f"layers:          {cfg.n_layers} (hidden {cfg.hidden_size}, heads {cfg.n_heads}/{cfg.n_kv_heads} kv, "
+        f"mlp {cfg.intermediate_size}, vocab {cfg.vocab_size}, context {cfg.max_position_embeddings})",
+        f"bytes per layer: {layer_bytes / 1e6:.1f} MB in {dtype_name}; all layers {cfg.n_layers * layer_bytes / 1e9:.2f} GB",
+    ]
+    if target.quant != "none":
+        lines.append(f"quantization:    {describe_quant(target.quant)}, read as published ({quant})")
+    if plan.layer_moved:            # a GGUF whose matrices' types differ between layers
+        moved = plan.moved_by(range(cfg.n_layers))
+        lines.append(f"{quant} layer:       {block / 1e6:.1f} MB stored (each matrix at its largest type), "
+                     f"{moved / cfg.n_layers / 1e6:.1f} MB moved on average ({moved / cfg.n_layers / layer_bytes:.2f}x); "
+                     f"all layers {moved / 1e9:.2f} GB moved")
+    elif plan.target_quant != "none":
+        lines.append(f"{quant} layer:       {block / 1e6:.1f} MB stored and moved ({block / layer_bytes:.2f}x); "
+                     f"all layers {cfg.n_layers * block / 1e9:.2f} GB")
+    if draft is not None:
+        lines.append(f"draft:           {draft.path} ({draft.parameter_count() / 1e9:.3f} B parameters, "
+                     f"{draft.config.n_layers} layers)")
+        mismatch = draft_vocab_mismatch(target, draft)
+        if mismatch:
+            lines.append(f"WARNING:         {mismatch}")
+    for c in (target, draft):
+        if c is not None and c.incomplete:
+            lines.append(f"weights incomplete (enough to plan, not to run): {model_name(c.path)}: {'; '.join(c.incomplete)}")
+    lines.append(plan.describe())
+    if plan.streamed_bytes:
+        seconds = predicted_pass_seconds(plan, rates.link_gbps, rates.disk_gbps)
+        disk = plan.disk_read_bytes
+        via = f"{rates.link_gbps:g} GB/s" + (f", {disk / 1e9:.2f} GB of it read at {rates.disk_gbps:g} GB/s" if disk else "")
+        dequant, on_copies = streamed_dequant_seconds(plan), ""
+        if dequant:
+            on_copies = (f", {dequant:.3f} s of it the streamed layers' dequantization after their copies "
+                         f"(measured on {REFERENCE_GPU.dequant_device})")
+        elif quant != "none" and not plan.placement.compact and not dequant_measured(quant):
+            on_copies = f"; {quant}'s dequantization is not measured yet, so not counted"
+        lines.append(f"PREDICTED pass:  {seconds:.3f} s to stream {plan.streamed_bytes / 1e9:.2f} GB at {via} "
+                     f"(transfer-bound; the copy stream overlaps compute{on_copies})")
+        held = plan.placement.dequantized_in_line
+        setup = GpuSetup(link_gb_per_s=plan.streamed_bytes / seconds / 1e9,
+                         dequant_s_per_layer=dequant_seconds(quant, layer_bytes))
+        per_token = predict_seconds_per_token(plan.streamed_bytes, setup, rates.tokens_per_pass,
+                                              draft_seconds_per_round=0.0, held_layers=held)
+        lines.append(f"PREDICTED speed: {per_token['seconds_per_token']:.3f} s/token at {rates.tokens_per_pass:g} tokens "
+                     f"per pass (--tokens-per-pass; the draft's time not counted)")
+    else:
+        lines.append("PREDICTED pass:  nothing streams (compute-bound)")
+    p = plan.placement
+    if p.dequantized_in_line:
+        which = " and ".join(([f"{len(p.resident)} resident layers held {quant}"] if p.resident_held else [])
+                             + ([f"the {len(p.streamed)} streamed layers of a compact ring"] if p.compact else []))
+        cost = (f"counts {dequant_seconds(quant, layer_bytes) * 1e3:.1f} ms a layer, measured on "
+                f"{REFERENCE_GPU.dequant_device}"
+                if dequant_measured(quant) else f"counts none: {quant}'s dequantization is not measured yet")
+        lines.append(f"held layers:     {which}: dequantized every pass, on the compute queue (PREDICTED speed "
+                     f"{cost})")
+    return "\n".join(lines)

@@ -1,0 +1,353 @@
+"""Checkpoint folders (or hub ids from the local Hugging Face cache) -> a ready Engine: target (resident or
+streamed), optional draft, shared tokenizer.
+
+    Models.open(target, draft)             configs, safetensors headers and the tokenizers; no weights read
+          .plan(offload, runtime, limits)  the memory plan (plan.py): where everything will live, or one line
+          .load(offload, runtime, limits)  allocate and load exactly what the plan counted -> Loaded(engine)
+    load_engine(...)                       the three in one call
+    open_target_layers(...)                the target's decoder layers as a Placement says: resident layers
+                                           and/or a ring (ring.py) over a host arena or disk store (stores.py)
+"""
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Iterator, Optional, Union
+
+import torch
+from tqdm import tqdm
+
+from offspec.config import ModelConfig, OffloadConfig, RunLimits, RuntimeConfig
+from offspec.engine.controller import plain_first_round
+from offspec.engine.generate import Engine
+from offspec.engine.metrics import StartTimes
+from offspec.engine.prompt import stop_token_ids
+from offspec.errors import InputError
+from offspec.formats import published
+from offspec.formats.checkpoint import Checkpoint, load_tokenizer, open_checkpoint, same_tokenizer_files
+from offspec.formats.hub import resolve_model
+from offspec.formats.layout import LayerWeights
+from offspec.formats.quant import (
+    QuantizedResident,
+    auto_draft_quant,
+    check_draft_quant,
+    check_target_quant,
+    dequantized,
+    target_layout,
+)
+from offspec.model.draft import DraftBeside, load_resident
+from offspec.model.forward import Model, ResidentLayers
+from offspec.model.vocab import check_rows_cover_tokenizer, check_same_tokenizer, token_id_count
+from offspec.plan.core import (
+    LayerPlan,
+    Machine,
+    MemoryPlan,
+    ModelSpec,
+    Placement,
+    check_resident_quant,
+    make_plan,
+    published_runtime,
+)
+from offspec.stream.ring import LayerStreamer, StreamStats
+from offspec.stream.stores import (
+    BlockLayout,
+    DiskStore,
+    HostArenaStore,
+    LayerTensorsFn,
+    StoreInfo,
+    TieredStore,
+    WeightStore,
+    _pack_layer,
+    disk_store_exists,
+    prepare_disk_store,
+)
+from offspec.stream.transfer import make_backend
+
+DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+          "float16": torch.float16, "fp16": torch.float16}
+
+
+def parse_dtype(name: str) -> torch.dtype:
+    if name not in DTYPES:
+        raise InputError(f"unknown dtype {name!r}; choose one of {', '.join(DTYPES)}")
+    return DTYPES[name]
+
+
+def parse_device(name: str, check_available: bool = True) -> torch.device:
+    """check_available False: a device of another machine (a Ray worker's), so CUDA need not be here."""
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise InputError(f"unknown device {name!r}; use cpu or cuda[:N]") from None
+    if check_available and device.type == "cuda" and not torch.cuda.is_available():
+        raise InputError(f"device {name!r} requested but CUDA is not available on this machine")
+    if device.type not in ("cpu", "cuda"):
+        raise InputError(f"device type {device.type!r} is not supported; use cpu or cuda[:N]")
+    return device
+
+
+def runtime_config(device: torch.device, dtype: torch.dtype, draft_quant: str = "auto", target_quant: str = "none",
+                   resident_quant: str = "auto") -> RuntimeConfig:
+    """The RuntimeConfig of a run on `device`, checked before any model is read: draft_quant "auto" resolved for
+    the device and dtype (quant.auto_draft_quant), each quantization one that they can run. The CLI makes this
+    machine's; cluster.engines_on_ray the Ray workers' (their device is chosen there)."""
+    if draft_quant == "auto":
+        draft_quant = auto_draft_quant(device.type, dtype)
+    check_target_quant(target_quant, device, dtype)
+    check_draft_quant(draft_quant, device, dtype)
+    # "on" with no --target-quant may still hold a published checkpoint's layers: the plan checks it there.
+    check_resident_quant(resident_quant, quantized=True)
+    return RuntimeConfig(device=device, dtype=dtype, draft_quant=draft_quant, target_quant=target_quant,
+                         resident_quant=resident_quant)
+
+
+def store_dir_for(ckpt: Checkpoint, dtype: torch.dtype, home: Path, quant: str = "none") -> Path:
+    """Default place of a checkpoint's packed disk store: one folder per (weights, dtype, quantization)."""
+    key = hashlib.sha1(f"{ckpt.path.resolve()}|{ckpt.fingerprint()}|{dtype}".encode()).hexdigest()[:12]
+    quantized = "" if quant == "none" else f"-{published.short(quant)}"
+    return home / "stores" / f"{ckpt.path.name}-{str(dtype).replace('torch.', '')}{quantized}-{key}"
+
+
+def load_target(ckpt: Checkpoint, layers: LayerPlan, runtime: RuntimeConfig, progress: bool = True) -> Model:
+    """The target: globals first, then its layers as `layers` (the memory plan's) says."""
+    host = torch.device("cpu")
+    embed_device = host if layers.embed_on_host else None
+    lm_head_device = host if layers.lm_head_on_host else None
+    if layers.dense_resident:
+        return load_resident(ckpt, runtime.device, runtime.dtype, embed_device=embed_device,
+                             lm_head_device=lm_head_device)
+    globals_ = ckpt.global_weights(runtime.device, runtime.dtype, embed_device, lm_head_device)
+    target_layers = open_target_layers(ckpt.layer_tensors, ckpt.config, layers, runtime.device, runtime.dtype,
+                                       progress=progress, source_id=ckpt.fingerprint())
+    return Model(ckpt.config, globals_, target_layers)
+
+
+def generation_eos(path: Path):
+    file = Path(path) / "generation_config.json"
+    if file.is_file():
+        try:
+            return json.loads(file.read_text()).get("eos_token_id")
+        except json.JSONDecodeError:
+            return None
+    return None
+
+
+@dataclass
+class Loaded:
+    engine: Engine
+    target_ckpt: Checkpoint
+    draft_ckpt: Optional[Checkpoint]
+    tokenizer: object
+    start: StartTimes              # the start, timed: open, plan, draft, target
+    plan: MemoryPlan               # what was allocated where, as planned before loading
+
+    @property
+    def load_seconds(self) -> float:
+        return self.start.total
+
+
+@dataclass
+class Models:
+    """The checkpoints of one run, opened cheaply: configs and safetensors headers checked, the shared
+    tokenizer loaded, no weight read. Plan, then load."""
+    target: Checkpoint
+    draft: Optional[Checkpoint]
+    tokenizer: object
+    eos_ids: list[int]              # EOS and chat end tokens, from the tokenizer and generation_config
+    n_shared: Optional[int]         # token ids both tokenizers know: the rows the draft may propose (vocab.py)
+    open_seconds: float
+
+    @staticmethod
+    def open(target_dir: str | Path, draft_dir: Optional[str | Path]) -> "Models":
+        """target_dir / draft_dir: a model folder, or a hub id (hub.resolve_model)."""
+        start = time.perf_counter()
+        target_dir = resolve_model(target_dir)
+        target = open_checkpoint(target_dir)
+        tokenizer = load_tokenizer(target_dir)
+        check_rows_cover_tokenizer(target.config.vocab_size, token_id_count(tokenizer), f"target {target_dir}")
+        draft, n_shared = None, None
+        if draft_dir is not None:
+            draft_dir = resolve_model(draft_dir)
+            draft = open_checkpoint(draft_dir)
+            draft_tokenizer = tokenizer if same_tokenizer_files(target_dir, draft_dir) else load_tokenizer(draft_dir)
+            # Embedding rows may differ (padded vocabularies); the tokenizers may not (vocab.py).
+            n_shared = check_same_tokenizer(tokenizer, draft_tokenizer)
+            check_rows_cover_tokenizer(draft.config.vocab_size, token_id_count(draft_tokenizer), f"draft {draft_dir}")
+        eos = stop_token_ids(tokenizer, generation_eos(target_dir))
+        return Models(target, draft, tokenizer, eos, n_shared, time.perf_counter() - start)
+
+    def plan(self, offload: OffloadConfig, runtime: RuntimeConfig, limits: RunLimits = RunLimits(),
+             machine: Optional[Machine] = None) -> MemoryPlan:
+        """The memory plan for this machine now (or `machine`), before anything is allocated: every "auto"
+        resolved (plan.make_plan)."""
+        from offspec.formats.demo import offspec_home
+        quant = published_runtime(ModelSpec.of(self.target), runtime).target_quant
+        store_dir = str(store_dir_for(self.target, runtime.dtype, offspec_home(), quant))
+        return make_plan(ModelSpec.of(self.target), ModelSpec.of(self.draft) if self.draft else None, offload,
+                         runtime, limits, machine or Machine.measure(runtime.device), store_dir=store_dir)
+
+    def load(self, offload: OffloadConfig, runtime: RuntimeConfig, limits: RunLimits = RunLimits(),
+             progress: bool = True, machine: Optional[Machine] = None) -> Loaded:
+        """Plan, then load in the plan's order: draft, target globals, target layers (resident, ring, arena
+        or store). The engine keeps to the plan's context, tree budget, prefill chunk and requests in flight
+        (limits.concurrency None: the most the plan fits, recorded in plan.concurrency_auto)."""
+        t0 = time.perf_counter()
+        plan = self.plan(offload, runtime, limits, machine)
+        runtime = replace(runtime, target_quant=plan.target_quant)     # a published checkpoint's own
+        t1 = time.perf_counter()
+        draft = None
+        # A run whose first round is a plain prefill loads the draft beside it, after the target, and the first
+        # token does not wait for it.
+        beside = self.draft is not None and plain_first_round(runtime.device.type == "cuda",
+                                                              bool(plan.placement.streamed))
+        if self.draft is not None:
+            check_draft_quant(runtime.draft_quant, runtime.device, runtime.dtype)
+            if not beside:
+                draft = load_resident(self.draft, runtime.device, runtime.dtype, runtime.draft_quant)
+                self.draft.close()
+        t2 = time.perf_counter()
+        target = load_target(self.target, plan.layers, runtime, progress)
+        self.target.close()      # the weights now live in the model, the arena or the store
+        if beside:
+            draft = DraftBeside(self.draft, runtime.device, runtime.dtype, runtime.draft_quant)
+        engine = Engine(target, draft, self.tokenizer, self.eos_ids, n_shared=self.n_shared, context=plan.context,
+                        max_tree_budget=plan.tree_budget, prefill_chunk=plan.prefill_chunk,
+                        max_concurrency=plan.concurrency, plan=plan, target_quant=runtime.target_quant,
+                        draft_quant=runtime.draft_quant)
+        start = StartTimes(open=self.open_seconds, plan=t1 - t0, draft=t2 - t1, target=time.perf_counter() - t2)
+        return Loaded(engine, self.target, self.draft, self.tokenizer, start, plan)
+
+
+def load_engine(target_dir: str | Path, draft_dir: Optional[str | Path], offload: OffloadConfig,
+                runtime: RuntimeConfig, progress: bool = True, limits: RunLimits = RunLimits(),
+                machine: Optional[Machine] = None) -> Loaded:
+    """target_dir / draft_dir: a model folder, or a hub id such as Qwen/Qwen2.5-7B-Instruct (hub.resolve_model)."""
+    return Models.open(target_dir, draft_dir).load(offload, runtime, limits, progress, machine)
+
+
+# ---------------------------------------------------------------- the target's layers, as placed
+
+@dataclass
+class TargetLayers:
+    """What open_target_layers returns: a LayerSource (hand it to Model as its layers) that also says what
+    was decided, reports streaming stats and stops the streamer's threads on close()."""
+    source: Union[ResidentLayers, LayerStreamer]   # the layers themselves
+    placement: Placement                           # resident layers and ring size
+    host: Optional[StoreInfo]                      # where the streamed layers live; None when nothing streams
+
+    def pass_layers(self) -> Iterator[tuple[int, LayerWeights]]:
+        return self.source.pass_layers()
+
+    def stats(self) -> Optional[StreamStats]:
+        return self.source.stats() if isinstance(self.source, LayerStreamer) else None
+
+    def close(self) -> None:
+        if isinstance(self.source, LayerStreamer):
+            self.source.close()
+
+    def __enter__(self) -> "TargetLayers":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _resident_layer(i: int, block: torch.Tensor, layout: BlockLayout, device: torch.device,
+                    scratch: Optional[torch.Tensor] = None) -> Union[LayerWeights, QuantizedResident]:
+    """A host block of `layout` (layer i) -> the layer on the device for good: dense (a quantized block is copied,
+    dequantized there, and dropped), or with a scratch ((dense nbytes,) uint8 on the device) the quantized
+    block itself, held, dequantized into the scratch every pass."""
+    on_device = torch.empty(layout.nbytes, dtype=torch.uint8, device=device)   # (nbytes,)
+    on_device.copy_(block)
+    if scratch is not None:
+        return QuantizedResident(layout, on_device, scratch, i)
+    return dequantized(layout, on_device, i)[1]
+
+
+def open_target_layers(layer_tensors_fn: LayerTensorsFn, cfg: ModelConfig, layers: LayerPlan, device: torch.device,
+                       dtype: torch.dtype, progress: bool = True, *, source_id: str = "") -> TargetLayers:
+    """The target's decoder layers, as `layers` (plan.LayerPlan: the memory plan's, or LayerPlan.of) says.
+
+    layer_tensors_fn(i) gives layer i's tensors keyed by LayerWeights field names, any dtype (cast to
+    `dtype` when packed). Placement mode "none": all resident. "cpu": streamed layers packed into a host arena.
+    "cpu+disk": the placement's host layers in a host arena, the others read from the store (stores.TieredStore).
+    "disk": the packed store at layers.store_dir, built once with a progress bar when missing; source_id (e.g.
+    Checkpoint.fingerprint()) is recorded in it, and a store built from other weights is refused. The result is a
+    LayerSource; close it (or use it as a context manager) to stop the streamer's threads.
+
+    A quantized target (layers.quant "int8" | "nf4"): every layer is quantized once, into the packed store
+    (whatever the mode: quantizing a 70B takes the better part of an hour on a few cores, reading it back
+    seconds); the arena and the ring hold quantized blocks, the ring's dense buffers the dequantized layer in
+    `dtype`. Resident layers are dense, or held as their quantized blocks and dequantized every pass into one
+    shared scratch layer (placement.resident_held). A store of another quantization is refused."""
+    placement, quant = layers.placement, layers.quant
+    check_target_quant(quant, device, dtype)
+    layout = target_layout(cfg, dtype, quant)
+    if layers.dense_resident:
+        resident_layers = []
+        for i in tqdm(range(cfg.n_layers), desc="loading layers", unit="layer", disable=not progress):
+            block = torch.empty(layout.nbytes, dtype=torch.uint8, device=device)   # (nbytes,) one block per layer
+            _pack_layer(layer_tensors_fn, i, layout, block)
+            resident_layers.append(layout.views(block))
+        return TargetLayers(ResidentLayers(resident_layers), placement, host=None)
+
+    backend = make_backend(device)
+    with contextlib.ExitStack() as on_error:
+        on_error.callback(backend.close)
+        disk: Optional[DiskStore] = None
+        if layers.from_store:
+            directory = layers.store_dir
+            if directory is None:
+                raise InputError("disk offload and quantized targets need a store directory (store_dir)")
+            if not disk_store_exists(directory):
+                prepare_disk_store(layer_tensors_fn, cfg.n_layers, layout, directory, progress, source_id=source_id)
+            disk = DiskStore(directory, layout, cfg.n_layers, backend, source_id=source_id,
+                             drop_page_cache=layers.drop_page_cache, direct_io=layers.disk_io == "direct")
+            on_error.callback(disk.close)
+
+        def host_block(layer: int) -> torch.Tensor:
+            """Layer `layer`'s block on the host: read from the store, or packed from its tensors."""
+            if disk is not None:
+                return disk.read_layer(layer)
+            block = torch.empty(layout.nbytes, dtype=torch.uint8)
+            _pack_layer(layer_tensors_fn, layer, layout, block)
+            return block
+
+        # Held quantized resident layers and a compact ring share one scratch layer: the plan counted it once
+        # (scratch_nbytes); a split compact ring's is its largest dense part (counted in split_nbytes).
+        scratch_nbytes = (max(part.dense.nbytes for part in layout.parts(split=True))
+                          if placement.compact and placement.split else placement.scratch_nbytes)
+        assert not (placement.split and placement.resident_held), "held layers need a whole-layer scratch"
+        scratch = (torch.empty(scratch_nbytes, dtype=torch.uint8, device=device)   # (scratch_nbytes,)
+                   if scratch_nbytes else None)
+        resident = {i: _resident_layer(i, host_block(i), layout, device, scratch if placement.resident_held else None)
+                    for i in tqdm(placement.resident, desc="loading resident layers", unit="layer",
+                                  disable=not progress or not placement.resident)}
+        if not placement.streamed:
+            on_error.close()      # the store and the backend were only needed to read the layers
+            return TargetLayers(ResidentLayers([resident[i] for i in range(cfg.n_layers)]), placement, host=None)
+        store: WeightStore
+        if placement.mode == "cpu+disk":     # the host tier filled from the store; the disk tier read each pass
+            arena = HostArenaStore.filled(lambda layer, block: block.copy_(disk.read_layer(layer)), layout,
+                                          placement.host_layers, backend, layers.host_budget, progress)
+            on_error.callback(arena.close)
+            store = TieredStore(arena, disk, placement.streamed)
+        elif placement.mode == "cpu" and disk is not None:     # quantized: the arena is filled from the store
+            store = HostArenaStore.filled(lambda layer, block: block.copy_(disk.read_layer(layer)), layout,
+                                          placement.streamed, backend, layers.host_budget, progress)
+            on_error.callback(store.close)
+            disk.close()
+        elif placement.mode == "cpu":
+            store = HostArenaStore.build(layer_tensors_fn, layout, placement.streamed, backend,
+                                         layers.host_budget, progress)
+            on_error.callback(store.close)
+        else:
+            store = disk
+        streamer = LayerStreamer(store, backend, cfg.n_layers, resident, placement.n_slots, overlap=layers.overlap,
+                                 scratch=scratch if placement.compact else None, split=placement.split)
+        on_error.pop_all()
+    return TargetLayers(streamer, placement, store.info())

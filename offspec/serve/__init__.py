@@ -1,0 +1,1 @@
+"""`offspec serve`: the OpenAI HTTP API over one engine's open feed."""

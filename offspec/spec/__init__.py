@@ -1,0 +1,1 @@
+"""Speculation: token trees and how they grow, verification, sampling, n-gram branches, calibration."""

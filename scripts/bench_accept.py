@@ -41,7 +41,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "scripts")]   # this checkout's offspec, n
 import _common  # noqa: E402
 import peer_hf  # noqa: E402
 
-from offspec import bench  # noqa: E402
+from offspec.bench import runner as bench  # noqa: E402
 from offspec.config import OffloadConfig, SamplingConfig, TreeConfig  # noqa: E402
 from offspec.errors import InputError  # noqa: E402
 

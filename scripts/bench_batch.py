@@ -89,7 +89,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _common  # noqa: E402
 import _stats  # noqa: E402
 
-from offspec import bench  # noqa: E402
+from offspec.bench import runner as bench  # noqa: E402
 from offspec.bench.prompt_sets import load_prompt_set  # noqa: E402
 from offspec.config import OffloadConfig, RunLimits, RuntimeConfig, TreeConfig  # noqa: E402
 from offspec.engine.generate import GenerationRequest  # noqa: E402
@@ -98,8 +98,8 @@ from offspec.engine.metrics import JobReport, synchronize  # noqa: E402
 from offspec.engine.prompt import encode_prompt  # noqa: E402
 from offspec.formats.demo import ensure_demo_models  # noqa: E402
 from offspec.formats.quant import auto_draft_quant  # noqa: E402
-from offspec.plan.core import layer_nbytes  # noqa: E402
 from offspec.plan.costmodel import LINK_GB_PER_S  # noqa: E402
+from offspec.plan.sizes import layer_nbytes  # noqa: E402
 
 SECTION = "bench_batch"
 # The docstring's column notes, printed beneath the table they explain (python -O drops docstrings: none then).
@@ -181,7 +181,6 @@ def predict(args, rows: list[dict]) -> tuple[str, list[str]]:
 
     from offspec.errors import BudgetError
     from offspec.formats.checkpoint import Checkpoint
-    from offspec.plan.core import GB, Machine, ModelSpec, make_plan
     from offspec.plan.costmodel import (
         REFERENCE_GPU,
         GpuSetup,
@@ -189,6 +188,9 @@ def predict(args, rows: list[dict]) -> tuple[str, list[str]]:
         pass_compute_seconds,
         predict_seconds_per_token,
     )
+    from offspec.plan.machine import GB, Machine
+    from offspec.plan.search import make_plan
+    from offspec.plan.sizes import ModelSpec
     measured = [r["tokens_per_pass"] for r in rows if r["regime"] == "disk" and r["system"] == "offspec"
                 and r["concurrency"] == 1 and r["prompt_set"] == "code"]
     tau = args.tokens_per_row_pass or (statistics.median(measured) if measured else 8.0)
@@ -308,7 +310,7 @@ def peer_cell(target_dir, regime: str, prompt_ids: list[list[int]], B: int, args
     """transformers generate over left-padded batches of B prompts (greedy, exactly --new-tokens each)."""
     from peer_hf import HfSystems
 
-    from offspec.stream.stores import drop_page_cache
+    from offspec.stream.disk import drop_page_cache
     device = args.device
     hf = HfSystems(target_dir, None, parse_dtype(args.dtype), regime, offload_folder, cold=True,
                    device=device)

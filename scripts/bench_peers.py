@@ -45,7 +45,7 @@ sys.path.insert(0, str(ROOT / "scripts"))
 import _common  # noqa: E402
 import peer_hf  # noqa: E402
 
-from offspec import bench  # noqa: E402
+from offspec.bench import runner as bench  # noqa: E402
 from offspec.config import OffloadConfig, SamplingConfig, TreeConfig  # noqa: E402
 from offspec.errors import InputError  # noqa: E402
 

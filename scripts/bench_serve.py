@@ -29,7 +29,7 @@ sys.path.insert(0, str(ROOT / "scripts"))
 import _common  # noqa: E402
 import _stats  # noqa: E402
 
-from offspec import bench  # noqa: E402
+from offspec.bench import runner as bench  # noqa: E402
 from offspec.config import OffloadConfig, RunLimits, RuntimeConfig, SamplingConfig, TreeConfig  # noqa: E402
 from offspec.engine.load import load_engine, parse_dtype  # noqa: E402
 

@@ -71,15 +71,9 @@ from offspec.formats.demo import DEFAULT_TARGET, ensure_demo_model, offspec_home
 from offspec.formats.layout import LAYER_PARTS, LayerLayout
 from offspec.model.forward import Model, RowSpan
 from offspec.model.kv_cache import KVCache
-from offspec.plan.core import LayerPlan
-from offspec.stream.stores import (
-    LAYERS_BIN,
-    READS_IN_FLIGHT,
-    DiskStore,
-    HostArenaStore,
-    drop_page_cache,
-    sequential_read,
-)
+from offspec.plan.placement import LayerPlan
+from offspec.stream.disk import LAYERS_BIN, READS_IN_FLIGHT, DiskStore, drop_page_cache, sequential_read
+from offspec.stream.stores import HostArenaStore
 from offspec.stream.transfer import format_bytes, make_backend
 
 SECTION = "bench_stream"

@@ -78,7 +78,8 @@ from offspec.engine.metrics import Timer  # noqa: E402
 from offspec.formats.layout import GlobalWeights, layer_shapes  # noqa: E402
 from offspec.model.forward import Model  # noqa: E402
 from offspec.model.kv_cache import KVCache  # noqa: E402
-from offspec.plan.core import LayerPlan, layer_nbytes  # noqa: E402
+from offspec.plan.placement import LayerPlan  # noqa: E402
+from offspec.plan.sizes import layer_nbytes  # noqa: E402
 
 DEFAULT_OUT = REPO / "docs" / "gpu_check.json"
 # In this order; doctor comes after demo, so its advice covers the demo target that the demo section prepared.

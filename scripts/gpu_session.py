@@ -56,7 +56,8 @@ from offspec.config import ModelConfig, OffloadConfig  # noqa: E402
 from offspec.engine.load import open_target_layers  # noqa: E402
 from offspec.engine.metrics import Timer  # noqa: E402
 from offspec.model.forward import Model  # noqa: E402
-from offspec.plan.core import LayerPlan, layer_nbytes  # noqa: E402
+from offspec.plan.placement import LayerPlan  # noqa: E402
+from offspec.plan.sizes import layer_nbytes  # noqa: E402
 
 PARTS = ("check", "pass70b", "drafts", "dequant")
 CHUNKS = (None, 1 << 24, 1 << 26)   # the published formats' dequantization, timed at offspec's chunk and larger ones

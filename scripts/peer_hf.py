@@ -40,10 +40,10 @@ sys.path.insert(0, str(ROOT / "scripts"))
 
 import _common  # noqa: E402
 
-from offspec import bench  # noqa: E402
+from offspec.bench import runner as bench  # noqa: E402
 from offspec.bench.prompt_sets import PROMPT_SETS, load_prompt_set  # noqa: E402
 from offspec.engine.metrics import synchronize  # noqa: E402
-from offspec.stream.stores import drop_page_cache  # noqa: E402
+from offspec.stream.disk import drop_page_cache  # noqa: E402
 
 SWEEP_KIND = "sweep"         # the "kind" of sweep rows
 CODE_INSTRUCTION = "Complete this Python function:\n\n"   # put before each HumanEval prompt

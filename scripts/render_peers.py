@@ -27,7 +27,7 @@ import _common  # noqa: E402
 import _stats  # noqa: E402
 import bench_peers  # noqa: E402
 
-from offspec import bench  # noqa: E402
+from offspec.bench import runner as bench  # noqa: E402
 
 DEFAULT_MARGIN = 1.05    # the default's median s/token may be at most this times the best fixed policy's
 README = ROOT / "README.md"

@@ -79,7 +79,7 @@ def assert_logits_as_published(model, reference, prompt: Sequence[int]) -> None:
     streamed from RAM and from the disk store, and held as published on the device (--resident-quant on); every
     load runs the checkpoint's own quantization."""
     from offspec.config import OffloadConfig
-    from offspec.formats.checkpoint import open_checkpoint
+    from offspec.formats.open import open_checkpoint
 
     want, _ = loaded_prompt_logits(reference, prompt)
     quant = open_checkpoint(model).quant
@@ -98,7 +98,7 @@ def assert_speculative_greedy_is_plain(target, draft, prompt: Sequence[int], tre
     from offspec.config import OffloadConfig, RuntimeConfig
     from offspec.engine.generate import GenerationRequest, run
     from offspec.engine.load import load_engine
-    from offspec.formats.checkpoint import open_checkpoint
+    from offspec.formats.open import open_checkpoint
 
     loaded = load_engine(target, draft, OffloadConfig(mode="cpu", n_slots=2),
                          RuntimeConfig(device=torch.device("cpu"), dtype=torch.float32), progress=False)

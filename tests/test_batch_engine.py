@@ -529,7 +529,7 @@ def test_continuations_follow_the_context_dependent_targets_law(context_pair, tr
 @pytest.mark.parametrize("broken", ["verifier reads the parent's distribution", "target attends to the whole tree",
                                     "cache keeps the first tree rows"])
 def test_the_law_test_catches_wrong_verification_attention_and_caches(context_pair, monkeypatch, broken):
-    from offspec.engine import generate
+    from offspec.engine import generate, mask
     from offspec.model.kv_cache import KVCache
     if broken.startswith("verifier"):
         accept = generate.Engine._accept
@@ -538,11 +538,11 @@ def test_the_law_test_catches_wrong_verification_attention_and_caches(context_pa
             return accept(tree, q_logits[tree.parents.clamp(min=0)], sampling, generator)
         monkeypatch.setattr(generate.Engine, "_accept", staticmethod(parents_rows))
     elif broken.startswith("target"):
-        init = generate.PassMask.__init__
+        init = mask.PassMask.__init__
 
         def whole_tree(self, first_slot, n_pending, tree_mask, device):
             init(self, first_slot, n_pending, None if tree_mask is None else torch.ones_like(tree_mask), device)
-        monkeypatch.setattr(generate.PassMask, "__init__", whole_tree)
+        monkeypatch.setattr(mask.PassMask, "__init__", whole_tree)
     else:
         compact = KVCache.compact
 

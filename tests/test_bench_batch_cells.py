@@ -32,7 +32,7 @@ def test_each_regime_puts_the_target_where_its_description_says():
 def test_on_a_gpu_the_plan_streams_every_layer_through_the_ring(pair, tmp_path):
     """The streamed regimes' --gpu-budget leaves no layer resident even on a GPU far larger than the target (a
     24 GB GPU, planned here without one)."""
-    from offspec.plan.core import GB, Machine
+    from offspec.plan.machine import GB, Machine
 
     models = bench.Models.open(*pair)
     gpu = torch.device("cuda")

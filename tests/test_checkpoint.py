@@ -147,7 +147,8 @@ def test_a_folder_without_tokenizer_files_says_so(arch, tmp_path):
     """Without tokenizer files transformers builds an empty Qwen2 tokenizer (every prompt then encodes to
     nothing) and fails on a Llama folder with a message about its backend: both are one line naming the folder
     and the files it lacks."""
-    from offspec.formats.checkpoint import TOKENIZER_FILES, load_tokenizer
+    from offspec.formats.checkpoint import TOKENIZER_FILES
+    from offspec.formats.open import load_tokenizer
     path = save_checkpoint(make_model(hf_config(arch, n_layers=1)), tmp_path / arch)
     for file in path.iterdir():
         if file.name.startswith(("tokenizer", "special_tokens", "vocab", "merges")):

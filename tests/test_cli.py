@@ -21,7 +21,7 @@ from offspec.config import OffloadConfig, RuntimeConfig, TreeConfig
 from offspec.engine.generate import GenerationRequest, run
 from offspec.engine.load import load_engine
 from offspec.engine.prompt import encode_prompt
-from offspec.plan.core import AUTO_CONCURRENCY
+from offspec.plan.search import AUTO_CONCURRENCY
 
 RUNTIME = RuntimeConfig(device=torch.device("cpu"), dtype=torch.float32)
 FAST = ["--device", "cpu", "--dtype", "float32", "--offload", "none"]
@@ -89,8 +89,8 @@ def generate_json(m, tmp_path, *args, name="r.json", input=None):
 
 
 def readme_report_fields() -> list[str]:
-    """Every field name the README's report table documents."""
-    readme = (Path(__file__).parent.parent / "README.md").read_text()
+    """Every field name the report table documents (docs/options.md, linked from the README)."""
+    readme = (Path(__file__).parent.parent / "docs" / "options.md").read_text()
     table = readme.split("### The report", 1)[1].split("`offspec batch` writes", 1)[0]
     return sorted({name for row in table.splitlines() if row.startswith("| `")
                    for name in re.findall(r"`([a-z_0-9]+)`", row.split("|")[1])})
@@ -515,13 +515,13 @@ def test_os_error_on_the_loader_thread_is_one_line(m, tmp_path, monkeypatch):
     """An I/O error while streaming arrives wrapped from the loader thread; the CLI still prints one line."""
     import errno
 
-    import offspec.stream.stores
+    import offspec.stream.disk
 
     def failing_read(self, layer, out, offset, gate):   # a DiskStore reader thread's read of one piece
         raise OSError(errno.EIO, "Input/output error", "layers.bin")
     disk = ["--device", "cpu", "--dtype", "float32", "--offload", "disk", "--store-dir", tmp_path / "store"]
     ok(cli("models", "prepare", m.target, "--dtype", "float32", "--store-dir", tmp_path / "store"))
-    monkeypatch.setattr(offspec.stream.stores.DiskStore, "_read_piece", failing_read)
+    monkeypatch.setattr(offspec.stream.disk.DiskStore, "_read_piece", failing_read)
     assert_clean_error(cli("generate", *m.models, *disk, PROMPT), "Input/output error: layers.bin")
 
 
@@ -699,7 +699,7 @@ def test_help_explains_every_option_with_its_default(path, command):
 @pytest.mark.parametrize("name", ["generate", "batch", "bench"])
 def test_help_puts_the_common_options_first_and_lists_each_once(name):
     """Two sections: the options most runs set, then "Advanced options"; every option (and its help) once."""
-    from offspec.cli.main import ESSENTIAL_OPTIONS
+    from offspec.cli.options import ESSENTIAL_OPTIONS
 
     command = main.commands[name]
     result = CliRunner().invoke(main, [name, "--help"], prog_name="offspec", terminal_width=120)

@@ -25,10 +25,10 @@ from tiny import hf_config, make_model, perturbed_copy, save_checkpoint
 from offspec.config import OffloadConfig, RunLimits, RuntimeConfig, TreeConfig
 from offspec.engine.generate import GenerationRequest
 from offspec.engine.prompt import encode_prompt
-from offspec.formats.checkpoint import load_tokenizer
+from offspec.formats.open import load_tokenizer
 from offspec.jobs.cluster import LOCAL_OBJECT_STORE, Cluster, WorkerSpec
 from offspec.jobs.runner import PromptDone
-from offspec.plan.core import AUTO_CONCURRENCY
+from offspec.plan.search import AUTO_CONCURRENCY
 
 REPO = Path(__file__).resolve().parents[1]
 RUNTIME = RuntimeConfig(device=torch.device("cpu"), dtype=torch.float32)

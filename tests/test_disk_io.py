@@ -11,8 +11,8 @@ from test_offload import N_LAYERS, REGIMES, TINY, TearingBackend, filled_layers,
 
 from offspec.errors import StoreError
 from offspec.formats.layout import BLOCK_ALIGN, LayerLayout, layer_shapes
+from offspec.stream.disk import LAYERS_BIN, DiskStore, prepare_disk_store
 from offspec.stream.ring import LayerStreamer
-from offspec.stream.stores import LAYERS_BIN, DiskStore, prepare_disk_store
 from offspec.stream.transfer import CpuBackend, HostBuffer, format_bytes
 
 # TINY's float32 block is 11 * BLOCK_ALIGN: with 3 reads in flight, pieces of 4, 4 and 3 blocks.

@@ -271,7 +271,7 @@ def replace_seed(sampling, seed):
 def test_stop_checker_decodes_only_a_tail():
     """Stop strings are found when they end at the newest token, however long the output, and each check
     decodes a bounded tail (not the whole text, which made long generations quadratic)."""
-    from offspec.engine.generate import StopChecker
+    from offspec.engine.rows import StopChecker
 
     class CharTokenizer:                       # token id = a character's code point
         longest = 0
@@ -345,7 +345,7 @@ def test_a_planned_context_caps_the_engine(pair):
 @pytest.mark.parametrize("chunk", [1, 3, 7])
 def test_chunked_forward_equals_one_piece(pair, chunk):
     """Each layer over its rows in chunks, the mask built per chunk: the same logits (fp32) and the same cache."""
-    from offspec.engine.generate import PassMask
+    from offspec.engine.mask import PassMask
     from offspec.model.kv_cache import KVCache
     eng = engine(pair)
     cfg = eng.target.cfg
@@ -367,7 +367,7 @@ def test_nan_caches_catch_a_masked_off_read_of_an_unwritten_slot(pair):
     writes (that column masked off for every row) reads a slot nothing wrote, and the logits turn NaN. So a
     forward that read unwritten cache memory fails every test instead of passing on memory that happened to be
     zero (the bug a chunked prefill once had); over exactly its written columns the same forward is finite."""
-    from offspec.engine.generate import causal_rows
+    from offspec.engine.mask import causal_rows
     from offspec.model.kv_cache import KVCache
     eng = engine(pair)
     T, cpu = len(PROMPT), torch.device("cpu")
@@ -382,7 +382,7 @@ def test_nan_caches_catch_a_masked_off_read_of_an_unwritten_slot(pair):
 
 def test_pass_mask_rows_match_the_whole_mask():
     """PassMask(a, b) = rows a..b-1 of [causal pending rows | tree rows (prefix + ancestors)]; the docstring's example."""
-    from offspec.engine.generate import PassMask
+    from offspec.engine.mask import PassMask
     from offspec.spec.tree import TokenTree
     tree = TokenTree(9)
     tree.add(0, 4, 0.5)

@@ -20,7 +20,8 @@ from tiny import hf_config, make_model, perturbed_copy, save_gguf
 from offspec.config import OffloadConfig, TreeConfig
 from offspec.errors import CheckpointError
 from offspec.formats import gguf_blocks, published
-from offspec.formats.checkpoint import Checkpoint, open_checkpoint, same_tokenizer_files
+from offspec.formats.checkpoint import Checkpoint
+from offspec.formats.open import open_checkpoint, same_tokenizer_files
 
 gguf = pytest.importorskip("gguf")
 
@@ -151,7 +152,7 @@ def test_models_info_plans_it_from_its_blocks(pair):
     from click.testing import CliRunner
 
     from offspec.cli.main import main
-    from offspec.plan.core import TargetLayerSizes
+    from offspec.plan.sizes import TargetLayerSizes
     ckpt = open_checkpoint(pair[0])
     cfg = ckpt.config
     sizes = TargetLayerSizes.of(cfg, torch.float32, ckpt.quant)
@@ -269,7 +270,8 @@ def test_each_layer_moves_its_own_bytes_whole_or_split(pair):
     dequantized with its own types) equal the checkpoint's."""
     from offspec.engine.load import open_target_layers
     from offspec.formats.quant import target_layout
-    from offspec.plan.core import LayerPlan, TargetLayerSizes
+    from offspec.plan.placement import LayerPlan
+    from offspec.plan.sizes import TargetLayerSizes
     ckpt = open_checkpoint(pair[0])
     cfg, quant = ckpt.config, ckpt.quant
     layout = target_layout(cfg, torch.float32, quant)

@@ -29,7 +29,8 @@ from offspec.engine.load import open_target_layers
 from offspec.formats.layout import GlobalWeights, LayerLayout, layer_shapes
 from offspec.model.forward import Model, ResidentLayers
 from offspec.model.kv_cache import KVCache
-from offspec.plan.core import LayerPlan, layer_nbytes
+from offspec.plan.placement import LayerPlan
+from offspec.plan.sizes import layer_nbytes
 from offspec.stream.ring import LayerStreamer
 from offspec.stream.stores import HostArenaStore
 from offspec.stream.transfer import PAGE_BYTES, CudaBackend, CudaEvent, check_copy

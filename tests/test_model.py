@@ -97,7 +97,7 @@ def test_attention_in_bounded_query_blocks_equals_one_call(tmp_path, monkeypatch
     the one-call ones (to float32 rounding: the kernel's blocking follows its query count) and transformers';
     the plan counts the smaller scores."""
     import offspec.config as config
-    from offspec.plan.core import activation_nbytes
+    from offspec.plan.sizes import activation_nbytes
     hf = make_model(hf_config("llama"), seed=5)
     ckpt = Checkpoint(save_checkpoint(hf, tmp_path / "m"))
     ours = load_resident(ckpt, CPU, torch.float32)

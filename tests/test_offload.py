@@ -17,17 +17,18 @@ from offspec.errors import BudgetError, InputError, StoreError
 from offspec.formats.layout import BLOCK_ALIGN, LAYER_PARTS, GlobalWeights, LayerLayout, arena_stride, layer_shapes
 from offspec.model.forward import Model, ResidentLayers
 from offspec.model.kv_cache import KVCache
-from offspec.plan.core import LayerPlan, layer_nbytes, place_layers
-from offspec.stream.ring import LayerStreamer
-from offspec.stream.stores import (
+from offspec.plan.placement import LayerPlan, place_layers
+from offspec.plan.sizes import layer_nbytes
+from offspec.stream.disk import (
     LAYERS_BIN,
     MANIFEST,
     DiskStore,
-    HostArenaStore,
     disk_store_exists,
     prepare_disk_store,
     store_fingerprint,
 )
+from offspec.stream.ring import LayerStreamer
+from offspec.stream.stores import HostArenaStore
 from offspec.stream.transfer import PAGE_BYTES, CpuBackend, CpuEvent
 
 CPU = torch.device("cpu")
@@ -643,7 +644,7 @@ import json, sys
 import psutil, torch
 from offspec.config import ModelConfig, OffloadConfig
 from offspec.engine.load import open_target_layers
-from offspec.plan.core import LayerPlan
+from offspec.plan.placement import LayerPlan
 cfg = ModelConfig(**json.loads(sys.argv[2]))
 def no_checkpoint(i):
     raise AssertionError("the store should exist already")

@@ -8,8 +8,11 @@ from shapes import headers_only_checkpoint
 
 from offspec.config import OffloadConfig, RunLimits, RuntimeConfig
 from offspec.formats.checkpoint import Checkpoint
-from offspec.plan.core import GB, Machine, ModelSpec, make_plan, predicted_pass_seconds
+from offspec.plan.machine import GB, Machine
 from offspec.plan.options import compare
+from offspec.plan.passtime import predicted_pass_seconds
+from offspec.plan.search import make_plan
+from offspec.plan.sizes import ModelSpec
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,4 @@
-"""The memory plan (offspec/plan/core.py) for machines and models that are not here: 7B–72B checkpoints as config +
+"""The memory plan (offspec/plan/) for machines and models that are not here: 7B–72B checkpoints as config +
 safetensors headers only (tests/shapes.py), on 8/24/48/80 GB GPUs with 16/64/256 GB of host RAM; and
 `offspec models info` printing those plans, refusing in one line what cannot fit."""
 from __future__ import annotations
@@ -16,19 +16,10 @@ from shapes import MODELS, headers_only_checkpoint
 from offspec.cli.main import main
 from offspec.config import OffloadConfig, RunLimits, RuntimeConfig
 from offspec.errors import BudgetError
-from offspec.formats.checkpoint import open_checkpoint
-from offspec.plan.core import (
-    AUTO_CONCURRENCY,
-    GB,
-    PINNED_FRACTION,
-    Machine,
-    ModelSpec,
-    activation_nbytes,
-    host_memory_limit,
-    kv_bytes_per_token,
-    layer_nbytes,
-    make_plan,
-)
+from offspec.formats.open import open_checkpoint
+from offspec.plan.machine import GB, PINNED_FRACTION, Machine, host_memory_limit
+from offspec.plan.search import AUTO_CONCURRENCY, make_plan
+from offspec.plan.sizes import ModelSpec, activation_nbytes, kv_bytes_per_token, layer_nbytes
 
 BF16 = RuntimeConfig(dtype=torch.bfloat16)
 PAIRS = [("Llama-2-7b-chat-hf", "TinyLlama-1.1B-Chat-v1.0"), ("Llama-2-13b-chat-hf", "TinyLlama-1.1B-Chat-v1.0"),
@@ -164,7 +155,7 @@ def test_host_memory_limit_is_at_most_memavailable():
 
 def test_cgroup_limit_below_memavailable_wins(tmp_path, monkeypatch):
     """A container's cgroup (v2) with a 2 GB limit: the plan's host memory is what the cgroup leaves."""
-    import offspec.plan.core as plan_mod
+    import offspec.plan.machine as plan_mod
     cg = tmp_path / "sys" / "fs" / "cgroup"
     (cg / "job").mkdir(parents=True)
     (cg / "job" / "memory.max").write_text(f"{2 * GB}\n")
@@ -211,13 +202,19 @@ def test_models_info_too_small_is_one_line(folders):
     assert "cannot hold the run" in lines[0] and lines[0].endswith("fits: --context 1280")
 
 
+def readme_text() -> str:
+    """README.md and docs/planning.md, where the README's GPU examples' plans are shown."""
+    root = Path(__file__).parent.parent
+    return (root / "README.md").read_text() + "\n" + (root / "docs" / "planning.md").read_text()
+
+
 def readme_info_commands() -> list[str]:
-    readme = (Path(__file__).parent.parent / "README.md").read_text()
+    readme = readme_text()
     return [line.strip() for line in readme.splitlines() if line.strip().startswith("offspec models info ~/models/")]
 
 
 def test_readme_names_plans_for_its_gpu_examples():
-    readme = (Path(__file__).parent.parent / "README.md").read_text()
+    readme = readme_text()
     commands = readme_info_commands()
     assert commands, "the README shows no `offspec models info` plan for its GPU examples"
     for line in readme.splitlines():
@@ -314,7 +311,7 @@ def test_resident_quant_auto_keeps_dense_layers_when_they_all_fit(specs):
 
 def test_resident_quant_on_needs_a_quantized_target():
     from offspec.errors import InputError
-    from offspec.plan.core import choose_placement
+    from offspec.plan.placement import choose_placement
     with pytest.raises(InputError, match="needs --target-quant int8 or nf4"):
         choose_placement(4, 1000, OffloadConfig(mode="cpu"), None, resident_quant="on")
     with pytest.raises(InputError, match="unknown --resident-quant 'yes'"):
@@ -382,15 +379,11 @@ def test_a_70b_on_a_gaming_pc_keeps_what_fits_in_ram_and_reads_the_rest_from_dis
     """bf16 Llama-3.1-70B (133 GB of layers) on a 24 GB GPU beside 128 GB of RAM: one tier for all layers put every
     streamed layer on the disk; now the pinned budget's worth stays in RAM, pinned, a few more pageable, and only
     the rest is read, spread through the pass; the predicted pass is the slower of the copies and the drive."""
-    from offspec.formats.layout import arena_stride
-    from offspec.plan.core import (
-        DISK_GBPS,
-        LINK_GBPS,
-        PAGEABLE_GB_PER_S,
-        pinned_arena_layers,
-        predicted_pass_seconds,
-        split_tiers,
-    )
+    from offspec.formats.layout import arena_stride, pinned_arena_layers
+    from offspec.plan.costmodel import DISK_GBPS, PAGEABLE_GB_PER_S
+    from offspec.plan.costmodel import LINK_GB_PER_S as LINK_GBPS
+    from offspec.plan.passtime import predicted_pass_seconds
+    from offspec.plan.placement import split_tiers
     plan = plan_for(specs, "Llama-3.1-70B-Instruct", "Llama-3.2-1B-Instruct", 24, 128)
     p = plan.placement
     assert plan.mode == p.mode == "cpu+disk" and 0 < plan.pinned_layers < len(p.host_layers) and not plan.host_pinned
@@ -423,7 +416,9 @@ def test_an_arena_just_over_the_pinned_budget_pins_what_fits_instead_of_going_pa
     budget too: all of it pinned (a whole pageable arena, once). With a pinned budget far too small, the arena's
     first pieces are pinned, many more layers are pageable (a sixth of the pinned rate, measured), and the rest
     come from the drive: faster than all of them pageable."""
-    from offspec.plan.core import DISK_GBPS, LINK_GBPS, predicted_pass_seconds
+    from offspec.plan.costmodel import DISK_GBPS
+    from offspec.plan.costmodel import LINK_GB_PER_S as LINK_GBPS
+    from offspec.plan.passtime import predicted_pass_seconds
     plan = plan_for(specs, "Llama-3.1-70B-Instruct", "Llama-3.2-1B-Instruct", 24, 160)
     assert plan.mode == "cpu" and plan.host_pinned and plan.pinned_layers == len(plan.placement.streamed)
     small_pin = plan_for(specs, "Llama-3.1-70B-Instruct", "Llama-3.2-1B-Instruct", 24, 160,
@@ -475,7 +470,7 @@ def test_the_goals_for_small_gpus_and_long_contexts(specs):
 def test_a_refusal_names_what_would_fit(specs):
     import re
 
-    from offspec.plan.core import CONTEXT_STEP
+    from offspec.plan.search import CONTEXT_STEP
     args = (specs, "Llama-3.1-70B-Instruct", "Llama-3.2-1B-Instruct", 24, 64)
     with pytest.raises(BudgetError) as refused:
         plan_for(*args, limits=RunLimits(context=131072))
@@ -500,8 +495,9 @@ def test_streamed_layers_dequantization_is_on_the_copy_streams_time(specs):
     instead (counted in line, not here), and a dense target has none."""
     from dataclasses import replace
 
-    from offspec.plan.core import LINK_GBPS, predicted_pass_seconds, streamed_dequant_seconds
+    from offspec.plan.costmodel import LINK_GB_PER_S as LINK_GBPS
     from offspec.plan.costmodel import dequant_seconds
+    from offspec.plan.passtime import predicted_pass_seconds, streamed_dequant_seconds
     target, draft = specs["Llama-3.1-70B-Instruct"], specs["Llama-3.2-1B-Instruct"]
     nf4 = replace(BF16, target_quant="nf4", draft_quant="nf4")
     whole = make_plan(target, draft, OffloadConfig(mode="auto"), nf4, RunLimits(context=4096),

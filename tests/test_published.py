@@ -209,7 +209,7 @@ def test_models_info_plans_it_from_its_pieces(pair):
     from click.testing import CliRunner
 
     from offspec.cli.main import main
-    from offspec.plan.core import ModelSpec, TargetLayerSizes
+    from offspec.plan.sizes import ModelSpec, TargetLayerSizes
     ckpt = Checkpoint(pair[0])
     quant = ckpt.quant
     assert ModelSpec.of(ckpt).quant == quant and ckpt.parameter_count() == Checkpoint(pair[2]).parameter_count()
@@ -229,7 +229,7 @@ def test_models_prepare_and_generate_from_the_store(pair, tmp_path):
     from click.testing import CliRunner
 
     from offspec.cli.main import main
-    from offspec.stream.stores import MANIFEST
+    from offspec.stream.disk import MANIFEST
     store = tmp_path / "store"
     runner = CliRunner()
     prepared = runner.invoke(main, ["models", "prepare", str(pair[0]), "--dtype", "float32", "--store-dir", str(store)])
@@ -276,15 +276,12 @@ def test_a_70b_awq_with_a_1b_draft_plans_on_24gb_and_64gb(tmp_path):
     from shapes import headers_only_checkpoint
 
     from offspec.config import RunLimits
-    from offspec.plan.core import (
-        LINK_GBPS,
-        Machine,
-        ModelSpec,
-        make_plan,
-        predicted_pass_seconds,
-        streamed_dequant_seconds,
-    )
+    from offspec.plan.costmodel import LINK_GB_PER_S as LINK_GBPS
     from offspec.plan.costmodel import dequant_seconds
+    from offspec.plan.machine import Machine
+    from offspec.plan.passtime import predicted_pass_seconds, streamed_dequant_seconds
+    from offspec.plan.search import make_plan
+    from offspec.plan.sizes import ModelSpec
     target, draft = (ModelSpec.of(Checkpoint(headers_only_checkpoint(tmp_path, name), headers_only=True))
                      for name in ("Meta-Llama-3.1-70B-Instruct-AWQ-INT4", "Llama-3.2-1B-Instruct"))
     assert target.quant == "awq-g128"

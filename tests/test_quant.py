@@ -178,7 +178,7 @@ def test_the_help_and_the_readme_quote_the_int8_copys_bound():
     from offspec.cli.main import main
     help_text = " ".join(CliRunner().invoke(main, ["generate", "--help"]).output.split())
     assert f"covers at most {FUSED_MAX_ROWS} of that prompt's tokens" in help_text
-    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    readme = (Path(__file__).resolve().parents[1] / "docs" / "options.md").read_text()
     assert f"covers ≤ {FUSED_MAX_ROWS} of that prompt's tokens" in readme
 
 

@@ -54,8 +54,9 @@ def test_the_demo_gguf_files_stream_as_their_converted_folders():
     from offspec.engine.generate import GenerationRequest, run
     from offspec.engine.load import load_engine
     from offspec.engine.prompt import encode_prompt
-    from offspec.formats.checkpoint import Checkpoint, open_checkpoint
+    from offspec.formats.checkpoint import Checkpoint
     from offspec.formats.demo import DEFAULT_DRAFT, DEFAULT_TARGET, ensure_demo_gguf, ensure_demo_models
+    from offspec.formats.open import open_checkpoint
 
     cpu, bf16 = torch.device("cpu"), torch.bfloat16
     folders = ensure_demo_models(progress=False)

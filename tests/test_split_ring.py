@@ -27,20 +27,13 @@ from offspec.errors import BudgetError
 from offspec.formats.layout import LAYER_PARTS, WHOLE, GlobalWeights, LayerLayout, layer_shapes
 from offspec.model.forward import Model
 from offspec.model.kv_cache import KVCache
-from offspec.plan.core import (
-    LayerPlan,
-    Machine,
-    ModelSpec,
-    TargetLayerSizes,
-    choose_placement,
-    layer_nbytes,
-    make_plan,
-    place_layers,
-    split_activation_nbytes,
-    split_tiers,
-)
+from offspec.plan.machine import Machine
+from offspec.plan.placement import LayerPlan, choose_placement, place_layers, split_tiers
+from offspec.plan.search import make_plan
+from offspec.plan.sizes import ModelSpec, TargetLayerSizes, layer_nbytes, split_activation_nbytes
+from offspec.stream.disk import DiskStore, prepare_disk_store
 from offspec.stream.ring import LayerStreamer
-from offspec.stream.stores import DiskStore, HostArenaStore, prepare_disk_store
+from offspec.stream.stores import HostArenaStore
 
 CPU = torch.device("cpu")
 PARTS = tuple(LAYER_PARTS)

@@ -20,7 +20,7 @@ from offspec.errors import BudgetError, InputError, StoreError
 from offspec.formats.layout import LayerLayout, layer_shapes
 from offspec.formats.quant import NF4_BLOCK, QuantizedLayout, dequantized
 from offspec.model.kv_cache import KVCache
-from offspec.stream.stores import MANIFEST, DiskStore, prepare_disk_store
+from offspec.stream.disk import MANIFEST, DiskStore, prepare_disk_store
 from offspec.stream.transfer import CpuBackend
 
 CPU = torch.device("cpu")
@@ -142,7 +142,7 @@ def test_a_compact_ring_equals_the_resident_quantized_target_bitwise(pair, tmp_p
     from offspec.engine.load import load_target
     from offspec.formats.checkpoint import Checkpoint
     from offspec.formats.quant import QuantizedResident
-    from offspec.plan.core import LayerPlan, Placement
+    from offspec.plan.placement import LayerPlan, Placement
     want = prompt_logits(engine(pair, quant, draft=False, resident_quant="off"))
     ckpt = Checkpoint(pair[0])
     dense_layer = LayerLayout.of(ckpt.config, torch.float32).nbytes
@@ -176,7 +176,7 @@ def test_a_split_ring_equals_the_resident_quantized_target_bitwise(pair, tmp_pat
     from offspec.engine.load import load_target
     from offspec.formats.checkpoint import Checkpoint
     from offspec.formats.layout import LAYER_PARTS
-    from offspec.plan.core import LayerPlan, Placement
+    from offspec.plan.placement import LayerPlan, Placement
     want = prompt_logits(engine(pair, quant, draft=False, resident_quant="off"))
     ckpt = Checkpoint(pair[0])
     layout = QuantizedLayout.of(ckpt.config, torch.float32, quant)
@@ -202,7 +202,7 @@ def test_a_split_ring_equals_the_resident_quantized_target_bitwise(pair, tmp_pat
 
 
 def test_the_plan_takes_a_compact_ring_only_where_whole_slots_do_not_fit():
-    from offspec.plan.core import choose_placement
+    from offspec.plan.placement import choose_placement
     dense, block = 1000, 300
     offload = OffloadConfig(mode="cpu", n_slots=2)
     roomy = choose_placement(10, dense, offload, 2 * (block + dense), slot_bytes=block + dense, held_bytes=block)
@@ -239,7 +239,7 @@ def test_held_resident_layers_equal_streamed_and_dequantized_resident_bitwise(pa
     # arithmetic: tests/test_plan.py); the loader obeys the placement it is given.
     from offspec.engine.load import load_target
     from offspec.formats.checkpoint import Checkpoint
-    from offspec.plan.core import LayerPlan, Placement
+    from offspec.plan.placement import LayerPlan, Placement
     dense_layer = LayerLayout.of(held.target.cfg, torch.float32).nbytes
     block = QuantizedLayout.of(held.target.cfg, torch.float32, quant).nbytes
     placement = Placement("disk", 5, dense_layer, resident=(0, 1), n_slots=2, slot_nbytes=block + dense_layer,
@@ -529,7 +529,7 @@ def test_cuda_streamed_quantized_equals_resident_quantized(tmp_path, quant, mode
     """On CUDA: bitsandbytes' dequantization into the slot runs on the copy stream (dequantize_4bit.out / in-place
     int8), with no hidden synchronization in a pass, and gives the resident quantized layers bit for bit."""
     from offspec.engine.load import open_target_layers
-    from offspec.plan.core import LayerPlan
+    from offspec.plan.placement import LayerPlan
     cfg = replace(CFG, n_layers=7)
     device = torch.device("cuda")
     weights, _, expected = layers_and_their_dequantization(cfg, quant, device)
@@ -550,7 +550,7 @@ def test_cuda_compact_ring_equals_resident_quantized(tmp_path, quant):
     """A compact ring on CUDA: blocks only in the slots, each dequantized into the shared scratch on the compute
     stream at its use, the slot released right after; no hidden synchronization, the same layers bit for bit."""
     from offspec.engine.load import open_target_layers
-    from offspec.plan.core import LayerPlan, Placement
+    from offspec.plan.placement import LayerPlan, Placement
     cfg = replace(CFG, n_layers=7)
     device = torch.device("cuda")
     weights, _, expected = layers_and_their_dequantization(cfg, quant, device)
@@ -570,7 +570,7 @@ def test_cuda_split_compact_ring_equals_resident_quantized(tmp_path, quant):
     """A split compact ring on CUDA: each block's parts in turn, each dequantized at its use into a part-sized
     scratch; no hidden synchronization, the same layers bit for bit."""
     from offspec.engine.load import open_target_layers
-    from offspec.plan.core import LayerPlan, Placement
+    from offspec.plan.placement import LayerPlan, Placement
     cfg = replace(CFG, n_layers=7)
     device = torch.device("cuda")
     weights, _, expected = layers_and_their_dequantization(cfg, quant, device)
@@ -737,7 +737,7 @@ def test_cuda_held_resident_layers_equal_dequantized_resident(tmp_path, quant):
     dequantized layers bit for bit; every pass dequantizes again."""
     from offspec.engine.load import open_target_layers
     from offspec.formats.quant import QuantizedResident
-    from offspec.plan.core import LayerPlan, Placement
+    from offspec.plan.placement import LayerPlan, Placement
     cfg = replace(CFG, n_layers=7)
     device = torch.device("cuda")
     weights, layout, expected = layers_and_their_dequantization(cfg, quant, device)

@@ -250,7 +250,7 @@ def test_a_draft_with_the_targets_tokenizer_files_shares_its_tokenizer(tmp_path)
     from tiny import save_agreeing_pair
 
     from offspec.engine.load import Models
-    from offspec.formats.checkpoint import same_tokenizer_files
+    from offspec.formats.open import same_tokenizer_files
     target, draft = save_agreeing_pair(tmp_path, n_layers=1)[:2]
     assert same_tokenizer_files(target, draft)
     models = Models.open(target, draft)

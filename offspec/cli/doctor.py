@@ -10,7 +10,7 @@
              CPU the copy worker's memcpy (the streamer's "transfer" there)
   drive      cold sequential read rate of the drive that holds the disk stores (a packed store of the target
              when one exists, read as the streamer reads it; else a temporary file)
-  advice     for --target (and --draft): the memory plan on this machine (plan.py), the predicted pass time
+  advice     for --target (and --draft): the memory plan on this machine (offspec/plan/), the predicted pass time
              from the measured rates, and the --offload / --gpu-budget / --slots / --tree-budget to use
 
 Each section catches its own failure (recorded with the error) so one broken piece never hides the rest.
@@ -21,15 +21,19 @@ from __future__ import annotations
 import contextlib
 import os
 import statistics
+import sys
 import tempfile
 import time
 import traceback
 from pathlib import Path
 from typing import Callable, Optional
 
+import click
 import psutil
 import torch
 
+from offspec.cli.options import check_writable, default_device, headers_checkpoint, write_report
+from offspec.errors import OffspecError
 from offspec.stream.transfer import PAGE_BYTES, HostBuffer, format_bytes, make_backend
 
 PROBE_BYTES = 256 << 20        # one copy in the link probe
@@ -83,7 +87,7 @@ def devices() -> dict:
 
 
 def host() -> dict:
-    from offspec.plan.core import PINNED_FRACTION, _cgroup_available, host_memory_limit
+    from offspec.plan.machine import PINNED_FRACTION, _cgroup_available, host_memory_limit
     vm = psutil.virtual_memory()
     usable, source = host_memory_limit()
     return {"mem_total_bytes": vm.total, "mem_available_bytes": vm.available,
@@ -96,7 +100,7 @@ def pinning(device: torch.device, quick: bool) -> dict:
     budget (the arena's own path: transfer.CudaBackend.host_buffer). Each try maps, pins, unpins and unmaps."""
     if device.type != "cuda":
         return {"status": "skipped", "why": "no CUDA device: nothing is pinned on a CPU-only run"}
-    from offspec.plan.core import PINNED_FRACTION, host_memory_limit
+    from offspec.plan.machine import PINNED_FRACTION, host_memory_limit
     backend = make_backend(device)
     try:
         size = int(PINNED_FRACTION * host_memory_limit()[0]) // PAGE_BYTES * PAGE_BYTES
@@ -188,7 +192,7 @@ def drive(store_dir: Optional[str], target, quick: bool) -> dict:
     (DiskStore: O_DIRECT where allowed, several reads in flight) when it exists; else a temporary file written
     there and read back front to back, buffered and with O_DIRECT."""
     from offspec.formats.demo import offspec_home
-    from offspec.stream.stores import drop_page_cache, sequential_read
+    from offspec.stream.disk import drop_page_cache, sequential_read
     folder = Path(store_dir) if store_dir else offspec_home() / "stores"
     folder.mkdir(parents=True, exist_ok=True)
     out: dict = {"folder": str(folder)}
@@ -227,7 +231,7 @@ def _target_store(ckpt):
     weights are not all here has none)."""
     from offspec.engine.load import store_dir_for
     from offspec.formats.demo import offspec_home
-    from offspec.stream.stores import disk_store_exists
+    from offspec.stream.disk import disk_store_exists
     if ckpt.incomplete:
         return None
     folder = store_dir_for(ckpt, torch.bfloat16, offspec_home())
@@ -238,7 +242,7 @@ def _read_store(folder: str, ckpt) -> dict:
     """The target's store read cold, every layer, as the streamer reads it: once with O_DIRECT (where the
     filesystem allows it) and once buffered with each range dropped behind (--disk-io direct / buffered)."""
     from offspec.formats.layout import LayerLayout
-    from offspec.stream.stores import LAYERS_BIN, DiskStore, drop_page_cache
+    from offspec.stream.disk import LAYERS_BIN, DiskStore, drop_page_cache
     layout = LayerLayout.of(ckpt.config, torch.bfloat16)
     out = {"store": folder, "note": "the target's packed store, read cold as the streamer reads it"}
     for name, direct in (("direct", True), ("buffered", False)):
@@ -265,7 +269,12 @@ def advice(target, draft, device: torch.device, report: dict) -> dict:
     almost whatever it computes, so the largest tree whose verification compute stays under that time
     (from a measured matmul rate) is free; on a compute-bound run, `auto` measures it."""
     from offspec.config import OffloadConfig, RunLimits, RuntimeConfig
-    from offspec.plan.core import LINK_GBPS, PAGEABLE_GB_PER_S, Machine, ModelSpec, make_plan, predicted_pass_seconds
+    from offspec.plan.costmodel import LINK_GB_PER_S as LINK_GBPS
+    from offspec.plan.costmodel import PAGEABLE_GB_PER_S
+    from offspec.plan.machine import Machine
+    from offspec.plan.passtime import predicted_pass_seconds
+    from offspec.plan.search import make_plan
+    from offspec.plan.sizes import ModelSpec
 
     runtime = RuntimeConfig(device=device, dtype=torch.bfloat16, draft_quant="int8" if device.type == "cpu" else "none")
     plan = make_plan(ModelSpec.of(target), ModelSpec.of(draft) if draft else None, OffloadConfig(mode="auto"), runtime,
@@ -374,3 +383,49 @@ def summary(report: dict) -> str:
     else:
         lines.append(f"advice: {a.get('status')}: {a.get('why') or a.get('error')}")
     return "\n".join(lines)
+
+
+@click.command()
+@click.option("--target", type=click.Path(), default=None,
+              help="Target model folder (or hub id) to plan and advise for. Default: the embedded demo target when "
+                   "it is prepared (`offspec models demo`), else none.")
+@click.option("--draft", type=click.Path(), default=None,
+              help="Draft model folder. Default: the demo draft with the demo target, else none.")
+@click.option("--device", default=default_device, show_default="cuda if available, else cpu",
+              help="Compute device to check.")
+@click.option("--store-dir", default=None,
+              help="Folder whose drive is measured. Default: the target's packed store if built, else "
+                   "$OFFSPEC_HOME/stores.")
+@click.option("--quick", is_flag=True, help="Smaller probes: seconds rather than a minute.")
+@click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None,
+              help="Write the full report to this JSON file. Default: none.")
+def doctor(target, draft, device, store_dir, quick, json_path):
+    """Check this machine for offspec: devices and free memory, host memory and its cgroup limit, the largest
+    pinned buffer, host-to-device bandwidth (pinned and pageable), the cold read rate of the store's drive, and
+    the flags to run a target with (from the memory plan and the measured rates)."""
+    from offspec.engine.load import parse_device
+    from offspec.formats.demo import DEFAULT_DRAFT, DEFAULT_TARGET, demo_model_dir, is_complete
+
+    if json_path:
+        check_writable(json_path)
+    dev = parse_device(device)
+    if target is None and is_complete(demo_model_dir(DEFAULT_TARGET)):
+        target = str(demo_model_dir(DEFAULT_TARGET))
+        if draft is None and is_complete(demo_model_dir(DEFAULT_DRAFT)):
+            draft = str(demo_model_dir(DEFAULT_DRAFT))
+    try:                           # a hub id: planned from its headers, no weights fetched
+        checkpoints, unreadable = [headers_checkpoint(m) if m else None for m in (target, draft)], None
+    except OffspecError as err:    # the machine's checks still run; the advice says why there is none
+        checkpoints, unreadable = [None, None], str(err)
+    report = check(*checkpoints, dev, store_dir, quick, progress=lambda line: click.echo(line, err=True))
+    if unreadable:
+        report["advice"] = {"status": "failed", "error": unreadable}
+    report.update(target=target, draft=draft)
+    click.echo(summary(report))
+    if json_path:
+        write_report(json_path, report, target, draft)
+    failed = [name for name, section in report.items()
+              if isinstance(section, dict) and section.get("status") == "failed"]
+    if failed:
+        click.echo(f"offspec: doctor: {', '.join(failed)} failed (details in the report)", err=True)
+        sys.exit(1)

@@ -18,14 +18,11 @@ import torch
 from offspec.formats.gguf_blocks import is_gguf
 from offspec.formats.published import describe as describe_quant
 from offspec.formats.published import short as short_quant
-from offspec.plan.core import (
-    DISK_GBPS,
-    LINK_GBPS,
-    Machine,
-    MemoryPlan,
-    predicted_pass_seconds,
-    streamed_dequant_seconds,
-)
+from offspec.plan.costmodel import DISK_GBPS
+from offspec.plan.costmodel import LINK_GB_PER_S as LINK_GBPS
+from offspec.plan.machine import Machine
+from offspec.plan.memory import MemoryPlan
+from offspec.plan.passtime import predicted_pass_seconds, streamed_dequant_seconds
 
 
 @dataclass(frozen=True)
@@ -52,8 +49,8 @@ def draft_vocab_mismatch(target, draft) -> Optional[str]:
     tokenizer files, the checks a run makes (vocab.check_same_tokenizer, each model's rows covering its own
     tokenizer); else, from the headers alone, their embedding row counts (vocab.rows_mismatch)."""
     from offspec.errors import CheckpointError
-    from offspec.formats.checkpoint import load_tokenizer
     from offspec.formats.hub import model_name
+    from offspec.formats.open import load_tokenizer
     from offspec.model.vocab import check_rows_cover_tokenizer, check_same_tokenizer, rows_mismatch, token_id_count
 
     if not all(c.has_tokenizer for c in (target, draft)):

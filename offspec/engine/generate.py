@@ -12,166 +12,27 @@ token, and the bonus token becomes the next root.
 """
 from __future__ import annotations
 
-import itertools
-from dataclasses import asdict, dataclass, field, replace
-from typing import Any, Iterator, Optional, Sequence, Union
+from dataclasses import replace
+from typing import Iterator, Optional, Sequence, Union
 
 import torch
 
 from offspec.config import AUTO_MAX_TREE_BUDGET, DEFAULT_PREFILL_CHUNK, SamplingConfig
 from offspec.engine.controller import Controller, DraftWork, RoundRecord, RowView, RunStart
 from offspec.engine.feed import RequestFeed
+from offspec.engine.mask import PassMask
 from offspec.engine.metrics import Step, Timer
 from offspec.engine.request import GenerationRequest, RowLimits, check_request
+from offspec.engine.rows import Batch, PassCost, Row, RowStep, StopChecker, StreamDelta
 from offspec.errors import InputError
 from offspec.model.forward import Model, RowSpan
 from offspec.model.kv_cache import KVCache
 from offspec.model.vocab import SharedVocab, token_id_count
 from offspec.spec import ngram
-from offspec.spec.calibrate import AcceptanceCounts, Calibrator, judged_greedy, judged_path, observe
+from offspec.spec.calibrate import Calibrator, judged_greedy, judged_path, observe
 from offspec.spec.grow import grow_steps
-from offspec.spec.sampling import make_generator, process_logits
+from offspec.spec.sampling import process_logits
 from offspec.spec.tree import TokenTree
-
-
-class StopChecker:
-    """EOS ids, stop strings, max_new_tokens and the context end, honored inside an accepted block: nothing
-    after the stop is emitted.
-
-    context_tokens: how many tokens fit before the context ends. Plain decoding stops once the sequence is
-    one short of the context (the next token would have no position to be fed at); a speculative block
-    could run one past that, so it is cut there too and both stop at the same token."""
-
-    def __init__(self, tokenizer, eos_ids: Sequence[int], stop_strings: Sequence[str], max_new_tokens: int,
-                 context_tokens: Optional[int] = None):
-        self.tokenizer = tokenizer
-        self.eos_ids = set(eos_ids)
-        self.stop_strings = [s for s in stop_strings if s]
-        self.max_new_tokens = max_new_tokens
-        self.context_tokens = context_tokens
-        # A stop string that ends at the newest token lies within its last `window` tokens (a character
-        # takes at most 4 byte-level tokens), so only that tail is decoded: earlier occurrences would have
-        # stopped generation already, and decoding the whole text per token would be quadratic.
-        self.window = 4 * max((len(s) for s in self.stop_strings), default=0) + 8
-
-    def cut(self, generated: list[int], block: list[int]) -> tuple[list[int], Optional[str]]:
-        """Given tokens emitted so far and a new block, return the part of the block to emit and why we stop."""
-        for i, token in enumerate(block):
-            if token in self.eos_ids:
-                return block[:i], "eos"
-            if self.stop_strings:
-                tail = (generated + block[: i + 1])[-self.window:]
-                text = self.tokenizer.decode(tail, skip_special_tokens=True)
-                if any(s in text for s in self.stop_strings):
-                    return block[: i + 1], "stop"   # IncrementalText cuts the text at the stop string
-            if len(generated) + i + 1 >= self.max_new_tokens:
-                return block[: i + 1], "length"
-            if self.context_tokens is not None and len(generated) + i + 1 >= self.context_tokens:
-                return block[: i + 1], "context"
-        return block, None
-
-
-@dataclass(frozen=True)
-class RowStep:
-    """What Engine.run_batch yields: one request's Step of a pass, or the error that refused the request."""
-    request: int                        # index of the request in the sequence given to run_batch
-    step: Optional[Step]                # None when the request was refused
-    error: Optional[InputError] = None  # why it was refused (an empty prompt, one longer than the context, ...)
-
-
-@dataclass
-class _Row:
-    """One request in flight: its sequence, cache row, randomness, stop state and tree budget."""
-    index: int                          # its position in run_batch's requests
-    request: GenerationRequest
-    cache_row: int                      # its row in both KV caches
-    seq: list[int]                      # prompt + every token emitted so far; seq[-1] is the next root
-    stops: StopChecker
-    seed_gen: torch.Generator           # seeds a fresh generator every round, from request.sampling.seed
-    speculative: bool
-    auto: bool                          # the tree budget is chosen each round by the run's Controller
-    budget: int                         # the most tree nodes a round may have (0: plain decoding)
-    generated: list[int] = field(default_factory=list)   # emitted tokens (seq minus the prompt, cut at a stop)
-    calibrator: Optional[Calibrator] = None   # TreeConfig.calibrate: this row's observed acceptance rates
-    floor: float = 0.0                  # TreeConfig.prune: last round's C, when that tree filled its budget
-    floor_budget: int = 0               # ... and that round's budget
-    generator: Optional[torch.Generator] = None   # this round's randomness (growth and verification)
-    round_budget: int = 0               # this round's tree budget
-    round_depth: int = 0                # this round's deepest tree level
-    round_feed: Optional[int] = None    # this round feeds only this many prompt tokens (a long prompt joining)
-    round_floor: float = 0.0            # this round's expand floor
-
-    def start_round(self, wanted: int, max_context: int, device: torch.device) -> None:
-        """This round's generator and tree: `wanted` nodes (the controller's, or the row's own), fewer near the
-        end of the context, and no deeper than the row's last tokens need: a round emits at most its accepted
-        path and the bonus token, so with L tokens left a node deeper than L - 1 cannot be used (L = 1: no tree)."""
-        self.generator = make_generator(int(torch.randint(0, 2**62, (1,), generator=self.seed_gen)), device)
-        room = max_context - len(self.seq) - 1
-        self.round_depth = min(self.request.tree.max_depth, self.tokens_left() - 1)
-        self.round_budget = max(0, min(wanted, room)) if self.speculative and self.round_depth > 0 else 0
-        # A round with a larger budget than the floor's (the controller probing) must reach below it: no floor.
-        self.round_floor = self.floor if self.round_budget <= self.floor_budget else 0.0
-
-    def tokens_left(self) -> int:
-        """The most tokens it may still generate: to its max_new_tokens or the context end (EOS may come first)."""
-        end = min(self.stops.max_new_tokens, self.stops.context_tokens or self.stops.max_new_tokens)
-        return max(end - len(self.generated), 0)
-
-    def commit(self, batch: "_Batch", tree: TokenTree, verdict, observed: AcceptanceCounts,
-               step_of: "PassCost", fed: int) -> Step:
-        """Emit the accepted block (cut at a stop), keep only the root and accepted path in both caches; the
-        bonus token is the next root. `observed`: what the tree said about acceptance (calibrate.observe);
-        fed: the tokens this row fed the pass."""
-        if self.calibrator is not None:
-            self.calibrator.add(observed)
-        block = list(verdict.tokens) + [verdict.bonus]
-        emitted, reason = self.stops.cut(self.generated, block)
-        dev, root_slot = batch.device, len(self.seq) - 1
-        batch.t_cache.compact(torch.tensor([root_slot + j for j in [0, *verdict.nodes]], device=dev), root_slot,
-                              self.cache_row)
-        if batch.d_cache is not None and tree.size > 0:
-            # The draft saw seq whole (root included) before the tree, then the working-tree nodes it ran on;
-            # an accepted node it ran on sits at slot start + origin - 1. Those form a prefix of the path.
-            start, origin = len(self.seq), tree.origin.tolist()
-            seen = list(itertools.takewhile(lambda n: origin[n] >= 0, verdict.nodes))
-            batch.d_cache.compact(torch.tensor([start + origin[n] - 1 for n in seen], dtype=torch.long, device=dev),
-                                  start, self.cache_row)
-        full = tree.size > 0 and tree.size >= self.round_budget
-        self.floor = float(tree.values[1:].min()) if self.request.tree.prune and full else 0.0
-        self.floor_budget = self.round_budget
-        self.seq = self.seq + block
-        self.generated = self.generated + emitted
-        return step_of.step(fed, tokens=emitted, accepted=len(verdict.nodes), tree_size=tree.size,
-                            tree_depth=tree.depth, finish_reason=reason,
-                            acceptance_counts=observed if tree.size > 0 else None)
-
-
-@dataclass(frozen=True)
-class PassCost:
-    """What one round cost, shared by every row's Step (its times and bytes are the whole pass's)."""
-    draft_seconds: float                # catch-up + growth
-    target_seconds: float               # the target pass
-    stream: "StreamDelta"               # what the streamer did during the pass
-    rows_in_pass: int
-
-    def step(self, fed: int, **row) -> Step:
-        """A row's Step of this round: `fed` tokens in the pass, and the row's own fields."""
-        return Step(pass_tokens=fed, draft_seconds=self.draft_seconds, target_seconds=self.target_seconds,
-                    **asdict(self.stream), rows_in_pass=self.rows_in_pass, **row)
-
-
-@dataclass
-class _Batch:
-    """run_batch's state: the rows in flight, their caches (one cache row each) and the controller."""
-    t_cache: KVCache
-    d_cache: Optional[KVCache]          # None: no row is speculative
-    capacity: int                       # slots a cache row holds
-    most: int                           # cache rows (the most rows in flight)
-    controller: Controller
-    device: torch.device
-    rows: list = field(default_factory=list)     # _Rows in flight
-    free: list = field(default_factory=list)     # free cache rows, the next one last
-    stream_seen: Any = None             # the streamer's counters at the end of the last round (StreamStats)
 
 
 class Engine:
@@ -210,7 +71,8 @@ class Engine:
         self.prefill_chunk = prefill_chunk
         self.max_concurrency = max_concurrency   # requests in flight the plan counted (None: not planned)
         self.plan = plan            # plan.MemoryPlan the engine was loaded by, for reports (None: built by hand)
-        self.target_quant = target_quant   # "none" | "int8" | "nf4" | published ("awq-g128"): which target runs (the output is ITS output)
+        # "none" | "int8" | "nf4" | published ("awq-g128"): which target runs (the output is ITS output)
+        self.target_quant = target_quant
         self.draft_quant = draft_quant if draft is not None else "none"   # how the draft is held (quant.QUANT_MODES)
 
     # ------------------------------------------------------------ the loop
@@ -243,7 +105,7 @@ class Engine:
             yield event.step
 
     def run_batch(self, requests: Union[Sequence[GenerationRequest], RequestFeed], concurrency: Optional[int] = None,
-                  prefill_per_pass: Optional[int] = None, adapt_rows: Optional[bool] = None) -> Iterator["RowStep"]:
+                  prefill_per_pass: Optional[int] = None, adapt_rows: Optional[bool] = None) -> Iterator[RowStep]:
         """Run many requests, up to `concurrency` at a time, every target pass serving all of them: yield a
         RowStep per request per pass (its Step, or the error that refused it) as passes complete. concurrency
         None: the memory plan's (plan.MemoryPlan.concurrency; 1 without a plan), adapted to the measured costs
@@ -290,7 +152,7 @@ class Engine:
         return concurrency
 
     def _open_batch(self, feed: RequestFeed, concurrency: int, prefill_per_pass: Optional[int],
-                    adapt_rows: bool) -> _Batch:
+                    adapt_rows: bool) -> Batch:
         """The caches and controller of a batch. One cache row per request in flight, each holding prompt +
         generated tokens + one round's tree and its root, never more than the context: a round's tree shrinks
         to the room left before the context end."""
@@ -309,10 +171,10 @@ class Engine:
         controller = Controller.for_run(RunStart(gpu=self.device.type == "cuda", streamed=stream_seen is not None,
                                                  rows=B, max_budget=self.max_tree_budget,
                                                  prefill_per_pass=prefill_per_pass, adapt_rows=adapt_rows))
-        return _Batch(t_cache, d_cache, capacity, B, controller, self.device, free=list(range(B))[::-1],
+        return Batch(t_cache, d_cache, capacity, B, controller, self.device, free=list(range(B))[::-1],
                       stream_seen=stream_seen)
 
-    def _drop_cancelled(self, batch: _Batch, feed: RequestFeed) -> None:
+    def _drop_cancelled(self, batch: Batch, feed: RequestFeed) -> None:
         """Rows whose request was cancelled (RequestFeed.cancel) leave before the next pass; their cache rows are
         free for waiting requests."""
         cancelled = feed.take_cancelled()
@@ -321,7 +183,7 @@ class Engine:
             batch.controller.forget(row.index)
         self._retire(batch, gone)
 
-    def _admit_waiting(self, batch: _Batch, feed: RequestFeed) -> Iterator["RowStep"]:
+    def _admit_waiting(self, batch: Batch, feed: RequestFeed) -> Iterator[RowStep]:
         """The next waiting requests take free rows (auto concurrency: as many as the controller wants in
         flight); a request the engine refuses is yielded with its error."""
         limit = (batch.controller.rows_wanted or batch.most) if batch.free and feed.waiting() else 0
@@ -333,7 +195,7 @@ class Engine:
             except InputError as err:
                 yield RowStep(index, None, err)
 
-    def _round(self, batch: _Batch) -> Iterator["RowStep"]:
+    def _round(self, batch: Batch) -> Iterator[RowStep]:
         """One round of every row in flight: the controller's plan, trees grown and verified in ONE target pass
         (_pass), each row's verdict committed and yielded, the controller told what the round did, finished
         rows retired."""
@@ -369,7 +231,7 @@ class Engine:
             capped=frozenset(row.index for row in rows if row.auto and row.round_depth < row.request.tree.max_depth)))
         self._retire(batch, finished)
 
-    def _pass(self, batch: _Batch) -> tuple[list[TokenTree], list, list[int], PassCost, DraftWork]:
+    def _pass(self, batch: Batch) -> tuple[list[TokenTree], list, list[int], PassCost, DraftWork]:
         """The round's work on the devices: the draft's catch-up and every row's growth, then ONE target pass ->
         (trees, per row its (N_r, V) tree logits or None, tokens each row fed, the round's cost, the growth's
         calls, nodes and catch-up)."""
@@ -394,14 +256,14 @@ class Engine:
             self.draft_waited += wait()
 
     @staticmethod
-    def _retire(batch: _Batch, finished: list["_Row"]) -> None:
+    def _retire(batch: Batch, finished: list[Row]) -> None:
         """Finished rows leave; their cache rows are free for the next waiting requests."""
         for row in finished:
             batch.rows.remove(row)
             batch.free.append(row.cache_row)
 
     @staticmethod
-    def _ration_prefill(rows: list["_Row"], t_cache: KVCache, chunk: Optional[int]) -> None:
+    def _ration_prefill(rows: list[Row], t_cache: KVCache, chunk: Optional[int]) -> None:
         """Set each row's round_feed: a joining row (prompt tokens not yet in its target cache) whose prompt is
         longer than `chunk` feeds only that many tokens this pass, and grows no tree this round. Only while some
         row is decoding: they are the ones a long prefill would stall."""
@@ -423,7 +285,7 @@ class Engine:
         (what run_batch sizes the caches by and _admit checks an open feed's rows against)."""
         return len(request.prompt_ids) + request.max_new_tokens + self._tree_room(request) + 2
 
-    def _admit(self, index: int, request: GenerationRequest, batch: _Batch) -> "_Row":
+    def _admit(self, index: int, request: GenerationRequest, batch: Batch) -> Row:
         """`request` checked (request.check_request) and given the batch's next free cache row, emptied."""
         speculative = self.speculative(request)
         check_request(request, RowLimits(self.max_context, self.max_tree_budget, batch.capacity),
@@ -434,13 +296,13 @@ class Engine:
             batch.d_cache.set_length(0, cache_row)
         stops = StopChecker(self.tokenizer, () if request.ignore_eos else self.eos_ids, request.stop_strings,
                             request.max_new_tokens, context_tokens=self.max_context - 1 - len(prompt))
-        return _Row(index=index, request=request, cache_row=cache_row, seq=prompt, stops=stops,
+        return Row(index=index, request=request, cache_row=cache_row, seq=prompt, stops=stops,
                     seed_gen=torch.Generator().manual_seed(request.sampling.seed), speculative=speculative,
                     auto=speculative and request.tree.budget is None, budget=self._tree_room(request),
                     calibrator=Calibrator() if speculative and request.tree.calibrate else None)
 
     # ------------------------------------------------------------ draft
-    def _catch_up(self, rows: list["_Row"], cache: Optional[KVCache]) -> tuple[dict[int, torch.Tensor], int]:
+    def _catch_up(self, rows: list[Row], cache: Optional[KVCache]) -> tuple[dict[int, torch.Tensor], int]:
         """One packed draft forward feeding every growing row what its draft cache has not seen (ending with
         its root): ({row position in `rows`: the draft's logits after its root, (V_draft,)}, tokens fed). Rows
         with budget 0 this round (plain decoding) are left behind; they catch up the next time they grow a tree."""
@@ -454,16 +316,18 @@ class Engine:
             row = rows[i]
             start, new = cache.lengths[row.cache_row], row.seq[cache.lengths[row.cache_row]:]
             spans.append(RowSpan(len(tokens), len(tokens) + len(new), row.cache_row,
-                                 torch.arange(start, start + len(new), device=dev), PassMask(start, len(new), None, dev)))
+                                 torch.arange(start, start + len(new), device=dev),
+                                 PassMask(start, len(new), None, dev)))
             tokens += new
             positions += range(start, start + len(new))
             last.append(len(tokens) - 1)
             cache.set_length(start + len(new), row.cache_row)
-        logits = draft.forward(self.vocab.draft_input(torch.tensor(tokens, device=dev)), torch.tensor(positions, device=dev),
-                               spans, cache, logit_rows=torch.tensor(last, device=dev), chunk=self.prefill_chunk)
+        logits = draft.forward(self.vocab.draft_input(torch.tensor(tokens, device=dev)),
+                               torch.tensor(positions, device=dev), spans, cache,
+                               logit_rows=torch.tensor(last, device=dev), chunk=self.prefill_chunk)
         return dict(zip(growing, logits)), len(tokens)
 
-    def _grow_all(self, rows: list["_Row"], root_logits: dict[int, torch.Tensor], cache: Optional[KVCache],
+    def _grow_all(self, rows: list[Row], root_logits: dict[int, torch.Tensor], cache: Optional[KVCache],
                   work: Optional[DraftWork] = None) -> list[TokenTree]:
         """Every row's tree for this round, grown together from its root (`_catch_up`'s logits): the rows'
         growths advance in lockstep, all the draft calls of a step in ONE forward over every row's frontier.
@@ -475,8 +339,8 @@ class Engine:
             row = rows[i]
             root_dist = self.vocab.draft_distribution(logits, row.request.sampling)   # (V_target,)
             tree_cfg = replace(row.request.tree, max_depth=row.round_depth)
-            steps[i] = grow_steps(tree_cfg, row.request.sampling, row.seq[-1], root_dist, row.round_budget, row.generator,
-                                  expand_floor=row.round_floor,
+            steps[i] = grow_steps(tree_cfg, row.request.sampling, row.seq[-1], root_dist, row.round_budget,
+                                  row.generator, expand_floor=row.round_floor,
                                   calibration=row.calibrator.calibration() if row.calibrator is not None else None,
                                   ngram=ngram.lookup(row.seq) if row.request.tree.ngram else ())
         for i in list(steps):
@@ -500,7 +364,7 @@ class Engine:
             requests.pop(i, None)
             del steps[i]
 
-    def _draft_step_all(self, rows: list["_Row"], requests: dict, cache: KVCache) -> dict[int, torch.Tensor]:
+    def _draft_step_all(self, rows: list[Row], requests: dict, cache: KVCache) -> dict[int, torch.Tensor]:
         """One draft forward over every pending request: row i's frontier (F_i,) working-tree nodes -> the
         draft's distributions there, (F_i, V_target). Working node j's K/V lives at slot len(seq) + j - 1 of
         the row's cache row; a frontier row sees the committed sequence and its ancestors among the working
@@ -512,7 +376,8 @@ class Engine:
             committed, F_ = len(row.seq), frontier.numel()
             mask = torch.ones(F_, committed + tree.n_nodes - 1, dtype=torch.bool, device=dev)  # (F, S)
             mask[:, committed:] = tree.mask[frontier][:, 1:].to(dev)
-            spans.append(RowSpan(len(tokens), len(tokens) + F_, row.cache_row, (committed + frontier - 1).to(dev), mask))
+            spans.append(RowSpan(len(tokens), len(tokens) + F_, row.cache_row, (committed + frontier - 1).to(dev),
+                                 mask))
             tokens += tree.tokens[frontier].tolist()
             positions += (committed - 1 + tree.depths[frontier]).tolist()
             order.append(i)
@@ -522,7 +387,7 @@ class Engine:
                 for i, span in zip(order, spans)}
 
     # ------------------------------------------------------------ target
-    def _verify_pass(self, rows: list["_Row"], trees: list[TokenTree], cache: KVCache
+    def _verify_pass(self, rows: list[Row], trees: list[TokenTree], cache: KVCache
                      ) -> tuple[list[torch.Tensor], list[int]]:
         """ONE target pass over every row's [not-yet-cached prompt tokens] + [root + tree], packed -> per row its
         (N_r, V) tree logits and the tokens it fed."""
@@ -579,65 +444,12 @@ class Engine:
         stats = getattr(self.target.layers, "stats", None)
         return stats() if stats is not None else None
 
-    def _stream_delta(self, batch: _Batch) -> "StreamDelta":
+    def _stream_delta(self, batch: Batch) -> StreamDelta:
         """What the streamer counted since the batch's last reading (docs/streaming.md §6: copies are counted
         when their events are read, so the readings tile the run and each copy lands in exactly one round)."""
         before, now = batch.stream_seen, self._stream_stats()
         batch.stream_seen = now
-        if now is None or before is None:
-            return StreamDelta(0.0, 0.0, 0, 0)
-        # Disk mode moves a layer in two legs (read into staging, then copy into the slot); both count.
-        moved = (now.transfer_s + now.read_s) - (before.transfer_s + before.read_s)
-        return StreamDelta(wait_seconds=now.wait_s - before.wait_s, transfer_seconds=moved,
-                           bytes_streamed=now.bytes - before.bytes,
-                           prefetched_bytes=now.prefetched_bytes - before.prefetched_bytes,
-                           dequant_seconds=now.dequant_s - before.dequant_s)
-
-
-def causal_rows(first_slot: int, n_rows: int, n_cols: int, device) -> torch.Tensor:
-    """(n_rows, n_cols) bool: row i (the token at slot first_slot + i) sees every slot up to its own."""
-    slots = torch.arange(first_slot, first_slot + n_rows, device=device)
-    return torch.arange(n_cols, device=device)[None, :] <= slots[:, None]
-
-
-class PassMask:
-    """One forward's attention mask, built a block of rows at a time (model.MaskRows), so a long prompt
-    never builds its whole (T, S) mask: `n_pending` causal rows for the not-yet-cached tokens at slots
-    first_slot, first_slot + 1, ..., then (with a tree) the tree's N rows, which see every slot before the
-    root and their own ancestors in the tree (tree_mask, (N, N)); the root sits at slot first_slot + n_pending.
-
-    Example: 3 cached tokens, 2 pending (slots 3, 4), a root with one child (slots 5, 6); S = 7:
-        slot 3  1111000        root  1111110
-        slot 4  1111100        child 1111111
-    """
-
-    def __init__(self, first_slot: int, n_pending: int, tree_mask: Optional[torch.Tensor], device):
-        self.first_slot, self.n_pending, self.device = first_slot, n_pending, device
-        self.tree_mask = tree_mask.to(device) if tree_mask is not None else None        # (N, N)
-        self.root_slot = first_slot + n_pending
-        self.n_cols = self.root_slot + (tree_mask.shape[0] if tree_mask is not None else 0)   # S
-
-    def __call__(self, a: int, b: int) -> torch.Tensor:
-        """Rows a..b-1 -> (b - a, S) bool."""
-        P = self.n_pending
-        rows = torch.zeros(b - a, self.n_cols, dtype=torch.bool, device=self.device)
-        if a < P:                                           # the pending prompt: causal
-            rows[: min(b, P) - a] = causal_rows(self.first_slot + a, min(b, P) - a, self.n_cols, self.device)
-        if b > P:                                           # tree rows: the whole committed prefix ...
-            tree_rows = slice(max(a, P) - a, b - a)
-            rows[tree_rows, : self.root_slot] = True
-            rows[tree_rows, self.root_slot:] = self.tree_mask[max(a, P) - P: b - P]   # ... and their ancestors
-        return rows
-
-
-@dataclass(frozen=True)
-class StreamDelta:
-    """What the streamer did during one target pass (named as the Step fields it fills)."""
-    wait_seconds: float       # compute stood still waiting for a layer
-    transfer_seconds: float   # time spent moving weights: disk reads plus copies (overlapped with compute)
-    bytes_streamed: int
-    prefetched_bytes: int = 0  # of those, already in their slots when the pass began (copied during drafting)
-    dequant_seconds: float = 0.0   # quantized target: dequantizing its streamed layers (overlapped like the copies)
+        return StreamDelta.between(before, now)
 
 
 def run(engine: Engine, request: GenerationRequest, *, start=None, offload: Optional[str] = None, on_text=None,

@@ -2,11 +2,11 @@
 streamed), optional draft, shared tokenizer.
 
     Models.open(target, draft)             configs, safetensors headers and the tokenizers; no weights read
-          .plan(offload, runtime, limits)  the memory plan (plan.py): where everything will live, or one line
+          .plan(offload, runtime, limits)  the memory plan (plan/search.py): where everything will live, or one line
           .load(offload, runtime, limits)  allocate and load exactly what the plan counted -> Loaded(engine)
     load_engine(...)                       the three in one call
     open_target_layers(...)                the target's decoder layers as a Placement says: resident layers
-                                           and/or a ring (ring.py) over a host arena or disk store (stores.py)
+                                           and/or a ring (ring.py) over a host arena or disk store (stores.py, disk.py)
 """
 from __future__ import annotations
 
@@ -28,9 +28,10 @@ from offspec.engine.metrics import StartTimes
 from offspec.engine.prompt import stop_token_ids
 from offspec.errors import InputError
 from offspec.formats import published
-from offspec.formats.checkpoint import Checkpoint, load_tokenizer, open_checkpoint, same_tokenizer_files
+from offspec.formats.checkpoint import Checkpoint
 from offspec.formats.hub import resolve_model
 from offspec.formats.layout import LayerWeights
+from offspec.formats.open import load_tokenizer, open_checkpoint, same_tokenizer_files
 from offspec.formats.quant import (
     QuantizedResident,
     auto_draft_quant,
@@ -42,29 +43,15 @@ from offspec.formats.quant import (
 from offspec.model.draft import DraftBeside, load_resident
 from offspec.model.forward import Model, ResidentLayers
 from offspec.model.vocab import check_rows_cover_tokenizer, check_same_tokenizer, token_id_count
-from offspec.plan.core import (
-    LayerPlan,
-    Machine,
-    MemoryPlan,
-    ModelSpec,
-    Placement,
-    check_resident_quant,
-    make_plan,
-    published_runtime,
-)
+from offspec.plan.machine import Machine
+from offspec.plan.memory import MemoryPlan
+from offspec.plan.placement import LayerPlan, Placement, check_resident_quant
+from offspec.plan.search import make_plan
+from offspec.plan.sizes import ModelSpec, published_runtime
+from offspec.stream.disk import DiskStore, disk_store_exists, prepare_disk_store
 from offspec.stream.ring import LayerStreamer, StreamStats
-from offspec.stream.stores import (
-    BlockLayout,
-    DiskStore,
-    HostArenaStore,
-    LayerTensorsFn,
-    StoreInfo,
-    TieredStore,
-    WeightStore,
-    _pack_layer,
-    disk_store_exists,
-    prepare_disk_store,
-)
+from offspec.stream.staged import BlockLayout, LayerTensorsFn, StoreInfo, pack_layer
+from offspec.stream.stores import HostArenaStore, TieredStore, WeightStore
 from offspec.stream.transfer import make_backend
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
@@ -291,7 +278,7 @@ def open_target_layers(layer_tensors_fn: LayerTensorsFn, cfg: ModelConfig, layer
         resident_layers = []
         for i in tqdm(range(cfg.n_layers), desc="loading layers", unit="layer", disable=not progress):
             block = torch.empty(layout.nbytes, dtype=torch.uint8, device=device)   # (nbytes,) one block per layer
-            _pack_layer(layer_tensors_fn, i, layout, block)
+            pack_layer(layer_tensors_fn, i, layout, block)
             resident_layers.append(layout.views(block))
         return TargetLayers(ResidentLayers(resident_layers), placement, host=None)
 
@@ -314,16 +301,15 @@ def open_target_layers(layer_tensors_fn: LayerTensorsFn, cfg: ModelConfig, layer
             if disk is not None:
                 return disk.read_layer(layer)
             block = torch.empty(layout.nbytes, dtype=torch.uint8)
-            _pack_layer(layer_tensors_fn, layer, layout, block)
+            pack_layer(layer_tensors_fn, layer, layout, block)
             return block
 
         # Held quantized resident layers and a compact ring share one scratch layer: the plan counted it once
-        # (scratch_nbytes); a split compact ring's is its largest dense part (counted in split_nbytes).
-        scratch_nbytes = (max(part.dense.nbytes for part in layout.parts(split=True))
-                          if placement.compact and placement.split else placement.scratch_nbytes)
+        # (scratch_nbytes); a split compact ring's is its largest dense part (counted in split_nbytes). The plan
+        # sized it: LayerPlan.scratch_nbytes.
         assert not (placement.split and placement.resident_held), "held layers need a whole-layer scratch"
-        scratch = (torch.empty(scratch_nbytes, dtype=torch.uint8, device=device)   # (scratch_nbytes,)
-                   if scratch_nbytes else None)
+        scratch = (torch.empty(layers.scratch_nbytes, dtype=torch.uint8, device=device)   # (scratch_nbytes,)
+                   if layers.scratch_nbytes else None)
         resident = {i: _resident_layer(i, host_block(i), layout, device, scratch if placement.resident_held else None)
                     for i in tqdm(placement.resident, desc="loading resident layers", unit="layer",
                                   disable=not progress or not placement.resident)}

@@ -439,7 +439,7 @@ class QuantizedResident:
     (weights()), with the streamer's dequantization (QuantizedLayout.dequantize) on the compute queue: in
     stream order after the previous layer's kernels, which read the scratch before, so no event is needed.
     That costs compute every pass (docs/notes/2026-11-23-held-quantized-layers-and-drafts.md), which is
-    why a layer is held so only where that lets more layers stay resident (plan.py)."""
+    why a layer is held so only where that lets more layers stay resident (plan/placement.py)."""
     layout: QuantizedLayout
     block: torch.Tensor      # (layout.nbytes,) uint8 on the device, for good
     scratch: torch.Tensor    # (layout.dense.nbytes,) uint8 on the device, shared by every quantized resident layer

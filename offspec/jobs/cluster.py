@@ -185,7 +185,7 @@ def node_lock(needed: bool = True):
 
 def measure_machine(device_type: str):
     """Run on a worker's node, placed like a worker: that machine's sizes for the memory plan."""
-    from offspec.plan.core import Machine
+    from offspec.plan.machine import Machine
     return Machine.measure(torch.device(device_type))
 
 

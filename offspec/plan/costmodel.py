@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import bisect
 from dataclasses import dataclass
+from typing import Optional
 
 LINK_GB_PER_S = 24.0    # a PREDICTION input: pinned host->device copies over PCIe 4.0 x16, a gaming PC's link
+DISK_GBPS = 3.0                 # a PREDICTION input: a PCIe 4.0 NVMe drive's lower end, GB/s
 PAGEABLE_GB_PER_S = 9.0  # pageable copies (the driver stages them), as measured on REFERENCE_GPU (docs/notes/2026-11-26-first-gpu-contact.md)
 
 
@@ -101,3 +103,15 @@ def predict_seconds_per_token(streamed_bytes: int, setup: GpuSetup, tokens_per_p
         "seconds_per_token": (t_pass + draft_seconds_per_round) / max(tokens_per_pass, 1e-9),
         "formula": "(max(bytes/link, compute) + held layers x dequant + draft) / tokens_per_pass",
     }
+
+
+def transfer_seconds(pinned: int, pageable: int, disk: int, link_gb_per_s: float, pageable_gb_per_s: float,
+                     disk_gb_per_s: Optional[float], disk_read: Optional[int] = None, dequant_s: float = 0.0) -> float:
+    """PREDICTION: a pass's transfer from its bytes by tier. Pinned and disk-staged bytes cross the link at its
+    rate and pageable ones at pageable_gb_per_s, one after another on the copy stream, where each quantized
+    layer's dequantization follows its copy (dequant_s in all); the drive reads disk_read bytes (default: disk;
+    the store reads whole blocks where a copy may move less of them), the reads overlapping the copies:
+    max(copies + dequant_s, disk_read / drive)."""
+    copies = (pinned + disk) / link_gb_per_s + pageable / min(link_gb_per_s, pageable_gb_per_s)
+    read = disk if disk_read is None else disk_read
+    return max(copies / 1e9 + dequant_s, read / disk_gb_per_s / 1e9 if disk_gb_per_s else 0.0)

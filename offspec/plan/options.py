@@ -21,16 +21,12 @@ from offspec.errors import BudgetError
 from offspec.formats.layout import arena_stride
 from offspec.formats.layout import format_bytes as fmt
 from offspec.formats.published import short as short_quant
-from offspec.plan.core import (
-    PINNED_FRACTION,
-    Machine,
-    MemoryPlan,
-    ModelSpec,
-    make_plan,
-    predicted_pass_seconds,
-    published_runtime,
-)
 from offspec.plan.costmodel import dequant_seconds
+from offspec.plan.machine import PINNED_FRACTION, Machine
+from offspec.plan.memory import MemoryPlan
+from offspec.plan.passtime import predicted_pass_seconds
+from offspec.plan.search import make_plan
+from offspec.plan.sizes import ModelSpec, published_runtime
 
 QUANTS = ("none", "int8", "nf4")
 MODES = ("none", "cpu", "cpu+disk", "disk")

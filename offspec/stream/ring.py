@@ -39,7 +39,8 @@ import torch
 
 from offspec.formats.layout import LayerLayout, LayerWeights
 from offspec.formats.quant import QuantizedLayout, QuantizedPart, QuantizedResident, layer_weights
-from offspec.stream.stores import Staged, WeightStore
+from offspec.stream.staged import Staged
+from offspec.stream.stores import WeightStore
 from offspec.stream.transfer import TransferBackend, TransferEvent, raise_from_worker
 
 

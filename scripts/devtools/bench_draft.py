@@ -42,7 +42,8 @@ from offspec.formats.demo import ensure_demo_models  # noqa: E402
 from offspec.model.draft import load_resident  # noqa: E402
 from offspec.model.forward import RowSpan  # noqa: E402
 from offspec.model.kv_cache import KVCache  # noqa: E402
-from offspec.plan.core import LayerPlan, ModelSpec, draft_weights_nbytes, int8_copy_nbytes  # noqa: E402
+from offspec.plan.placement import LayerPlan  # noqa: E402
+from offspec.plan.sizes import ModelSpec, draft_weights_nbytes, int8_copy_nbytes  # noqa: E402
 from offspec.stream.transfer import CpuBackend  # noqa: E402
 
 SECTION = "bench_draft"

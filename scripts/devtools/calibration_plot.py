@@ -21,7 +21,7 @@ from pathlib import Path
 sys.path[:0] = [str(Path(__file__).resolve().parents[2]), str(Path(__file__).resolve().parents[1])]   # offspec, scripts/
 import _common  # noqa: E402
 
-from offspec import bench  # noqa: E402
+from offspec.bench import runner as bench  # noqa: E402
 
 
 def parse_args(argv=None) -> argparse.Namespace:

@@ -28,7 +28,7 @@ from pathlib import Path
 sys.path[:0] = [str(Path(__file__).resolve().parents[2]), str(Path(__file__).resolve().parents[1])]   # offspec, scripts/
 import _common  # noqa: E402
 import _stats  # noqa: E402
-from offspec import bench  # noqa: E402
+from offspec.bench import runner as bench  # noqa: E402
 
 NOTES = _common.REPO / "docs" / "notes" / "2026-11-25-tree-levers.md"     # where --write-docs writes
 RAW_CODE = "code, no template"

@@ -27,7 +27,7 @@ import torch
 sys.path[:0] = [str(Path(__file__).resolve().parents[2]), str(Path(__file__).resolve().parents[1])]   # offspec, scripts/
 import _common  # noqa: E402
 
-from offspec import controller  # noqa: E402
+from offspec.engine import controller  # noqa: E402
 from offspec.bench.prompt_sets import load_prompt_set  # noqa: E402
 from offspec.config import OffloadConfig, RunLimits, RuntimeConfig, TreeConfig  # noqa: E402
 from offspec.engine.generate import GenerationRequest  # noqa: E402

@@ -32,7 +32,7 @@ sys.path[:0] = [str(Path(__file__).resolve().parents[2]), str(Path(__file__).res
 import _common  # noqa: E402
 import _stats  # noqa: E402
 
-from offspec import bench  # noqa: E402
+from offspec.bench import runner as bench  # noqa: E402
 
 NOTES = _common.REPO / "docs" / "notes" / "2026-11-25-code-against-issue-15-figures.md"   # where --write-docs writes
 
@@ -46,8 +46,8 @@ import offspec
 if not offspec.__file__.startswith(sys.argv[1]):
     sys.exit(f"imported offspec from {offspec.__file__}, not from {sys.argv[1]}")
 from offspec.config import OffloadConfig, RuntimeConfig, SamplingConfig, TreeConfig
-from offspec.engine.generate import GenerationRequest
-from offspec.engine.load import load_engine
+from offspec.generate import GenerationRequest   # the flat paths every checkout has (offspec.MOVED keeps them)
+from offspec.load import load_engine
 job = json.load(sys.stdin)
 loaded = load_engine(job["target"], job["draft"], OffloadConfig(mode="none"),
                      RuntimeConfig(device=torch.device("cpu"), dtype=torch.bfloat16))

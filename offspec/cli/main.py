@@ -1,4 +1,4 @@
-"""`offspec` command line: generate | batch | bench | models (demo, info, prepare).
+"""The `offspec` command: the group that generate, batch, bench, serve, doctor and models (demo, info, prepare) join.
 
 Thin by design: options map one to one onto the config dataclasses; known failures (OffspecError, and OS
 errors such as a full disk) become one line on stderr, `offspec: error: ...`, and exit code 1; Ctrl-C exits

@@ -12,12 +12,18 @@ Parts, in order, each in its own process with its own time limit (a hang or a cr
            streamed logits against the resident ones (bitwise)
   drafts   one call of a 1B-shaped (Llama-3.2-1B) and an 8B-shaped (Llama-3.1-8B) draft, resident, at the
            same widths, after the same prefix
+  kernels  the Triton dequantization kernels' tests on the GPU (tests/test_kernels.py: every format and shape
+           edge, bit for bit against the torch transcriptions; OUT/kernels.log, OUT/kernels_junit.xml)
   dequant  the dequantization of one 70B layer on the GPU, for every layer format offspec streams: int8 and nf4
-           (nf4 where bitsandbytes imports), and the published ones read as they are: AWQ g128, GPTQ 4-bit g128,
-           compressed-tensors int4 g128 and GGUF Q4_K_M (Q4_K, Q6_K for v and down; random blocks); the block's
-           bytes against the dense layer's (costmodel.dequant_s_per_gb takes these). The published ones also at
-           larger chunks than offspec's (CHUNKS), with the host's time to issue a call beside the device's: where
-           they are close, per-kernel dispatch sets the pace
+           (nf4 where bitsandbytes imports: the yardstick), and the published ones read as they are: AWQ g128,
+           GPTQ 4-bit g128 (v2 and v1 zeros), compressed-tensors int4 g128 and int8 per channel, and GGUF Q4_K_M
+           (Q4_K, Q6_K for v and down; random blocks with sane scales). Each by the torch transcriptions
+           (OFFSPEC_DEQUANT=torch) and by the kernels in each of TILE_SWEEP's tiles, the kernel's dense layer
+           compared bit for bit with the torch path's; the block's bytes against the dense layer's
+           (costmodel.dequant_s_per_gb takes these)
+  passq    streamed passes of --layers 70B-shaped AWQ g128 and Q4_K_M layers from the pinned arena through the
+           ring: the dequantization on its own queue (offspec's) or on the copy queue, by the kernels or the torch
+           path; each pass against its copies alone
 OUT/gpu_70b.json holds the parts' results (rewritten after every row); OUT/gpu_70b.md renders them.
 
 Examples:
@@ -50,7 +56,7 @@ sys.path.insert(0, str(REPO / "scripts"))
 
 import _common  # noqa: E402
 from bench_stream import forward_at, make_inputs, prefill  # noqa: E402
-from gpu_check import measure_overlap, random_globals, random_layers, write_text  # noqa: E402
+from gpu_check import back_to_back, measure_overlap, random_globals, random_layers, write_text  # noqa: E402
 
 from offspec.config import ModelConfig, OffloadConfig  # noqa: E402
 from offspec.engine.load import open_target_layers  # noqa: E402
@@ -59,9 +65,8 @@ from offspec.model.forward import Model  # noqa: E402
 from offspec.plan.placement import LayerPlan  # noqa: E402
 from offspec.plan.sizes import layer_nbytes  # noqa: E402
 
-PARTS = ("check", "pass70b", "drafts", "dequant")
-CHUNKS = (None, 1 << 24, 1 << 26)   # the published formats' dequantization, timed at offspec's chunk and larger ones
-PART_LIMIT_S = {"check": 260, "pass70b": 150, "drafts": 60, "dequant": 90}   # 560 s in all
+PARTS = ("check", "kernels", "pass70b", "drafts", "dequant", "passq")
+PART_LIMIT_S = {"check": 260, "kernels": 150, "pass70b": 150, "drafts": 60, "dequant": 150, "passq": 150}
 WIDTHS = (1, 64, 256, 1024)
 
 LLAMA_70B = ModelConfig(arch="llama", vocab_size=128256, hidden_size=8192, intermediate_size=28672, n_layers=16,
@@ -160,26 +165,39 @@ def dequant_quants(cfg: ModelConfig) -> tuple[str, ...]:
     group = next(g for g in (128, 32, 16, 8) if cfg.hidden_size % g == 0 and cfg.intermediate_size % g == 0)
     gguf = ("gguf:q4_k,q4_k,q6_k,q4_k,q4_k,q4_k,q6_k",) if cfg.hidden_size % 256 == 0 == cfg.intermediate_size % 256 \
         else ()
-    return ("int8", "nf4", f"awq-g{group}", f"gptq-b4-g{group}-v2", f"ct-b4-g{group}-bf16") + gguf
+    return ("int8", "nf4", f"awq-g{group}", f"gptq-b4-g{group}-v2", f"gptq-b4-g{group}", f"ct-b4-g{group}-bf16",
+            f"ct-b8-g0-asym-f16") + gguf
+
+
+def kernel_family(quant: str) -> str:
+    return "gguf" if quant.startswith("gguf:") else quant.split("-")[0]
 
 
 @contextlib.contextmanager
-def chunk_elements(n: Optional[int]):
-    """The published and GGUF formats dequantize `n` weights a chunk on a GPU (None: as offspec does)."""
-    from offspec.formats import gguf_blocks, published
-    before = published.DEQUANT_ELEMENTS, dict(gguf_blocks.DEQUANT_ELEMENTS)
-    if n is not None:
-        published.DEQUANT_ELEMENTS, gguf_blocks.DEQUANT_ELEMENTS["cuda"] = n, n
+def dequant_path(path: str, tile: Optional[tuple[int, int, int]] = None):
+    """path "torch": the torch transcriptions (OFFSPEC_DEQUANT=torch); "kernel": the Triton kernels, in `tile`."""
+    import os
+
+    from offspec.formats import kernels
+    before_env, before_tiles = os.environ.get("OFFSPEC_DEQUANT"), dict(kernels.TILES)
+    os.environ["OFFSPEC_DEQUANT"] = "torch" if path == "torch" else "kernel"
+    if tile is not None:
+        kernels.TILES.update({family: tile for family in kernels.TILES})
     try:
         yield
     finally:
-        published.DEQUANT_ELEMENTS, gguf_blocks.DEQUANT_ELEMENTS = before
+        kernels.TILES.clear()
+        kernels.TILES.update(before_tiles)
+        if before_env is None:
+            os.environ.pop("OFFSPEC_DEQUANT", None)
+        else:
+            os.environ["OFFSPEC_DEQUANT"] = before_env
 
 
 def time_dequant(layout, block: torch.Tensor, dense: torch.Tensor, device: torch.device, calls: int) -> dict:
     """Seconds a call on the device (Timer) and to issue it from the host (before the device finishes): where
     the two are close, the host's per-kernel dispatch sets the pace, not the device."""
-    layout.dequantize(block, dense)                                               # warm-up
+    layout.dequantize(block, dense)                                               # warm-up (and compile)
     with Timer(device) as timer:
         start = time.perf_counter()
         for _ in range(calls):
@@ -188,35 +206,132 @@ def time_dequant(layout, block: torch.Tensor, dense: torch.Tensor, device: torch
     return {"seconds": timer.seconds / calls, "issue_seconds": issued / calls}
 
 
-def dequant_part(args, device: torch.device, results: Results) -> None:
-    from offspec.errors import InputError
-    from offspec.formats.published import is_published, short
+def sane_gguf_block(layout, quant: str, block: torch.Tensor) -> None:
+    """block <- random GGML blocks whose float16 scale fields are small and finite (random bytes there would be
+    inf or NaN in a few blocks, and NaN never compares equal)."""
+    from offspec.formats import gguf_blocks
+    block.copy_(torch.randint(0, 256, block.shape, dtype=torch.uint8, device=block.device))
+    pieces = layout.pieces(block)
+    scale = torch.tensor([1e-3], dtype=torch.float16, device=block.device).view(torch.uint8)   # (2,) bytes
+    for name, shape, _ in layout.dense.entries:
+        if len(shape) != 2:
+            continue
+        t = gguf_blocks.BY_NAME[gguf_blocks.type_of(quant, name, 0)]
+        raw = pieces[f"{name}.blocks"][: shape[0] * gguf_blocks.row_nbytes(t.name, shape[1])].view(-1, t.size)
+        for at in ((208,) if t.name == "Q6_K" else (0, 2) if t.name in ("Q4_K", "Q5_K", "Q4_1", "Q5_1") else (0,)):
+            raw[:, at:at + 2] = scale
+
+
+def quantized_block(cfg: ModelConfig, quant: str, device: torch.device, weights) -> tuple:
+    """(layout, one packed layer block on the device) for `quant`: packed from `weights`, or random sane GGML
+    blocks for a GGUF layout."""
     from offspec.formats.quant import QuantizedLayout
+    layout = QuantizedLayout.of(cfg, torch.bfloat16, quant)
+    block = torch.empty(layout.nbytes, dtype=torch.uint8, device=device)          # (nbytes,) the moved block
+    if quant.startswith("gguf:"):
+        sane_gguf_block(layout, quant, block)
+    else:
+        layout.pack(weights, block)
+    return layout, block
+
+
+def dequant_part(args, device: torch.device, results: Results) -> None:
+    """Per format: the torch path, then the kernels in each of TILE_SWEEP's tiles (the first is offspec's
+    default), each checked bit for bit against the torch path's dense layer on the device."""
+    from offspec.errors import InputError
+    from offspec.formats.kernels import TILES
+    from offspec.formats.published import is_published, short
     cfg = shape(LLAMA_70B, args, 1)
     weights = random_layers(cfg, device, torch.bfloat16)(0)
     for quant in dequant_quants(cfg):
         try:
-            layout = QuantizedLayout.of(cfg, torch.bfloat16, quant)
-            block = torch.empty(layout.nbytes, dtype=torch.uint8, device=device)     # (nbytes,) the moved block
-            if quant.startswith("gguf:"):          # GGML blocks, random (timing only: the values do not matter)
-                block.copy_(torch.randint(0, 256, (layout.nbytes,), dtype=torch.uint8, device=device))
-            else:
-                layout.pack(weights, block)
+            layout, block = quantized_block(cfg, quant, device, weights)
         except InputError as err:                  # nf4 without bitsandbytes
             results.add_row("dequant", {"quant": quant, "skipped": str(err)})
             continue
-        chunks = CHUNKS if is_published(quant) else (None,)
-        quant = short(quant) if is_published(quant) else quant
+        name = short(quant) if is_published(quant) else quant
         dense = torch.empty(layout.dense.nbytes, dtype=torch.uint8, device=device)   # (dense nbytes,)
-        for chunk in chunks:
-            with chunk_elements(chunk):
+        row = {"quant": name, "block_bytes": layout.nbytes, "dense_bytes": layout.dense.nbytes}
+        with dequant_path("torch"):
+            results.add_row("dequant", {**row, "path": "torch",
+                                        **time_dequant(layout, block, dense, device, args.passes * 3)})
+        if quant == "nf4":
+            continue
+        reference = dense.clone()
+        family = kernel_family(quant)
+        for tile in [TILES[family], *(t for t in TILE_SWEEP[family] if t != TILES[family])]:
+            dense.fill_(0)
+            with dequant_path("kernel", tile):
                 timed = time_dequant(layout, block, dense, device, args.passes * 3)
-            results.add_row("dequant", {"quant": quant, **timed, "chunk": chunk, "block_bytes": layout.nbytes,
-                                        "dense_bytes": layout.dense.nbytes})
-        del block, dense
+            results.add_row("dequant", {**row, "path": "kernel", "tile": list(tile), **timed,
+                                        "equal": bool(torch.equal(dense, reference))})
+        del block, dense, reference
 
 
-PART_FNS = {"pass70b": pass70b_part, "drafts": drafts_part, "dequant": dequant_part}
+# Tiles (rows, columns, warps) timed per kernel family; offspec's default (kernels.TILES) first.
+TILE_SWEEP = {"awq": [(64, 64, 4), (32, 128, 4), (128, 32, 4), (16, 256, 4), (64, 128, 8)],
+              "gptq": [(64, 64, 4), (32, 128, 4), (128, 32, 4), (16, 256, 4), (64, 128, 8)],
+              "ct": [(16, 256, 4), (8, 512, 4), (4, 1024, 8), (32, 128, 4), (64, 64, 4)],
+              "int8": [(16, 256, 4), (8, 512, 4), (4, 1024, 8), (32, 128, 4)],
+              "gguf": [(16, 256, 4), (8, 512, 4), (4, 1024, 8), (32, 128, 4), (2, 1024, 4)]}
+PASSQ_QUANTS = ("awq-g128", "gguf:q4_k,q4_k,q6_k,q4_k,q4_k,q4_k,q6_k", "nf4")
+PASSQ_RUNS = (("two", "kernel"), ("one", "kernel"), ("two", "torch"), ("one", "torch"))   # (queues, path)
+
+
+def passq_part(args, device: torch.device, results: Results) -> None:
+    """Streamed passes of 70B-shaped quantized layers through the ring (pinned host arena, 2 slots): per format,
+    the dequantization pipelined on its own queue or on the copy queue (one thing changed), by the kernels or the
+    torch path; the pass against its copies alone (StreamStats' device-timed copy seconds)."""
+    from bench_stream import settle
+
+    from offspec.formats.published import short
+    from offspec.stream.ring import LayerStreamer
+    from offspec.stream.stores import HostArenaStore
+    from offspec.stream.transfer import make_backend
+    cfg = shape(LLAMA_70B, args, args.layers)
+    globals_ = random_globals(cfg, device, torch.bfloat16)
+    inputs = make_inputs(cfg.vocab_size, args.context, [1, 64], device)
+    for quant in PASSQ_QUANTS if not args.tiny else dequant_quants(cfg)[2:3]:
+        layout, block = quantized_block(cfg, quant, device, random_layers(cfg, device, torch.bfloat16)(0))
+        host_block = block.cpu()
+        del block
+        for queues, path in PASSQ_RUNS if quant != "nf4" else PASSQ_RUNS[:2]:     # nf4: bitsandbytes' kernel
+            backend = make_backend(device)
+            if queues == "one":
+                backend.dequant_queue = backend.copy_queue       # the dequantization follows each copy
+            store = HostArenaStore.filled(lambda layer, b: b.copy_(host_block), layout, range(cfg.n_layers), backend,
+                                          progress=False)
+            with dequant_path(path), LayerStreamer(store, backend, cfg.n_layers, {}, args.slots) as streamer:
+                layers = _Counted(streamer, cfg.n_layers)
+                model = Model(cfg, globals_, streamer)
+                cache = prefill(model, inputs, args.context + 64)
+                for T in (1, 64):
+                    back_to_back(model, cache, args.context, inputs.new[T], 1)           # warm-up
+                    settle(layers, args.slots)
+                    s0 = streamer.stats()
+                    pass_s, _ = back_to_back(model, cache, args.context, inputs.new[T], args.passes)
+                    settle(layers, args.slots)
+                    s1 = streamer.stats()
+                    copies = (s1.transfer_s - s0.transfer_s) / args.passes
+                    dequant = (s1.dequant_s - s0.dequant_s) / args.passes
+                    results.add_row("passq", {"quant": short(quant), "queues": queues, "path": path, "tokens": T,
+                                              "layers": cfg.n_layers, "pass_s": pass_s, "copies_s": copies,
+                                              "dequant_s": dequant, "pass_over_copies": pass_s / max(copies, 1e-9),
+                                              "copy_gbps": (s1.bytes - s0.bytes) / max(s1.transfer_s - s0.transfer_s,
+                                                                                        1e-9) / 1e9})
+                del model, cache
+            torch.cuda.empty_cache() if device.type == "cuda" else None
+
+
+class _Counted:
+    """What bench_stream.settle reads of a TargetLayers: stats() and the placement's streamed layers."""
+
+    def __init__(self, streamer, n_layers: int):
+        self.stats = streamer.stats
+        self.placement = dataclasses.make_dataclass("P", ["streamed", "split"])(tuple(range(n_layers)), False)
+
+
+PART_FNS = {"pass70b": pass70b_part, "drafts": drafts_part, "dequant": dequant_part, "passq": passq_part}
 
 
 def child(args) -> int:
@@ -242,6 +357,10 @@ def run_part(part: str, args, argv: list[str]) -> None:
         command = [sys.executable, str(REPO / "scripts" / "gpu_check.py"), "--quick", "--out",
                    str(args.out / "gpu_check.json")]
         log = args.out / "gpu_check.log"
+    elif part == "kernels":
+        command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_kernels.py",
+                   f"--junitxml={args.out / 'kernels_junit.xml'}"]
+        log = args.out / "kernels.log"
     else:
         command = [sys.executable, __file__, *argv, "--part", part]
         log = args.out / "gpu_70b.log"
@@ -254,7 +373,7 @@ def run_part(part: str, args, argv: list[str]) -> None:
         except subprocess.TimeoutExpired:
             rc = "timeout"
     seconds = time.perf_counter() - start
-    if part != "check" and rc == "timeout":
+    if part not in ("check", "kernels") and rc == "timeout":
         Results(args.out).update(part, status="timeout", seconds=round(seconds, 1))
     print(f"[{part}] exit {rc} in {seconds:.0f} s", flush=True)
 
@@ -320,10 +439,18 @@ def render(data: dict) -> str:
                             "yes" if r["logits_equal"] else "**no**"] for r in p["rows"]]), ""]
     for part, heads, cells in (
             ("drafts", ["draft", "tokens", "call ms"], lambda r: [r["draft"], r["tokens"], f(r["call_s"] * 1e3, 2)]),
-            ("dequant", ["quant", "chunk (weights)", "ms per layer", "ms to issue", "block GB", "dense GB"],
-             lambda r: [r["quant"], r.get("chunk") or "offspec's", r.get("skipped") or f(r["seconds"] * 1e3, 2),
-                        f(r["issue_seconds"] * 1e3, 2) if "issue_seconds" in r else "–",
-                        f(r.get("block_bytes", 0) / 1e9, 3), f(r.get("dense_bytes", 0) / 1e9, 3)])):
+            ("dequant", ["quant", "path", "tile (rows, cols, warps)", "ms per layer", "ms to issue",
+                         "== torch path", "block GB", "dense GB"],
+             lambda r: [r["quant"], r.get("path", "–"), r.get("tile", "–"),
+                        r.get("skipped") or f(r["seconds"] * 1e3, 3),
+                        f(r["issue_seconds"] * 1e3, 3) if "issue_seconds" in r else "–",
+                        {True: "yes", False: "**no**"}.get(r.get("equal"), "–"),
+                        f(r.get("block_bytes", 0) / 1e9, 3), f(r.get("dense_bytes", 0) / 1e9, 3)]),
+            ("passq", ["quant", "dequantization queue", "path", "tokens", "layers", "pass s", "copies s",
+                       "dequant s", "pass / copies", "copy GB/s"],
+             lambda r: [r["quant"], "its own" if r["queues"] == "two" else "the copy queue", r["path"], r["tokens"],
+                        r["layers"], f(r["pass_s"], 4), f(r["copies_s"], 4), f(r["dequant_s"], 4),
+                        f(r["pass_over_copies"], 3), f(r["copy_gbps"], 1)])):
         d = data.get(part)
         if d:
             lines += [f"## {part}", "", f"status {d.get('status')}" + (f": `{d['error']}`" if "error" in d else ""),

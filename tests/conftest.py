@@ -5,6 +5,8 @@ import pytest
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))   # tests import tiny.py (model builders) directly
+if not torch.cuda.is_available():   # the Triton kernels' tests run them on the CPU, interpreted (test_kernels.py)
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 torch.set_num_threads(min(2, torch.get_num_threads()))
 
 

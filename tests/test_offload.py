@@ -75,6 +75,12 @@ class TearingBackend(CpuBackend):
         time.sleep(self._rng.uniform(*self._copy_sleep))
         dst[half:].copy_(src[half:])
 
+    def on_dequant_queue(self, fn):
+        """A quantized layer's dequantization starts after a random sleep: a reader of the block or of the dense
+        layer that is not ordered against it sees the wrong layer."""
+        sleep = self._rng.uniform(0, self._copy_sleep[1])   # at times shorter than a copy, at times longer
+        super().on_dequant_queue(lambda: (time.sleep(sleep), fn()))
+
 
 class SkipWaitEvent(CpuEvent):
     """Drops every wait() on one kind of queue: the injected bug."""
@@ -84,6 +90,19 @@ class SkipWaitEvent(CpuEvent):
         if (queue is self._backend.copy_queue) == self.skip_copy_queue:
             return
         super().wait(queue)
+
+
+class SkipDequantWaits(CpuEvent):
+    """Drops every wait() on the dequantization queue (its RAW on the block and its WAR on the dense layer)."""
+
+    def wait(self, queue):
+        if queue is not self._backend.dequant_queue:
+            super().wait(queue)
+
+
+class NoDequantWaitBackend(TearingBackend):
+    def new_event(self, timing=False):
+        return SkipDequantWaits(self)
 
 
 class NoWarBackend(TearingBackend):
@@ -148,7 +167,7 @@ def run_protocol(store, backend, n_slots, n_passes, kernel_sleep, resident=(), s
     sleep between, on the compute queue. -> [(pass, layer, values seen)] for every read that was not uniformly
     layer + 1."""
     layout = store.layout
-    names = [name for name, _, _ in layout.entries]
+    names = [name for name, _, _ in getattr(layout, "dense", layout).entries]   # what a (dequantized) layer reads
     rng = random.Random(seed)
     bad, seen = [], []
     resident_layers = {i: layout.views(torch.full((layout.nbytes,), i + 1, dtype=torch.uint8)) for i in resident}
@@ -234,6 +253,36 @@ def test_protocol_test_catches_a_refill_posted_before_free_is_recorded():
 
 def test_protocol_test_catches_free_recorded_before_the_reader():
     assert arena_protocol("compute-bound", 2, streamer_cls=FreeBeforeRead) != []
+
+
+def quantized_protocol(regime, n_slots, backend_cls=TearingBackend, n_passes=4, seed=1):
+    """The ring with int8-quantized blocks (each layer's int8 values L + 1 and scales 1, so its dequantized layer
+    holds L + 1 throughout): copy, dequantization and compute on three queues, each delayed at random."""
+    from offspec.formats.quant import QuantizedLayout
+    layout = QuantizedLayout.of(TINY, torch.float32, "int8")
+    backend = backend_cls(seed, REGIMES[regime]["copy_sleep"])
+
+    def fill(layer, block):
+        for name, piece in layout.pieces(block).items():
+            piece.fill_(1 if name.endswith(".scale") else layer + 1)
+    store = HostArenaStore.filled(fill, layout, range(N_LAYERS), backend, progress=False)
+    return run_protocol(store, backend, n_slots, n_passes, REGIMES[regime]["kernel_sleep"], seed=seed)
+
+
+@pytest.mark.parametrize("regime", REGIMES)
+@pytest.mark.parametrize("n_slots", [2, 3])
+def test_ring_protocol_quantized(regime, n_slots):
+    """copied[k] orders each copy before its dequantization, free[k] each dequantization after compute has read
+    the slot's previous dense layer, ready[k] compute after the dequantization and the next copy into the block
+    after it has been read (docs/streaming.md §1)."""
+    assert quantized_protocol(regime, n_slots, seed=n_slots) == []
+
+
+@pytest.mark.parametrize("backend_cls,regime", [(NoDequantWaitBackend, "copy-bound"),
+                                                (NoDequantWaitBackend, "compute-bound"),
+                                                (NoWarBackend, "copy-bound"), (NoRawBackend, "copy-bound")])
+def test_the_harness_catches_a_missing_wait_of_the_quantized_ring(backend_cls, regime):
+    assert quantized_protocol(regime, 2, backend_cls=backend_cls) != []
 
 
 def test_protocol_test_catches_per_pass_slot_mapping():

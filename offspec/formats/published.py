@@ -350,12 +350,16 @@ def _fields(words: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
     return fields.transpose(1, 2).reshape(-1, C) if dim == 0 else fields.view(R, -1)
 
 
+def v1_zeros_as_v2(qzeros: torch.Tensor, bits: int) -> torch.Tensor:
+    """v1 qzeros (each field its zero minus one) -> v2's, as GPTQModel converts them: one added to every field,
+    as a 32-bit word sum (int32 wraps as that sum does)."""
+    ones = sum(1 << (bits * i) for i in range(32 // bits))
+    return qzeros + (ones - (1 << 32) if ones >= 1 << 31 else ones)
+
+
 def _dequantize_gptq(quant: str, pieces: dict[str, torch.Tensor], out: torch.Tensor) -> None:
     bits, _, v2 = gptq_params(quant)
-    qzeros = pieces["qzeros"]
-    if not v2:     # v1: each field holds its zero minus one; GPTQModel adds one to every field, as a word sum
-        ones = sum(1 << (bits * i) for i in range(32 // bits))
-        qzeros = qzeros + (ones - (1 << 32) if ones >= 1 << 31 else ones)        # int32 wraps as the word sum does
+    qzeros = pieces["qzeros"] if v2 else v1_zeros_as_v2(pieces["qzeros"], bits)
     zeros = _fields(qzeros, bits, dim=1)                                          # (groups, N)
     scales, g_idx = pieces["scales"], pieces["g_idx"]
     K, P = g_idx.shape[0], 32 // bits

@@ -54,7 +54,7 @@ import torch.nn.functional as F
 
 from offspec.config import ModelConfig
 from offspec.errors import InputError
-from offspec.formats import published
+from offspec.formats import kernels, published
 from offspec.formats.layout import TENSOR_ALIGN, LayerLayout, LayerWeights, PartLayout, round_up, split_entries
 
 QUANT_MODES = ("none", "int8", "int8-held", "nf4")   # the draft's: dense | + int8 copies | held quantized
@@ -270,7 +270,11 @@ def _quantize_matrix(quant: str, w: torch.Tensor, dtype: torch.dtype) -> dict[st
 
 def _dequantize_matrix(quant: str, pieces: dict[str, torch.Tensor], out: torch.Tensor, field: Optional[str] = None,
                        layer: Optional[int] = None) -> None:
-    """out (N, K), in the compute dtype <- the matrix its pieces hold (field of layer: see published.dequantize)."""
+    """out (N, K), in the compute dtype <- the matrix its pieces hold (field of layer: see published.dequantize).
+    On a CUDA device by one fused kernel (kernels.py); elsewhere, or where the kernels cannot run, by the torch
+    transcriptions below: the same values, bit for bit."""
+    if kernels.dequantize(quant, pieces, out, field, layer):
+        return
     if quant == "int8":
         # q then a row scale, in place: two passes over `out`, no temporary (the fastest of the ways tried:
         # docs/notes/2026-11-23-held-quantized-layers-and-drafts.md).

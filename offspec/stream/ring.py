@@ -14,12 +14,15 @@ The ring protocol, for the n-th load ever issued (n counts across passes; slot k
   loader thread    [disk: wait for the layer's read into staging (started one load earlier, each piece
                     once that staging buffer's gate completed); start the next layer's read likewise]
                    free[k].wait(copy_q)     WAR: compute has finished reading slot k's previous layer
+                    [quantized: ready[k].wait(copy_q) instead: slot k's previous block has been dequantized]
                    copy host block -> slot k on copy_q  (split: the part's byte runs of the block; a layer
                     is acquired from the store at its first part, its staging gate recorded after its last)
                    [disk: gate.record(copy_q): the staging buffer may be refilled once this completes]
-                   [quantized: dequantize slot k into its dense buffer on copy_q, so it overlaps compute
-                    as the copy does and the same two events guard it]
-                   ready[k].record(copy_q)  RAW: compute may read slot k once this completes
+                   [quantized, on the dequantization queue deq_q, so the next copy runs meanwhile:
+                    copied[k].record(copy_q); copied[k].wait(deq_q)    RAW on the block
+                    free[k].wait(deq_q)      WAR on the dense buffer: compute has read slot k's previous layer
+                    dequantize slot k's block into its dense buffer on deq_q]
+                   ready[k].record(copy_q, or deq_q when quantized)  RAW: compute may read slot k then
                    publish "load n issued"
   consumer thread  wait (host) until load n is issued, so the wait below binds to *its* ready record
                    ready[k].wait(comp_q); yield the views of slot k; the consumer issues its kernels
@@ -82,9 +85,11 @@ class LayerStreamer:
     model.run_layer keeps what the MLP needs between them. Quantized parts dequantize as whole blocks do (on
     the copy queue into their slot's dense part, or compact: at use into the scratch, a part's size).
 
-    A store of quantized layers (QuantizedLayout): slot k receives the quantized block, and the copy queue
-    dequantizes it into slot k's dense buffer, which is what the consumer reads; ready[k] / free[k] cover
-    both, so the protocol is unchanged and dequantization overlaps compute like the copy.
+    A store of quantized layers (QuantizedLayout): slot k receives the quantized block, and the dequantization
+    queue turns it into slot k's dense buffer, which is what the consumer reads. Three queues pipeline a
+    layer: its copy, the previous layer's dequantization and the one before's compute run at once, so a pass
+    costs about max(copies, dequantizations, compute); copied[k] orders the copy before its dequantization,
+    and the block is refilled once it has been dequantized (ready[k]), not once it has been computed on.
 
     A compact ring (`scratch` given, plan.Placement.compact): the slots hold blocks only. The consumer
     dequantizes slot k into the one shared scratch layer on the compute queue (as a held resident layer is),
@@ -128,7 +133,8 @@ class LayerStreamer:
         self._views = ([] if scratch is not None else
                        [[part.dense.views(dense) for part in self._parts] for dense in self._dense])
         self._staged: Optional[Staged] = None   # loader thread: the layer whose parts it is copying
-        self._ready = [backend.new_event() for _ in range(n_slots)]   # copy into slot k done (RAW)
+        self._ready = [backend.new_event() for _ in range(n_slots)]   # slot k readable: copied (and dequantized)
+        self._copied = [backend.new_event() for _ in range(n_slots)]  # quantized: the block in slot k copied
         self._free = [backend.new_event() for _ in range(n_slots)]    # compute done reading slot k (WAR)
         backend.synchronize()
 
@@ -301,8 +307,10 @@ class LayerStreamer:
             self._staged = self.store.acquire(layer, next_layer=next_layer)   # disk: waits for its read
         staged = self._staged
         copy_q = self.backend.copy_queue
+        pipelined = self.quantized and self._scratch is None     # a dequantization queue reads the block
         copy_start, copy_end = self._timing_event(), self._timing_event()
-        self._free[k].wait(copy_q)             # WAR: slot k's previous load has been read
+        # WAR: slot k's previous load has been read (by compute; by its dequantization when pipelined)
+        (self._ready if pipelined else self._free)[k].wait(copy_q)
         copy_start.record(copy_q)
         for src, dst, nbytes in runs:
             self.backend.copy_async(self._slots[k][dst:dst + nbytes], staged.block[src:src + nbytes],
@@ -310,18 +318,30 @@ class LayerStreamer:
         copy_end.record(copy_q)
         if staged.gate is not None and p == len(self._parts) - 1:
             staged.gate.record(copy_q)         # the staging buffer may be refilled once its last copy is done
-        if self.quantized and self._scratch is None:
-            dequant_start, dequant_end = self._timing_event(), self._timing_event()
-            dequant_start.record(copy_q)
-            self.backend.on_copy_queue(lambda block=self._slots[k], dense=self._dense[k], part=part, layer=layer:
-                                       part.dequantize(block, dense, layer))
-            dequant_end.record(copy_q)
-        self._ready[k].record(copy_q)          # RAW: slot k holds `layer` once this completes
+        if pipelined:
+            dequant_start, dequant_end = self._dequantize_after_copy(k, part, layer, copy_q)
+            self._ready[k].record(self.backend.dequant_queue)   # RAW: slot k's dense layer is `layer` then
+        else:
+            self._ready[k].record(copy_q)      # RAW: slot k holds `layer` once this completes
         with self._lock:
             self._pending_copies.append((copy_start, copy_end, sum(nbytes for _, _, nbytes in runs)))
-            if self.quantized and self._scratch is None:
+            if pipelined:
                 self._pending_dequants.append((dequant_start, dequant_end))
             self._stats.read_s += staged.read_s if p == 0 else 0.0
+
+    def _dequantize_after_copy(self, k: int, part: QuantizedPart, layer: int, copy_q):
+        """Issue slot k's dequantization on the dequantization queue, after its copy (RAW on the block) and after
+        compute has read the slot's previous dense layer (WAR); -> its timing events."""
+        deq_q = self.backend.dequant_queue
+        self._copied[k].record(copy_q)
+        self._copied[k].wait(deq_q)
+        self._free[k].wait(deq_q)
+        start, end = self._timing_event(), self._timing_event()
+        start.record(deq_q)
+        self.backend.on_dequant_queue(lambda block=self._slots[k], dense=self._dense[k]:
+                                      part.dequantize(block, dense, layer))
+        end.record(deq_q)
+        return start, end
 
     # ---- timing
     def _timing_event(self) -> TransferEvent:

@@ -67,7 +67,7 @@ class TransferBackend(Protocol):
     def compute_queue(self) -> Any: ...
     def new_event(self, timing: bool = False) -> TransferEvent: ...
     def copy_async(self, dst: torch.Tensor, src: torch.Tensor, *, src_pinned: bool) -> None: ...
-    def on_copy_queue(self, fn: Callable[[], None]) -> None: ...   # device work ordered after the copies so far
+    def on_dequant_queue(self, fn: Callable[[], None]) -> None: ...   # a quantized layer's dequantization
     def compute(self, fn: Callable[[], None]) -> None: ...
     def device_buffer(self, nbytes: int) -> torch.Tensor: ...
     def host_buffer(self, nbytes: int, host_budget: Optional[int] = None,
@@ -253,6 +253,7 @@ class CpuBackend:
         self.error_where = ""                  # which worker raised it
         self.closed = False                    # set by close(); wakes and ends every worker
         self.copy_queue = WorkerQueue("offspec-copy", self)
+        self.dequant_queue = WorkerQueue("offspec-dequant", self)   # quantized layers' dequantization
         self._compute = WorkerQueue("offspec-compute", self) if async_compute else CallerThread(self)
 
     def compute_queue(self) -> Union[CallerThread, WorkerQueue]:
@@ -273,9 +274,10 @@ class CpuBackend:
         good: on 2 cores every later draft call ran 2x slower (0.14 vs 0.07 s), idle streamer or not."""
         np.copyto(dst.view(torch.uint8).numpy(), src.view(torch.uint8).numpy())
 
-    def on_copy_queue(self, fn: Callable[[], None]) -> None:
-        """Run fn on the copy worker after the copies submitted so far (a quantized layer's dequantization)."""
-        self.copy_queue.submit(fn)
+    def on_dequant_queue(self, fn: Callable[[], None]) -> None:
+        """Run fn on the dequantization worker, after the waits submitted to it so far (a quantized layer's
+        dequantization: tests override it to delay it)."""
+        self.dequant_queue.submit(fn)
 
     def compute(self, fn: Callable[[], None]) -> None:
         self._compute.submit(fn)
@@ -316,6 +318,7 @@ class CpuBackend:
             self.closed = True
             self.cv.notify_all()
         self.copy_queue.join(timeout=30)
+        self.dequant_queue.join(timeout=30)
         if isinstance(self._compute, WorkerQueue):
             self._compute.join(timeout=30)
 
@@ -356,6 +359,8 @@ class CudaBackend:
             raise ValueError(f"CudaBackend needs a cuda device, got {device}")
         self.device = torch.device("cuda", device.index if device.index is not None else torch.cuda.current_device())
         self.copy_queue = torch.cuda.Stream(device=self.device)   # copy_s: every H2D layer copy, nothing else
+        # deq_s: quantized layers' dequantization, so the next copy runs while this one dequantizes (§1)
+        self.dequant_queue = torch.cuda.Stream(device=self.device)
 
     def compute_queue(self) -> "torch.cuda.Stream":
         return torch.cuda.current_stream(self.device)             # comp_s, as seen from the calling thread
@@ -375,10 +380,11 @@ class CudaBackend:
         with torch.cuda.stream(self.copy_queue):
             dst.copy_(src, non_blocking=src_pinned)
 
-    def on_copy_queue(self, fn: Callable[[], None]) -> None:
-        """Issue fn's kernels on copy_s, after the copies issued so far (a quantized layer's dequantization;
-        it allocates nothing on copy_s: it writes into a slot's preallocated dense buffer)."""
-        with torch.cuda.stream(self.copy_queue):
+    def on_dequant_queue(self, fn: Callable[[], None]) -> None:
+        """Issue fn's kernels on deq_s, after the waits issued to it so far (a quantized layer's dequantization:
+        it writes into a slot's preallocated dense buffer; the kernels allocate nothing, the torch path's
+        temporaries are deq_s's own)."""
+        with torch.cuda.stream(self.dequant_queue):
             fn()
 
     def compute(self, fn: Callable[[], None]) -> None:
@@ -462,8 +468,10 @@ class CudaBackend:
         """CUDA reports its errors on the calls themselves."""
 
     def close(self) -> None:
-        # Pinned sources may be unpinned and unmapped right after this: no copy out of them may still run.
+        # Pinned sources may be unpinned and unmapped right after this: no copy out of them may still run; and no
+        # dequantization may still read a slot when the ring's buffers are freed.
         self.copy_queue.synchronize()
+        self.dequant_queue.synchronize()
 
 
 def make_backend(device: torch.device) -> Union[CpuBackend, CudaBackend]:

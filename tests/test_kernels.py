@@ -24,6 +24,15 @@ DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 GGUF_TYPES = list(kernels.GGUF_TYPES)
 
 
+@pytest.fixture(autouse=True)
+def interpreter_tiles(monkeypatch):
+    """Under the interpreter a program costs milliseconds whatever its size: taller tiles (still part-filled by
+    every shape here) keep the tests quick. On a GPU the tests run offspec's own tiles."""
+    if DEVICE.type == "cpu":
+        monkeypatch.setattr(kernels, "TILES", {**kernels.TILES, "ct": (32, 1024, 4), "int8": (32, 1024, 4),
+                                               "gguf": (32, 1024, 4)})
+
+
 def torch_path(quant_name: str, pieces: dict, shape: tuple, dtype: torch.dtype, field=None, layer=None):
     """The reference: the torch transcription, on the CPU."""
     out = torch.empty(shape, dtype=dtype)

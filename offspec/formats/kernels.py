@@ -25,7 +25,7 @@ log = logging.getLogger("offspec")
 
 # Output tile (rows, columns) and warps a program takes, by kernel. AWQ and GPTQ pack along the input rows, so
 # their tiles are square; the others read their rows in order.
-TILES = {"awq": (64, 64, 4), "gptq": (64, 64, 4), "ct": (16, 256, 4), "int8": (16, 256, 4), "gguf": (16, 256, 4)}
+TILES = {"awq": (128, 32, 4), "gptq": (64, 64, 4), "ct": (4, 1024, 8), "int8": (16, 256, 4), "gguf": (2, 1024, 4)}
 OUT_KINDS = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 GGUF_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K")   # TYPE ids
 
@@ -91,8 +91,11 @@ def launch(quant: str, pieces: dict[str, torch.Tensor], out: torch.Tensor, field
         name = gguf_blocks.type_of(quant, field, layer)
         t, row = gguf_blocks.BY_NAME[name], gguf_blocks.row_nbytes(name, K)
         raw = pieces["blocks"][: N * row]
-        _run(jit.gguf_kernel, "gguf", N, K, raw, raw.view(torch.int16), dst, N, K, row,
-             TYPE=GGUF_TYPES.index(name), B=t.block, SIZE=t.size, OUT=kind)
+        BN, BK, warps = TILES["gguf"]
+        NB = max(1, BK // t.block)                                             # blocks a row a program
+        jit.gguf_kernel[(triton_cdiv(N, BN), triton_cdiv(K // t.block, NB))](
+            raw, raw.view(torch.int16), dst, N, K, row, TYPE=GGUF_TYPES.index(name), B=t.block, SIZE=t.size,
+            OUT=kind, BN=BN, NB=NB, num_warps=warps, enable_fp_fusion=False)
     elif quant == "int8":
         scale = pieces["scale"]
         _run(jit.int8_kernel, "int8", N, K, pieces["int8"], scale, dst, N, K, SCALE=OUT_KINDS[scale.dtype], OUT=kind)

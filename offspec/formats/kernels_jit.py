@@ -142,14 +142,19 @@ def _k_scale_min(raw, at, s):
 
 @triton.jit
 def gguf_kernel(raw, raw16, out, N, K, ROW, TYPE: tl.constexpr, B: tl.constexpr, SIZE: tl.constexpr,
-                OUT: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
-    """One GGML type's blocks (gguf_blocks' docstring and formulas): row n's block k // B starts at byte
-    n·ROW + (k // B)·SIZE, and weight j = k % B of it. TYPE: 0 F32, 1 F16, 2 BF16, 3 Q8_0, 4 Q4_0, 5 Q4_1,
-    6 Q5_0, 7 Q5_1, 8 Q4_K, 9 Q5_K, 10 Q6_K."""
-    n, k, m = _tile(N, K, BN, BK)
-    at = n.to(tl.int64) * ROW + (k // B) * SIZE       # the block's first byte
-    at = tl.where(m, at, 0)                            # masked lanes read block 0 (their results are dropped)
-    j = k % B
+                OUT: tl.constexpr, BN: tl.constexpr, NB: tl.constexpr):
+    """One GGML type's blocks (gguf_blocks' docstring and formulas). Program (i, j) covers rows i·BN .. and, of
+    each, blocks j·NB ..; row n's block b starts at byte n·ROW + b·SIZE. A tile is (rows, blocks, sub-blocks,
+    weights of a sub-block), so each block's and sub-block's scales are loaded once, not once a weight.
+    TYPE: 0 F32, 1 F16, 2 BF16, 3 Q8_0, 4 Q4_0, 5 Q4_1, 6 Q5_0, 7 Q5_1, 8 Q4_K, 9 Q5_K, 10 Q6_K."""
+    SUBS: tl.constexpr = 16 if TYPE == 10 else (8 if TYPE >= 8 else 1)    # sub-blocks of a block
+    L: tl.constexpr = B // SUBS                                          # weights of a sub-block
+    n = tl.program_id(0) * BN + tl.arange(0, BN)[:, None, None, None]    # (BN, 1, 1, 1)
+    b = tl.program_id(1) * NB + tl.arange(0, NB)[None, :, None, None]    # (1, NB, 1, 1)
+    s = tl.arange(0, SUBS)[None, None, :, None]                          # (1, 1, SUBS, 1)
+    j = s * L + tl.arange(0, L)[None, None, None, :]                     # (1, 1, SUBS, L) weight of the block
+    m = (n < N) & (b < K // B)
+    at = tl.where(m, n.to(tl.int64) * ROW + b * SIZE, 0)   # the block's first byte (masked: block 0, dropped)
     if TYPE == 0:
         w = tl.load(raw16 + at // 2 + 1).to(tl.int32).to(tl.uint32) << 16
         w = (w | tl.load(raw16 + at // 2).to(tl.int32).to(tl.uint32) & 0xFFFF).to(tl.float32, bitcast=True)
@@ -172,12 +177,12 @@ def gguf_kernel(raw, raw16, out, N, K, ROW, TYPE: tl.constexpr, B: tl.constexpr,
         else:
             w = q.to(tl.float32) * d + _f16_at(raw16, at + 2)
     elif TYPE <= 9:                                                       # Q4_K Q5_K: (d·sc)·q − dmin·m
-        s = j // 32
         QS: tl.constexpr = 16 if TYPE == 8 else 48
-        q = (_byte(raw, at + QS + 32 * (s // 2) + j % 32) >> (4 * (s % 2))) & 0x0F
+        l = j % 32
+        q = (_byte(raw, at + QS + 32 * (s // 2) + l) >> (4 * (s % 2))) & 0x0F
         if TYPE == 9:
-            q = q | (((_byte(raw, at + 16 + j % 32) >> s) & 1) << 4)
-        sc, mn = _k_scale_min(raw, at + 4, s)
+            q = q | (((_byte(raw, at + 16 + l) >> s) & 1) << 4)
+        sc, mn = _k_scale_min(raw, at + 4, s)                             # (BN, NB, 8, 1)
         w = q.to(tl.float32) * (_f16_at(raw16, at) * sc.to(tl.float32)) \
             - _f16_at(raw16, at + 2) * mn.to(tl.float32)
     else:                                                                 # Q6_K: (d·sc)·(q − 32)
@@ -185,6 +190,6 @@ def gguf_kernel(raw, raw16, out, N, K, ROW, TYPE: tl.constexpr, B: tl.constexpr,
         r = j % 128
         lo = (_byte(raw, at + 64 * h + r % 64) >> (4 * (r // 64))) & 0x0F
         hi = (_byte(raw, at + 128 + 32 * h + r % 32) >> (2 * (r // 32))) & 3
-        sc = tl.load(raw + at + 192 + j // 16).to(tl.int8, bitcast=True).to(tl.float32)
+        sc = tl.load(raw + at + 192 + s).to(tl.int8, bitcast=True).to(tl.float32)    # (BN, NB, 16, 1)
         w = ((lo | (hi << 4)) - 32).to(tl.float32) * (_f16_at(raw16, at + 208) * sc)
-    _store(out, n.to(tl.int64) * K + k, w, m, OUT)
+    _store(out, n.to(tl.int64) * K + b * B + j, w, m & (j < B), OUT)

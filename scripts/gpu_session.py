@@ -20,7 +20,7 @@ Parts, in order, each in its own process with its own time limit (a hang or a cr
            (Q4_K, Q6_K for v and down; random blocks with sane scales). Each by the torch transcriptions
            (OFFSPEC_DEQUANT=torch) and by the kernels in each of TILE_SWEEP's tiles, the kernel's dense layer
            compared bit for bit with the torch path's; the block's bytes against the dense layer's
-           (costmodel.dequant_s_per_gb takes these)
+           (costmodel.DEQUANT holds the default tiles' figures)
   passq    streamed passes of --layers 70B-shaped AWQ g128 and Q4_K_M layers from the pinned arena through the
            ring: the dequantization on its own queue (offspec's) or on the copy queue, by the kernels or the torch
            path; each pass against its copies alone
@@ -166,11 +166,12 @@ def dequant_quants(cfg: ModelConfig) -> tuple[str, ...]:
     gguf = ("gguf:q4_k,q4_k,q6_k,q4_k,q4_k,q4_k,q6_k",) if cfg.hidden_size % 256 == 0 == cfg.intermediate_size % 256 \
         else ()
     return ("int8", "nf4", f"awq-g{group}", f"gptq-b4-g{group}-v2", f"gptq-b4-g{group}", f"ct-b4-g{group}-bf16",
-            f"ct-b8-g0-asym-f16") + gguf
+            "ct-b8-g0-asym-f16") + gguf
 
 
 def kernel_family(quant: str) -> str:
-    return "gguf" if quant.startswith("gguf:") else quant.split("-")[0]
+    family = "gguf" if quant.startswith("gguf:") else quant.split("-")[0]
+    return family + quant.split("-")[1].removeprefix("b") if family == "ct" else family
 
 
 @contextlib.contextmanager
@@ -271,7 +272,8 @@ def dequant_part(args, device: torch.device, results: Results) -> None:
 # Tiles (rows, columns, warps) timed per kernel family; offspec's default (kernels.TILES) first.
 TILE_SWEEP = {"awq": [(128, 32, 4), (64, 64, 4), (256, 32, 8), (128, 64, 8)],
               "gptq": [(64, 64, 4), (128, 32, 4), (64, 128, 8)],
-              "ct": [(4, 1024, 8), (2, 1024, 4), (2, 2048, 8), (1, 2048, 8), (8, 512, 4), (4, 2048, 8)],
+              "ct4": [(4, 1024, 8), (2, 1024, 4), (2, 2048, 8), (1, 2048, 8), (8, 512, 4), (4, 2048, 8)],
+              "ct8": [(8, 512, 4), (4, 1024, 8), (1, 2048, 8), (4, 2048, 8)],
               "int8": [(16, 256, 4), (4, 1024, 8)],
               "gguf": [(2, 1024, 4), (1, 1024, 4), (1, 2048, 8), (4, 1024, 8), (2, 2048, 8), (4, 512, 4),
                        (8, 256, 4)]}

@@ -29,7 +29,7 @@ def interpreter_tiles(monkeypatch):
     """Under the interpreter a program costs milliseconds whatever its size: taller tiles (still part-filled by
     every shape here) keep the tests quick. On a GPU the tests run offspec's own tiles."""
     if DEVICE.type == "cpu":
-        monkeypatch.setattr(kernels, "TILES", {**kernels.TILES, "ct": (32, 1024, 4), "int8": (32, 1024, 4),
+        monkeypatch.setattr(kernels, "TILES", {**kernels.TILES, "ct4": (32, 1024, 4), "ct8": (32, 1024, 4), "int8": (32, 1024, 4),
                                                "gguf": (32, 1024, 4)})
 
 

@@ -23,9 +23,11 @@ from offspec.formats import gguf_blocks, published
 
 log = logging.getLogger("offspec")
 
-# Output tile (rows, columns) and warps a program takes, by kernel. AWQ and GPTQ pack along the input rows, so
-# their tiles are square; the others read their rows in order.
-TILES = {"awq": (128, 32, 4), "gptq": (64, 64, 4), "ct": (4, 1024, 8), "int8": (16, 256, 4), "gguf": (2, 1024, 4)}
+# Output tile (rows, columns) and warps a program takes, by kernel (compressed-tensors by its bits): the fastest
+# of those timed on a 70B layer (scripts/gpu_session.py, docs/gpu/). AWQ and GPTQ pack along the input rows, so
+# their tiles are tall; the others read their rows in order, so theirs are long.
+TILES = {"awq": (128, 32, 4), "gptq": (64, 64, 4), "ct4": (4, 1024, 8), "ct8": (8, 512, 4), "int8": (16, 256, 4),
+         "gguf": (2, 1024, 4)}
 OUT_KINDS = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 GGUF_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K")   # TYPE ids
 
@@ -93,7 +95,7 @@ def launch(quant: str, pieces: dict[str, torch.Tensor], out: torch.Tensor, field
         raw = pieces["blocks"][: N * row]
         BN, BK, warps = TILES["gguf"]
         NB = max(1, BK // t.block)                                             # blocks a row a program
-        jit.gguf_kernel[(triton_cdiv(N, BN), triton_cdiv(K // t.block, NB))](
+        jit.gguf_kernel[(_cdiv(N, BN), _cdiv(K // t.block, NB))](
             raw, raw.view(torch.int16), dst, N, K, row, TYPE=GGUF_TYPES.index(name), B=t.block, SIZE=t.size,
             OUT=kind, BN=BN, NB=NB, num_warps=warps, enable_fp_fusion=False)
     elif quant == "int8":
@@ -108,7 +110,7 @@ def launch(quant: str, pieces: dict[str, torch.Tensor], out: torch.Tensor, field
         bits, _, asym, _ = published.ct_params(quant)
         scales = pieces["weight_scale"]
         zeros = pieces["weight_zero_point"] if asym else scales       # not read when symmetric
-        _run(jit.ct_kernel, "ct", N, K, pieces["weight_packed"], scales, zeros, dst, N, K, K // scales.shape[1],
+        _run(jit.ct_kernel, f"ct{bits}", N, K, pieces["weight_packed"], scales, zeros, dst, N, K, K // scales.shape[1],
              BITS=bits, ASYM=asym, SCALE=OUT_KINDS[scales.dtype], OUT=kind)
     else:
         _run(jit.awq_kernel, "awq", N, K, pieces["qweight"], pieces["qzeros"], pieces["scales"], dst, N, K,
@@ -118,9 +120,9 @@ def launch(quant: str, pieces: dict[str, torch.Tensor], out: torch.Tensor, field
 def _run(kernel, tile: str, N: int, K: int, *args, **constants) -> None:
     """One launch over the (N, K) output in TILES[tile]'s tiles; float32 operations are not fused (exactness)."""
     BN, BK, warps = TILES[tile]
-    grid = (triton_cdiv(N, BN), triton_cdiv(K, BK))
+    grid = (_cdiv(N, BN), _cdiv(K, BK))
     kernel[grid](*args, **constants, BN=BN, BK=BK, num_warps=warps, enable_fp_fusion=False)
 
 
-def triton_cdiv(a: int, b: int) -> int:
+def _cdiv(a: int, b: int) -> int:
     return -(-a // b)

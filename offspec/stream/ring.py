@@ -57,7 +57,7 @@ class StreamStats:
     transfer_s: float = 0.0    # seconds those copies took on the copy queue (device-timed on CUDA)
     wait_s: float = 0.0        # seconds compute stood still waiting for a layer (device-timed on CUDA)
     read_s: float = 0.0        # disk: seconds the layers' reads from layers.bin took (host clock)
-    dequant_s: float = 0.0     # quantized layers: seconds their dequantization took on the copy queue (device-timed)
+    dequant_s: float = 0.0     # quantized layers: seconds their dequantization took on its queue (device-timed)
     prefetched_layers: int = 0   # loads (layers or parts) already in their slots when their pass began, copied
     prefetched_bytes: int = 0    # while the consumer was busy elsewhere (drafting): the wrap-around prefetch at work
 

@@ -11,6 +11,13 @@ from offspec.cli.doctor import check, link
 from offspec.cli.main import main
 
 
+@pytest.fixture(autouse=True)
+def offspec_home(tmp_path, monkeypatch):
+    """doctor keeps the rates it measured under $OFFSPEC_HOME: a test's own, never the user's."""
+    monkeypatch.setenv("OFFSPEC_HOME", str(tmp_path / "home"))
+    return tmp_path / "home"
+
+
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory):
     root = tmp_path_factory.mktemp("doctor")
@@ -70,3 +77,21 @@ def test_a_target_that_cannot_be_read_fails_the_advice_not_the_checks(tmp_path):
                                   "--store-dir", str(tmp_path / "stores")])
     assert r.exit_code == 1 and "Traceback" not in r.output
     assert "link: host -> device" in r.output and "advice: failed" in r.output and "advice failed" in r.output
+
+
+def test_models_info_predicts_with_the_drive_doctor_measured_here(pair, tmp_path, offspec_home):
+    """doctor keeps the drive's measured rate (and, on CUDA, the pinned link's); `models info` planning for this
+    machine predicts with it and says so, one planning for another machine (--host-memory, --device-memory, --gpu)
+    keeps the assumed rate."""
+    r = CliRunner().invoke(main, ["doctor", "--target", str(pair[0]), "--device", "cpu", "--quick",
+                                  "--store-dir", str(tmp_path / "stores")])
+    assert r.exit_code == 0, r.output
+    saved = json.loads((offspec_home / "measured_rates.json").read_text())
+    assert saved["disk_gbps"] > 0 and "link_gbps" not in saved          # a CPU's "link" is a memcpy: not kept
+    here = CliRunner().invoke(main, ["models", "info", str(pair[0])])
+    assert here.exit_code == 0, here.output
+    assert f"drive {saved['disk_gbps']:g} GB/s (measured by offspec doctor, {saved['measured']})" in here.output
+    there = CliRunner().invoke(main, ["models", "info", str(pair[0]), "--host-memory", "8GB"])
+    assert "drive 2 GB/s (assumed" in there.output
+    given = CliRunner().invoke(main, ["models", "info", str(pair[0]), "--disk-gbps", "5.5"])
+    assert "drive 5.5 GB/s (given)" in given.output

@@ -235,6 +235,37 @@ def test_every_readme_example_is_a_plan_that_fits(folders, command):
     assert r.exit_code == 0, r.output
 
 
+def test_the_readmes_predicted_passes_are_what_models_info_prints(folders):
+    """Each row of the README's consumer-GPU table shows the pass `models info` predicts for the command in the same
+    place of the block under it: the all-in pass (copies or compute, plus the held layers' dequantization)."""
+    readme = (Path(__file__).parent.parent / "README.md").read_text()
+    section = readme[readme.index("## What to expect on a consumer GPU"):readme.index("## Your own models")]
+    rows = [line for line in section.splitlines() if line.startswith("| ") and " s |" in line]
+    commands = [line for line in section.splitlines() if line.startswith("offspec models info ~/models/")]
+    assert len(rows) == len(commands) == 6
+    for row, command in zip(rows, commands):
+        args = [str(folders[a.removeprefix("~/models/")]) if a.startswith("~/models/") else a
+                for a in shlex.split(command)[1:]]
+        out = cli(*args).output
+        assert "PREDICTED for:   NVIDIA GeForce RTX 4090" in out, out
+        all_in = re.search(r"PREDICTED pass, all in: ([\d.]+) s", out) or re.search(r"PREDICTED pass:  ([\d.]+) s", out)
+        assert row.endswith(f"| {float(all_in.group(1)):.2f} s |"), (row, all_in.group(0))
+
+
+def test_models_info_predicts_for_a_named_card(folders):
+    """--gpu NAME plans for the card's memory and names it; an unknown card is one line naming the known ones."""
+    args = (folders["Meta-Llama-3.1-70B-Instruct-AWQ-INT4"], "--draft", folders["Llama-3.2-1B-Instruct"],
+            "--host-memory", "64GB", "--dtype", "float16")
+    small, big = cli("models", "info", *args, "--gpu", "rtx4070ti"), cli("models", "info", *args, "--gpu", "5090")
+    assert small.exit_code == 0 and big.exit_code == 0, small.output + big.output
+    assert "a 12 GB GPU" in small.output and "PREDICTED for:   NVIDIA GeForce RTX 4070 Ti (504 GB/s" in small.output
+    assert "a 32 GB GPU" in big.output and "link 50 GB/s (assumed: the NVIDIA GeForce RTX 5090's slot)" in big.output
+    r = cli("models", "info", *args, "--gpu", "rtx9999")
+    assert r.exit_code == 1 and r.output.strip().splitlines() == [
+        "offspec: error: --gpu rtx9999: not a card offspec has figures for (one of rtx3090, rtx4060ti, rtx4070ti, "
+        "rtx4080, rtx4090, rtx5090, h100, h200)"]
+
+
 def test_a_70b_in_nf4_streams_from_64gb_of_host_ram(specs, folders):
     """Quantized layer sizes in the plan: the 70B's nf4 arena (≈ 37 GB) is pinned in 64 GB where most of the bf16
     one (130 GB) has to be read from disk, and a pass moves ≤ 0.30x the bf16 bytes (int8: ≤ 0.52x)."""
@@ -489,14 +520,15 @@ def test_a_refusal_names_what_would_fit(specs):
     assert "fits" not in str(hopeless.value)
 
 
-def test_streamed_layers_dequantization_is_on_the_copy_streams_time(specs):
-    """A streamed quantized layer is dequantized on the copy stream after its copy, so the predicted pass adds
-    each streamed layer's measured dequantization; a compact ring's layers dequantize on the compute queue
+def test_streamed_layers_dequantization_runs_beside_the_copies(specs):
+    """A streamed quantized layer is dequantized on its own queue while the next layer is copied, so the predicted
+    pass is the longer of the copies and the streamed layers' measured dequantization (on a slow card's scaled
+    figures, the dequantization can be the longer); a compact ring's layers dequantize on the compute queue
     instead (counted in line, not here), and a dense target has none."""
     from dataclasses import replace
 
     from offspec.plan.costmodel import LINK_GB_PER_S as LINK_GBPS
-    from offspec.plan.costmodel import dequant_seconds
+    from offspec.plan.costmodel import dequant_seconds, find_gpu
     from offspec.plan.passtime import predicted_pass_seconds, streamed_dequant_seconds
     target, draft = specs["Llama-3.1-70B-Instruct"], specs["Llama-3.2-1B-Instruct"]
     nf4 = replace(BF16, target_quant="nf4", draft_quant="nf4")
@@ -506,7 +538,11 @@ def test_streamed_layers_dequantization_is_on_the_copy_streams_time(specs):
     assert not p.compact and len(p.streamed) > 50
     assert streamed_dequant_seconds(whole) == pytest.approx(len(p.streamed) * dequant_seconds("nf4", p.layer_nbytes))
     copies = whole.streamed_bytes / (LINK_GBPS * GB)
-    assert predicted_pass_seconds(whole, LINK_GBPS) == pytest.approx(copies + streamed_dequant_seconds(whole))
+    assert predicted_pass_seconds(whole, LINK_GBPS) == pytest.approx(max(copies, streamed_dequant_seconds(whole)))
+    assert streamed_dequant_seconds(whole) < copies
+    slow = find_gpu("rtx4060ti")           # 288 GB/s: nf4's 1 ms on an H200 becomes 16.4 ms a layer
+    assert streamed_dequant_seconds(whole, slow) == pytest.approx(streamed_dequant_seconds(whole) * 4800 / 288)
+    assert predicted_pass_seconds(whole, 200.0, card=slow) == pytest.approx(streamed_dequant_seconds(whole, slow))
     small = make_plan(target, draft, OffloadConfig(mode="auto"), nf4, RunLimits(context=4096),
                       Machine.given(8 * GB, 64 * GB))
     assert small.placement.compact and streamed_dequant_seconds(small) == 0.0

@@ -271,8 +271,8 @@ def test_cuda_dequantization_equals_the_references_without_a_sync():
 def test_a_70b_awq_with_a_1b_draft_plans_on_24gb_and_64gb(tmp_path):
     """From headers alone (a folder shaped as hugging-quants' Meta-Llama-3.1-70B-Instruct-AWQ-INT4): 445 MB a layer as
     published; on a 24 GB GPU with 64 GB of RAM the plan holds 18 layers resident as published and streams the other
-    62 from pinned RAM, 27.6 GB a pass (PREDICTED 3.6 s at 24 GB/s: 1.15 s of copies, then each streamed layer's
-    dequantization as measured, 2.46 s in all)."""
+    62 from pinned RAM, 27.6 GB a pass (PREDICTED 1.15 s at 24 GB/s: the copies, with each streamed layer's
+    dequantization, 0.07 s in all as measured on an H200, beside them)."""
     from shapes import headers_only_checkpoint
 
     from offspec.config import RunLimits
@@ -293,4 +293,4 @@ def test_a_70b_awq_with_a_1b_draft_plans_on_24gb_and_64gb(tmp_path):
     assert plan.total("device") <= 24 * 10**9
     dequant = streamed_dequant_seconds(plan)
     assert dequant == pytest.approx(62 * dequant_seconds("awq-g128", plan.placement.layer_nbytes))
-    assert 1.1 < predicted_pass_seconds(plan, LINK_GBPS) - dequant < 1.2 and 2.4 < dequant < 2.5
+    assert 1.1 < predicted_pass_seconds(plan, LINK_GBPS) < 1.2 and 0.06 < dequant < 0.08

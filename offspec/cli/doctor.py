@@ -2,7 +2,8 @@
 
     check(target_dir, draft_dir, device, store_dir, quick) -> dict      (every section says ok / skipped / failed)
 
-  devices    CUDA devices with free and total memory (none: the CPU is the device)
+  devices    CUDA devices with free and total memory, and the card of offspec's table each is (costmodel.GPUS:
+             what `models info` predicts for); none: the CPU is the device
   host       MemTotal, MemAvailable, this process's cgroup limit, and what a run may use of them
   pinning    the largest host buffer that can be pinned (CUDA: cudaHostRegister on an exact-size mapping, the
              arena's own path, halving from the pinned budget); not applicable without CUDA
@@ -13,6 +14,7 @@
   advice     for --target (and --draft): the memory plan on this machine (offspec/plan/), the predicted pass time
              from the measured rates, and the --offload / --gpu-budget / --slots / --tree-budget to use
 
+The link and drive rates measured are kept (model_info.save_rates): `offspec models info` predicts with them.
 Each section catches its own failure (recorded with the error) so one broken piece never hides the rest.
 Nothing here allocates more than a probe needs, and every probe frees what it took.
 """
@@ -32,8 +34,10 @@ import click
 import psutil
 import torch
 
+from offspec.cli.model_info import save_rates
 from offspec.cli.options import check_writable, default_device, headers_checkpoint, write_report
 from offspec.errors import OffspecError
+from offspec.plan.costmodel import find_gpu, gpu_keys
 from offspec.stream.transfer import PAGE_BYTES, HostBuffer, format_bytes, make_backend
 
 PROBE_BYTES = 256 << 20        # one copy in the link probe
@@ -81,8 +85,9 @@ def devices() -> dict:
     for i in range(torch.cuda.device_count()):
         free, total = torch.cuda.mem_get_info(i)
         props = torch.cuda.get_device_properties(i)
+        card = find_gpu(props.name)
         out.append({"index": i, "name": props.name, "free_bytes": int(free), "total_bytes": int(total),
-                    "capability": f"{props.major}.{props.minor}"})
+                    "capability": f"{props.major}.{props.minor}", "card": card.key if card else None})
     return {"cuda": True, "cuda_version": torch.version.cuda, "devices": out}
 
 
@@ -287,7 +292,8 @@ def advice(target, draft, device: torch.device, report: dict) -> dict:
     if plan.placement.disk_layers and report.get("drive", {}).get("disk_io"):
         flags.append(f"--disk-io {report['drive']['disk_io']}")
     if plan.placement.streamed:
-        pass_s = predicted_pass_seconds(plan, link_gbps or LINK_GBPS, disk_gbps, pageable_gbps)
+        card = find_gpu(torch.cuda.get_device_name(device)) if device.type == "cuda" else None
+        pass_s = predicted_pass_seconds(plan, link_gbps or LINK_GBPS, disk_gbps, pageable_gbps, card=card)
         out["predicted_pass_seconds"] = pass_s
         out["prediction_inputs"] = {"link_gbps": link_gbps, "pageable_gbps": pageable_gbps, "disk_gbps": disk_gbps,
                                     "streamed_bytes": plan.streamed_bytes}
@@ -343,7 +349,10 @@ def summary(report: dict) -> str:
         if d.get("cuda"):
             for dev in d["devices"]:
                 lines.append(f"device {dev['index']}: {dev['name']} (sm {dev['capability']}), "
-                             f"{format_bytes(dev['free_bytes'])} free of {format_bytes(dev['total_bytes'])}")
+                             f"{format_bytes(dev['free_bytes'])} free of {format_bytes(dev['total_bytes'])}; "
+                             + (f"`models info` predicts for it as {dev['card']}" if dev.get("card") else
+                                f"not in offspec's card table: `models info --gpu` names the nearest "
+                                f"({gpu_keys()})"))
         else:
             lines.append(f"device: none (CPU only, {d['cpu_cores']} cores / {d['cpu_threads']} threads): "
                          f"the CPU is the compute device")
@@ -421,6 +430,7 @@ def doctor(target, draft, device, store_dir, quick, json_path):
     if unreadable:
         report["advice"] = {"status": "failed", "error": unreadable}
     report.update(target=target, draft=draft)
+    save_rates(report)                  # `models info` predicts with this machine's measured link and drive
     click.echo(summary(report))
     if json_path:
         write_report(json_path, report, target, draft)

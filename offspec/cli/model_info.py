@@ -1,6 +1,7 @@
 """`offspec models info`: a model's shapes and the memory plan of a run, with the predicted pass time.
 
     machine_for(device_bytes, host_bytes)          the machine to plan for: sizes given, else this one
+    rates_for(...)                                 the PREDICTED lines' card, link and drive, and their sources
     model_info(target, draft, plan, dtype, rates)  the report's lines: model, layer sizes, plan, PREDICTED times
     draft_vocab_mismatch(target, draft)            why the draft cannot speculate for the target (a WARNING line)
 
@@ -18,7 +19,7 @@ import torch
 from offspec.formats.gguf_blocks import is_gguf
 from offspec.formats.published import describe as describe_quant
 from offspec.formats.published import short as short_quant
-from offspec.plan.costmodel import DISK_GBPS
+from offspec.plan.costmodel import DEQUANT, DISK_GBPS, GpuSpec, gpu_keys
 from offspec.plan.costmodel import LINK_GB_PER_S as LINK_GBPS
 from offspec.plan.machine import Machine
 from offspec.plan.memory import MemoryPlan
@@ -27,10 +28,88 @@ from offspec.plan.passtime import predicted_pass_seconds, streamed_dequant_secon
 
 @dataclass(frozen=True)
 class Rates:
-    """What the PREDICTED lines assume: given, not measured."""
+    """What the PREDICTED lines assume, and where each figure comes from."""
     tokens_per_pass: float = 8.0    # tokens one target pass yields (the bonus token included, so >= 1)
     link_gbps: float = LINK_GBPS    # host-to-device GB/s of the streamed layers' copies (PCIe 4.0 x16, pinned)
-    disk_gbps: float = DISK_GBPS    # read GB/s of the disk store's drive, for disk offload (a PCIe 4.0 NVMe: 3-7)
+    disk_gbps: float = DISK_GBPS    # read GB/s of the disk store's drive, for disk offload
+    card: Optional[GpuSpec] = None  # the card predicted for (None: the measured H100's and H200's own figures)
+    link_source: str = "assumed"    # "given", "measured by offspec doctor ...", "assumed", the card's slot
+    disk_source: str = "assumed"
+
+    def describe(self) -> str:
+        """The 'PREDICTED for:' line's text."""
+        card = (f"{self.card.name} ({self.card.bandwidth_gb_per_s:g} GB/s, {self.card.bf16_tflops:g} bf16 TFLOPS: "
+                f"dequantization scaled from {DEQUANT.device}'s by memory bandwidth)" if self.card else
+                f"the measured cards themselves (dequantization as on {DEQUANT.device}; --gpu NAME predicts for "
+                f"one of {gpu_keys()})")
+        return (f"{card}; link {self.link_gbps:g} GB/s ({self.link_source}), drive {self.disk_gbps:g} GB/s "
+                f"({self.disk_source})")
+
+
+SAVED_RATES = "measured_rates.json"     # under offspec_home(): what `offspec doctor` last measured here
+
+
+def save_rates(report: dict) -> None:
+    """Keep what a doctor report measured on this machine for later predictions: the pinned link (on CUDA) and
+    the drive's cold read rate, each where its section succeeded."""
+    import json
+    import time
+
+    from offspec.formats.demo import offspec_home
+    saved = {"measured": time.strftime("%Y-%m-%d"), "device": report.get("device")}
+    link, drive = report.get("link", {}), report.get("drive", {})
+    if link.get("status") == "ok" and link.get("pinned_gbps"):
+        saved["link_gbps"] = round(link["pinned_gbps"], 1)
+    rate = drive.get("read_gbps") or max(drive.get("direct_gbps") or 0, drive.get("buffered_gbps") or 0)
+    if drive.get("status") == "ok" and rate:
+        saved["disk_gbps"], saved["disk_folder"] = round(rate, 2), drive.get("folder")
+    path = offspec_home() / SAVED_RATES
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(saved, indent=1) + "\n")
+
+
+def saved_rates() -> dict:
+    """What save_rates kept ({} when doctor has not run here, or its file is unreadable)."""
+    import json
+
+    from offspec.formats.demo import offspec_home
+    try:
+        saved = json.loads((offspec_home() / SAVED_RATES).read_text())
+    except (OSError, ValueError):
+        return {}
+    return saved if isinstance(saved, dict) else {}
+
+
+def rates_for(tokens_per_pass: float, link_gbps: Optional[float], disk_gbps: Optional[float], gpu: Optional[str],
+              planning_here: bool, saved: dict) -> Rates:
+    """The PREDICTED lines' rates: each given one; else, when the plan is for this machine itself (planning_here,
+    no --gpu), what `offspec doctor` measured here (saved: its saved rates); else the card's slot, or the assumed
+    ones. gpu: a card of costmodel.GPUS (--gpu); None: this machine's card where offspec knows it."""
+    from offspec.errors import InputError
+    from offspec.plan.costmodel import find_gpu
+    card = find_gpu(gpu) if gpu else None
+    if gpu and card is None:
+        raise InputError(f"--gpu {gpu}: not a card offspec has figures for (one of {gpu_keys()})")
+    here = planning_here and not gpu
+    if here and torch.cuda.is_available():
+        card = find_gpu(torch.cuda.get_device_name())
+    saved = saved if here else {}
+    doctor = f"measured by offspec doctor, {saved.get('measured', '?')}"
+    if link_gbps is not None:
+        link, link_source = link_gbps, "given"
+    elif saved.get("link_gbps"):
+        link, link_source = saved["link_gbps"], doctor
+    elif card is not None:
+        link, link_source = card.link_gb_per_s, f"assumed: the {card.name}'s slot"
+    else:
+        link, link_source = LINK_GBPS, "assumed: PCIe 4.0 x16"
+    if disk_gbps is not None:
+        disk, disk_source = disk_gbps, "given"
+    elif saved.get("disk_gbps"):
+        disk, disk_source = saved["disk_gbps"], doctor
+    else:
+        disk, disk_source = DISK_GBPS, "assumed: `offspec doctor` measures yours"
+    return Rates(tokens_per_pass, link, disk, card, link_source, disk_source)
 
 
 def machine_for(device_bytes: Optional[int], host_bytes: Optional[int]) -> Machine:
@@ -69,11 +148,13 @@ def model_info(target, draft, plan: MemoryPlan, dtype: torch.dtype, rates: Rates
     """The report `offspec models info` prints. target, draft: checkpoint.Checkpoints (headers are enough; draft
     may be None); plan: their memory plan (plan.make_plan) in `dtype`."""
     from offspec.formats.hub import model_name
+    from offspec.formats.layout import matrix_params
     from offspec.plan.costmodel import (
         REFERENCE_GPU,
         GpuSetup,
-        dequant_measured,
+        dequant_figure,
         dequant_seconds,
+        pass_compute_seconds,
         predict_seconds_per_token,
     )
 
@@ -111,23 +192,34 @@ def model_info(target, draft, plan: MemoryPlan, dtype: torch.dtype, rates: Rates
         if c is not None and c.incomplete:
             lines.append(f"weights incomplete (enough to plan, not to run): {model_name(c.path)}: {'; '.join(c.incomplete)}")
     lines.append(plan.describe())
+    lines.append(f"PREDICTED for:   {rates.describe()}")
+    figure, card = dequant_figure(quant), rates.card
+    measured = (f"{figure[0]} on {DEQUANT.device}" + (f", scaled to the {card.name}" if card else "")
+                if figure else "")
     if plan.streamed_bytes:
-        seconds = predicted_pass_seconds(plan, rates.link_gbps, rates.disk_gbps)
+        seconds = predicted_pass_seconds(plan, rates.link_gbps, rates.disk_gbps, card=card)
         disk = plan.disk_read_bytes
         via = f"{rates.link_gbps:g} GB/s" + (f", {disk / 1e9:.2f} GB of it read at {rates.disk_gbps:g} GB/s" if disk else "")
-        dequant, on_copies = streamed_dequant_seconds(plan), ""
+        dequant, beside = streamed_dequant_seconds(plan, card), ""
         if dequant:
-            on_copies = (f", {dequant:.3f} s of it the streamed layers' dequantization after their copies "
-                         f"(measured on {REFERENCE_GPU.dequant_device})")
-        elif quant != "none" and not plan.placement.compact and not dequant_measured(quant):
-            on_copies = f"; {quant}'s dequantization is not measured yet, so not counted"
+            beside = f"; the streamed layers' dequantization, {dequant:.3f} s, beside the copies ({measured})"
+        elif quant != "none" and not plan.placement.compact and not figure:
+            beside = f"; {quant}'s dequantization is not measured, so not counted"
         lines.append(f"PREDICTED pass:  {seconds:.3f} s to stream {plan.streamed_bytes / 1e9:.2f} GB at {via} "
-                     f"(transfer-bound; the copy stream overlaps compute{on_copies})")
+                     f"(the copy stream overlaps compute{beside})")
         held = plan.placement.dequantized_in_line
+        compute = pass_compute_seconds(matrix_params(cfg), cfg.n_layers, plan.tree_budget + 1, card)
         setup = GpuSetup(link_gb_per_s=plan.streamed_bytes / seconds / 1e9,
-                         dequant_s_per_layer=dequant_seconds(quant, layer_bytes))
+                         dequant_s_per_layer=dequant_seconds(quant, layer_bytes, card))
         per_token = predict_seconds_per_token(plan.streamed_bytes, setup, rates.tokens_per_pass,
-                                              draft_seconds_per_round=0.0, held_layers=held)
+                                              draft_seconds_per_round=0.0, compute_seconds_per_pass=compute,
+                                              held_layers=held)
+        lines.append(f"PREDICTED compute: {compute:.3f} s a pass over a {plan.tree_budget + 1}-token tree "
+                     f"(bf16, from the {REFERENCE_GPU.spec.name}'s measured layer"
+                     + (f", scaled to the {card.name})" if card else ")"))
+        if held or compute > seconds:
+            lines.append(f"PREDICTED pass, all in: {per_token['pass_seconds']:.3f} s (max(stream, compute)"
+                         + (f" + {held} held layers' dequantization)" if held else ")"))
         lines.append(f"PREDICTED speed: {per_token['seconds_per_token']:.3f} s/token at {rates.tokens_per_pass:g} tokens "
                      f"per pass (--tokens-per-pass; the draft's time not counted)")
     else:
@@ -136,9 +228,8 @@ def model_info(target, draft, plan: MemoryPlan, dtype: torch.dtype, rates: Rates
     if p.dequantized_in_line:
         which = " and ".join(([f"{len(p.resident)} resident layers held {quant}"] if p.resident_held else [])
                              + ([f"the {len(p.streamed)} streamed layers of a compact ring"] if p.compact else []))
-        cost = (f"counts {dequant_seconds(quant, layer_bytes) * 1e3:.1f} ms a layer, measured on "
-                f"{REFERENCE_GPU.dequant_device}"
-                if dequant_measured(quant) else f"counts none: {quant}'s dequantization is not measured yet")
+        cost = (f"counts {dequant_seconds(quant, layer_bytes, card) * 1e3:.1f} ms a layer, {measured}"
+                if figure else f"counts none: {quant}'s dequantization is not measured")
         lines.append(f"held layers:     {which}: dequantized every pass, on the compute queue (PREDICTED speed "
                      f"{cost})")
     return "\n".join(lines)

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import click
 
-from offspec.cli.model_info import Rates, machine_for, model_info
+from offspec.cli.model_info import Rates, machine_for, model_info, rates_for, saved_rates
 from offspec.cli.options import (
     DRAFT_QUANT_CHOICES,
     OFFLOAD_CHOICES,
@@ -20,6 +20,7 @@ from offspec.cli.options import (
 )
 from offspec.config import AUTO_MAX_TREE_BUDGET, DEFAULT_PREFILL_CHUNK, OffloadConfig, RunLimits, RuntimeConfig
 from offspec.errors import BudgetError, InputError
+from offspec.plan.costmodel import gpu_keys
 from offspec.plan.machine import PINNED_FRACTION
 
 
@@ -77,15 +78,23 @@ def models_demo(gguf):
 @click.option("--tokens-per-pass", type=float, default=Rates.tokens_per_pass, show_default=True,
               help="For the PREDICTED s/token: tokens one target pass yields (measured values: "
                    "docs/benchmarks.md, \"Tokens per target pass vs tree budget\").")
-@click.option("--link-gbps", type=float, default=Rates.link_gbps, show_default=True,
-              help="Host-to-device bandwidth in GB/s for the predicted pass time (PCIe 4.0 x16 pinned ≈ 24).")
-@click.option("--disk-gbps", type=float, default=Rates.disk_gbps, show_default=True,
-              help="Read rate of the disk store's drive in GB/s for disk offload (a PCIe 4.0 NVMe ≈ 3–7).")
+@click.option("--gpu", default=None,
+              help=f"Predict for this card ({gpu_keys()}): its published bandwidth and bf16 rate scale the measured "
+                   "figures, its memory is planned for unless --device-memory says, its slot's link assumed unless "
+                   "--link-gbps says. Default: this machine's card when offspec knows it, else the measured "
+                   "H100's and H200's own figures.")
+@click.option("--link-gbps", type=float, default=None,
+              help="Host-to-device bandwidth in GB/s for the predicted pass time. Default: what `offspec doctor` "
+                   "measured here when planning for this machine (no --gpu, --device-memory or --host-memory), "
+                   f"else the card's slot (PCIe 4.0 x16 pinned: {Rates.link_gbps:g}).")
+@click.option("--disk-gbps", type=float, default=None,
+              help="Read rate of the disk store's drive in GB/s for disk offload. Default: what `offspec doctor` "
+                   f"measured here when planning for this machine, else {Rates.disk_gbps:g}.")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None,
               help="Also write the plan as JSON. Default: none.")
 def models_info(model_dir, draft_dir, device_memory, host_memory, dtype, offload, gpu_budget, host_budget, n_slots,
                 context, tree_budget, prefill_chunk, draft_quant, target_quant, resident_quant, tokens_per_pass,
-                link_gbps, disk_gbps, json_path):
+                gpu, link_gbps, disk_gbps, json_path):
     """The model(s), and the memory plan of a run on a given machine: where every layer lives, what the
     device and host hold, the predicted pass time; for a GPU, every target quantization and offload mode
     planned side by side, the one auto uses and the fastest marked. Reads config.json and the safetensors
@@ -112,6 +121,10 @@ def models_info(model_dir, draft_dir, device_memory, host_memory, dtype, offload
     target = headers_checkpoint(model_dir)
     draft = headers_checkpoint(draft_dir) if draft_dir else None
     dt = parse_dtype(dtype)
+    rates = rates_for(tokens_per_pass, link_gbps, disk_gbps, gpu,
+                      planning_here=device_memory is None and host_memory is None, saved=saved_rates())
+    if device_memory is None and gpu:
+        device_memory = f"{rates.card.memory_gb:g}GB"
     machine = machine_for(parse_bytes(device_memory), parse_bytes(host_memory))
     runtime = RuntimeConfig(device=torch.device("cpu"), dtype=dt, target_quant=target_quant,
                             resident_quant=resident_quant,
@@ -122,7 +135,7 @@ def models_info(model_dir, draft_dir, device_memory, host_memory, dtype, offload
     limits = RunLimits(context=parse_context(context), tree_budget=parse_auto_count(tree_budget, "--tree-budget", 0),
                        prefill_chunk=prefill_chunk)
     # On a GPU, every quantization and offload mode is planned too: the fastest is named beside auto's choice.
-    options = (compare(*specs, offload_config, runtime, limits, machine, link_gbps, disk_gbps)
+    options = (compare(*specs, offload_config, runtime, limits, machine, rates.link_gbps, rates.disk_gbps, rates.card)
                if machine.kind == "cuda" else None)
     try:
         plan = (options.auto.plan if options is not None and options.auto is not None else
@@ -131,7 +144,7 @@ def models_info(model_dir, draft_dir, device_memory, host_memory, dtype, offload
         if options is not None and options.options:
             click.echo(options.table(), err=True)     # what would fit, before the one line that says why not
         raise
-    click.echo(model_info(target, draft, plan, dt, Rates(tokens_per_pass, link_gbps, disk_gbps)))
+    click.echo(model_info(target, draft, plan, dt, rates))
     if options is not None:
         click.echo(options.table())
     if json_path:

@@ -77,6 +77,11 @@ def layer_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
+def matrix_params(cfg: ModelConfig) -> int:
+    """Weights in one layer's matrices (what a pass's compute scales with)."""
+    return sum(a * b for a, b in (shape for shape in layer_shapes(cfg).values() if len(shape) == 2))
+
+
 TENSOR_ALIGN = 256  # bytes; every tensor inside a packed layer starts on this boundary (CUDA likes ≥256)
 BLOCK_ALIGN = 4096  # bytes; a layer block in the disk store starts and ends on this boundary (page cache, O_DIRECT)
 N_STAGING = 2       # pinned staging buffers a disk store reads into: one being read while the other is copied out

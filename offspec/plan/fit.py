@@ -14,7 +14,7 @@ from offspec.plan.costmodel import LINK_GB_PER_S as LINK_GBPS
 from offspec.plan.costmodel import PAGEABLE_GB_PER_S
 from offspec.plan.machine import GB, PINNED_FRACTION, RUNTIME_HOST_BYTES, Machine
 from offspec.plan.memory import MemoryPlan, PlanItem, device_bytes
-from offspec.plan.passtime import copy_stream_dequant_seconds
+from offspec.plan.passtime import pipelined_dequant_seconds
 from offspec.plan.placement import (
     LayerPlan,
     Placement,
@@ -195,7 +195,7 @@ def _host_tier(run: PlanRun, room: Room, placement: Placement, notes: list[str])
     if not shared:
         n_ram = best_host_layers(len(placement.streamed), min(n_ram, len(placement.streamed)), B,
                                  room.pinned_budget, room.staging,
-                                 copy_stream_dequant_seconds(placement, run.runtime.target_quant))
+                                 pipelined_dequant_seconds(placement, run.runtime.target_quant))
     placement = split_tiers(placement, n_ram)
     notes.append(f"{len(placement.host_layers)} streamed layers in host RAM, {len(placement.disk_layers)} read "
                  f"from the disk store" if placement.mode == "cpu+disk" else f"offload cpu+disk -> {placement.mode}")

@@ -7,7 +7,7 @@
 An option is a target quantization (bf16 as given, int8, nf4: a quantized target is another model, whose output
 offspec reproduces exactly) and an offload mode (none, cpu, cpu+disk, disk). Each is planned by plan.make_plan
 with the run's other settings; one that cannot fit is listed by name. Pass times are PREDICTIONS: the streamed
-bytes over the link, each streamed layer's dequantization after its copy and the disk layers' bytes over the
+bytes over the link, the streamed layers' dequantization beside the copies and the disk layers' bytes over the
 drive (plan.predicted_pass_seconds), plus the held resident layers' dequantization (costmodel.dequant_seconds,
 measured on a GPU); a plan that streams nothing is compute-bound (0 here).
 """
@@ -21,7 +21,7 @@ from offspec.errors import BudgetError
 from offspec.formats.layout import arena_stride
 from offspec.formats.layout import format_bytes as fmt
 from offspec.formats.published import short as short_quant
-from offspec.plan.costmodel import dequant_seconds
+from offspec.plan.costmodel import GpuSpec, dequant_seconds
 from offspec.plan.machine import PINNED_FRACTION, Machine
 from offspec.plan.memory import MemoryPlan
 from offspec.plan.passtime import predicted_pass_seconds
@@ -107,14 +107,15 @@ def _quant_name(o: Option) -> str:
 
 
 def compare(target: ModelSpec, draft: Optional[ModelSpec], offload: OffloadConfig, runtime: RuntimeConfig,
-            limits: RunLimits, machine: Machine, link_gbps: float, disk_gbps: float) -> Comparison:
+            limits: RunLimits, machine: Machine, link_gbps: float, disk_gbps: float,
+            card: Optional[GpuSpec] = None) -> Comparison:
     """Plan every target quantization and offload mode on `machine` with the run's other settings (a published
-    checkpoint: its own quantization only)."""
+    checkpoint: its own quantization only); pass times PREDICTED for `card` (costmodel.GpuSpec) when given."""
     runtime = published_runtime(target, runtime)
     def option(quant: str, mode: str, draft_quant: str = runtime.draft_quant) -> Option:
         plan = make_plan(target, draft, replace(offload, mode=mode),
                          replace(runtime, target_quant=quant, draft_quant=draft_quant), limits, machine)
-        return Option(quant, mode, plan, _pass_seconds(plan, link_gbps, disk_gbps), draft_quant)
+        return Option(quant, mode, plan, _pass_seconds(plan, link_gbps, disk_gbps, card), draft_quant)
 
     found, refused = {}, []
     for quant in (QUANTS if target.quant == "none" else (target.quant,)):   # a published checkpoint: as it is
@@ -149,10 +150,9 @@ def _drafts(fastest: Option, draft: Optional[ModelSpec], option) -> tuple[Option
     return tuple(found)
 
 
-def _pass_seconds(plan: MemoryPlan, link_gbps: float, disk_gbps: float) -> float:
-    in_line = plan.placement.dequantized_in_line
-    return predicted_pass_seconds(plan, link_gbps, disk_gbps) + in_line * dequant_seconds(plan.target_quant,
-                                                                                             plan.placement.layer_nbytes)
+def _pass_seconds(plan: MemoryPlan, link_gbps: float, disk_gbps: float, card: Optional[GpuSpec] = None) -> float:
+    in_line = plan.placement.dequantized_in_line * dequant_seconds(plan.target_quant, plan.placement.layer_nbytes, card)
+    return predicted_pass_seconds(plan, link_gbps, disk_gbps, card=card) + in_line
 
 
 def _pinned_host_for_all(target: ModelSpec, draft: Optional[ModelSpec], offload: OffloadConfig,

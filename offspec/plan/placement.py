@@ -159,7 +159,7 @@ def best_host_layers(n_streamed: int, n_ram: int, block_nbytes: int, pinned_budg
                      dequant_s: float = 0.0) -> int:
     """How many of n_streamed layers to hold in host RAM (at most n_ram fit), the rest read from the disk store,
     for the shortest PREDICTED pass on a GPU (transfer_seconds at LINK_GBPS, PAGEABLE_GB_PER_S, DISK_GBPS, the
-    layers' dequantization on the copy stream dequant_s in all). The
+    layers' dequantization beside the copies dequant_s in all). The
     arena's first layers are pinned (pinned_arena_layers, within the pinned budget less the disk staging while
     any layer is read from disk), its others pageable. A pageable RAM layer is not always better than a disk
     one: past the point where the reads hide under the copies, the drive is the cheaper place for a layer that

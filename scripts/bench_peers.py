@@ -6,14 +6,19 @@ Systems (--systems), every one on every prompt, interleaved per prompt by offspe
                target, at the best setting the peer's own sweep found for this regime and prompt set (the --sweep
                rows; each cell stores the settings transformers read back)
   hf-plain     transformers generate without the assistant (optional: the slowest cell by far on disk)
-  default      offspec as `offspec generate --offload REGIME` loads and runs it: load.Models and the memory plan,
-               the draft quantization the plan picks for the device, dyspec with an auto budget
+  default      offspec as `offspec generate --offload REGIME` loads and runs it (with --offload auto: as
+               `offspec generate` with no --offload): load.Models and the memory plan, the draft quantization the
+               plan picks for the device, dyspec with an auto budget
   none         offspec --tree none on the same engine (plain greedy: the identity reference)
   chain-8      offspec --tree chain --tree-budget 8 on the same engine
   dyspec-16    offspec --tree dyspec --tree-budget 16 on the same engine
 Regimes: disk (the target's layers read from offspec's layer store / the checkpoint's safetensors for the peer;
 with cold, the default, the page cache is dropped after every read, as for a target bigger than RAM) and cpu
-(offspec streams the layers from host RAM through its ring; the peer keeps every weight in host RAM).
+(the target's weights in host RAM: the peer keeps them there; offspec streams them through its ring, or, with
+--offload auto, places them as `offspec generate` does by default: on a CPU-only machine the target is left where
+it lies and computed there, as a CPU user runs it, the plan's choice on a GPU). Streaming from host RAM on a CPU
+copies every layer each pass on the cores that compute: an emulation of a GPU's host-RAM regime, not a CPU user's
+run.
 Both sides stop at EOS or --new-tokens. A cell's s/token is its wall time over its own tokens, prefill included.
 
 Identity (greedy): every system must write `none`'s tokens. In float32 a difference fails the run (exit 1). In
@@ -75,6 +80,9 @@ def parse_args(argv=None):
     p.add_argument("--dtype", default="bfloat16", help="bfloat16 (differences rechecked in float32) or float32")
     p.add_argument("--device", default="auto", help="auto (the GPU when there is one), cpu or cuda[:N]")
     p.add_argument("--no-cold", dest="cold", action="store_false", help="disk regime: keep the page cache warm")
+    p.add_argument("--offload", choices=("auto",), default=None,
+                   help="cpu regime: load offspec as `offspec generate` with no --offload (the memory plan's choice; "
+                        "on a CPU-only machine the target resident) [default: --offload REGIME, the layers streamed]")
     p.add_argument("--target", default=None, help="target model folder [default: the demo target]")
     p.add_argument("--draft", default=None, help="draft model folder [default: the demo draft]")
     p.add_argument("--rows", required=True, help="JSONL file the rows are appended to; a rerun resumes")
@@ -93,6 +101,8 @@ def parse_args(argv=None):
         p.error("hf-assisted needs its setting: --sweep FILE (the peer's sweep rows) or --assist-defaults")
     if args.prompts < 1 or args.new_tokens < 1 or args.repeats < 1 or args.prompt_offset < 0:
         p.error("--prompts, --new-tokens and --repeats must be >= 1, --prompt-offset >= 0")
+    if args.offload is not None and args.regime != "cpu":
+        p.error("--offload auto needs --regime cpu: a cold disk's target is one bigger than host RAM, so it streams")
     if (args.target is None) != (args.draft is None):
         p.error("give both --target and --draft, or neither (the demo pair)")
     args.device = _common.compute_device(args.device)
@@ -124,6 +134,8 @@ def main(argv=None) -> int:
                 "stop": STOP_RULE, "assist": assist and assist["assist"],
                 "models": [Path(target_dir).name, Path(draft_dir).name],
                 "gpu": _common.device_model(args.device) if args.device.type == "cuda" else None}
+    if args.offload is not None:          # absent: --offload REGIME (rows measured before the option match)
+        settings["offload"] = args.offload
     bench.check_appendable(args.rows)
     if args.fresh and Path(args.rows).exists():
         os.replace(args.rows, args.rows + ".bak")
@@ -167,19 +179,21 @@ def timing_rows(rows: list[dict]) -> list[dict]:
 
 
 def measure(args, models, prompts, dtype, assist, done, extra) -> None:
-    """Load offspec as `offspec generate --offload REGIME` does and the peer beside it, then measure every
-    prompt the rows file lacks."""
+    """Load offspec as `offspec generate --offload REGIME` does (or --offload auto) and the peer beside it, then
+    measure every prompt the rows file lacks."""
     from offspec.engine.load import runtime_config
 
     trees = {name: bench.system_tree(name, TreeConfig()) for name in args.systems if name not in PEERS}
     longest = max(len(ids) for _, ids in prompts) + args.new_tokens
-    offload = OffloadConfig(mode=args.regime, drop_page_cache=args.cold)
+    offload = OffloadConfig(mode=args.offload or args.regime, drop_page_cache=args.cold)
     tmp = tempfile.mkdtemp(prefix=f"bench-peers-{args.regime}-")
     loaded = None
     try:
-        print(f"== {args.regime}: loading offspec through the memory plan ...", file=sys.stderr)
+        print(f"== {args.regime}: loading offspec through the memory plan, --offload {offload.mode} ...",
+              file=sys.stderr)
         loaded = models.load(offload, runtime_config(args.device, dtype), bench.bench_limits(trees.values(), longest,
                                                                                               sampling=False))
+        extra["offload_mode"] = loaded.plan.mode         # what --offload resolved to: none = the target resident
         runners = {name: bench.offspec_runner(loaded.engine, tree, SamplingConfig(), ignore_eos=False)
                    for name, tree in trees.items()}
         if set(PEERS) & set(args.systems):

@@ -1,11 +1,16 @@
 #!/usr/bin/env python3
 """The peer comparison's tables, rendered from the rows scripts/bench_peers.py measured (no model is loaded).
 
-Per group (regime, prompt set; a GPU's rows apart from a CPU's): each system's median s/token over prompts with
-a bootstrap 95% interval, its speedup over hf-assisted and over offspec's plain decoding (`none`) with paired
-bootstrap intervals, tokens per target pass, and how many prompts gave plain greedy's tokens. Then, per group,
-whether offspec's default is within 5% of the best fixed policy measured there (DEFAULT_MARGIN), and what the
-peer ran, as transformers read it back.
+Per group (regime, prompt set, where offspec's target lay; a GPU's rows apart from a CPU's): each system's median
+s/token over prompts with a bootstrap 95% interval, its speedup over hf-assisted and over offspec's plain decoding
+(`none`) with paired bootstrap intervals, tokens per target pass, and how many prompts gave plain greedy's tokens.
+Then, per group, whether offspec's default is within 5% of the best fixed policy measured there (DEFAULT_MARGIN),
+and what the peer ran, as transformers read it back.
+
+The README's headline shows what a user gets: offspec's default against the peer, one line per group, except a
+streamed emulation (host RAM on a CPU-only machine with --offload cpu: every layer copied each pass on the cores
+that compute, which no CPU user runs) wherever the same prompt set was measured as a CPU user runs it
+(bench_peers.py --offload auto); the emulation stays on docs/benchmarks.md, labelled, as an ablation.
 
   python scripts/render_peers.py --rows docs/bench_peers/{disk,cpu}-*.jsonl --sweep docs/bench_peers/sweep-*.jsonl \\
       --write-docs
@@ -33,14 +38,29 @@ DEFAULT_MARGIN = 1.05    # the default's median s/token may be at most this time
 README = ROOT / "README.md"
 
 
+def group_key(row: dict) -> tuple:
+    """(regime, prompt set, GPU or "", offload): offload is bench_peers' --offload, the regime where rows lack it
+    (the layers streamed from where the regime keeps them)."""
+    return row["regime"], row["prompt_set"], row.get("gpu") or "", row.get("settings", {}).get("offload", row["regime"])
+
+
 def groups_of(rows: list[dict]) -> dict[tuple, list[dict]]:
-    """Timing rows by (regime, prompt set, GPU or ""), disk before cpu; a later row for the same prompt wins."""
+    """Timing rows by group_key, disk before cpu, a streamed emulation after the run it emulates; a later row for
+    the same prompt wins."""
     groups: dict[tuple, dict] = {}
     for r in rows:
         if r.get("kind") is None and "systems" in r:
-            groups.setdefault((r["regime"], r["prompt_set"], r.get("gpu", "")), {})[r["id"]] = r
+            groups.setdefault(group_key(r), {})[r["id"]] = r
     order = {"disk": 0, "cpu": 1}
-    return {k: list(groups[k].values()) for k in sorted(groups, key=lambda k: (order.get(k[0], 2), k[1], k[2]))}
+    return {k: list(groups[k].values())
+            for k in sorted(groups, key=lambda k: (order.get(k[0], 2), k[1], k[2], emulation(k), k[3]))}
+
+
+def emulation(key: tuple) -> bool:
+    """A streamed emulation: host RAM on a CPU-only machine with the layers streamed (--offload cpu), copied each
+    pass on the cores that compute. A CPU user runs the default, the target left where it lies."""
+    regime, _, gpu, offload = key
+    return regime == "cpu" and not gpu and offload == "cpu"
 
 
 def group_checks(rows_by_file: list[list[dict]]) -> dict[tuple, dict]:
@@ -54,9 +74,24 @@ def group_checks(rows_by_file: list[list[dict]]) -> dict[tuple, dict]:
     return checks
 
 
-def group_title(key: tuple) -> str:
-    regime, prompt_set, gpu = key
+def regime_title(regime: str, prompt_set: str, gpu: str = "") -> str:
     return f"{'cold disk' if regime == 'disk' else 'host RAM'}, {prompt_set}" + (f", {gpu}" if gpu else "")
+
+
+def group_title(key: tuple) -> str:
+    regime, prompt_set, gpu, offload = key
+    title = regime_title(regime, prompt_set, gpu)
+    if emulation(key):
+        return f"{title}, streamed emulation (--offload cpu)"
+    return title if offload == regime or (offload == "auto" and not gpu) else f"{title}, --offload {offload}"
+
+
+def headline_groups(keys) -> list[tuple]:
+    """The groups the README's headline shows: each but a streamed emulation whose prompt set was also measured as
+    a CPU user runs it (--offload auto)."""
+    keys = list(keys)
+    run = {(k[0], k[1], k[2]) for k in keys if k[3] == "auto"}
+    return [k for k in keys if not (emulation(k) and (k[0], k[1], k[2]) in run)]
 
 
 def fixed_policies(systems) -> list[str]:
@@ -147,6 +182,7 @@ def render(rows_by_file: list[list[dict]], files: list[str], sweep_files: Sequen
     groups = groups_of([r for rows in rows_by_file for r in rows])
     checks = group_checks(rows_by_file)
     table, notes, headline = [HEADER], [], []
+    shown = headline_groups(groups)
     for key, group in groups.items():
         lines, facts = group_table(key, group, checks.get(key, {}))
         table += lines
@@ -158,9 +194,11 @@ def render(rows_by_file: list[list[dict]], files: list[str], sweep_files: Sequen
                      f"its rounds were {check['best']}'s on every prompt (the same tokens, passes and trees: the "
                      "default is that policy here), so the gap is two runs' spread on this machine." if check["same"]
                      else "**more than 5% slower**."))
+        modes = sorted({r["offload_mode"] for r in group if "offload_mode" in r})
+        placed = f" offspec's --offload {key[3]} ran {' and '.join(modes)}." if key[3] == "auto" and modes else ""
         notes.append(f"- {group_title(key)} ({facts['n']} prompts): tokens {identity_text(facts['identity'], facts['n'])}."
-                     f" hf-assisted ran {facts['peer']}.{judged}")
-        if facts["vs_peer"] is not None:
+                     f"{placed} hf-assisted ran {facts['peer']}.{judged}")
+        if facts["vs_peer"] is not None and key in shown:
             headline.append(f"| {group_title(key)} | {_stats.fmt_ci(facts['default']['seconds_per_token'])} | "
                             f"{_stats.fmt_ci(facts['vs_peer']['speedup'], 2, 'ratio', 'x')} | "
                             f"{_stats.fmt_ci(facts['default']['speedup'], 2, 'ratio', 'x')} |")
@@ -171,9 +209,13 @@ def render(rows_by_file: list[list[dict]], files: list[str], sweep_files: Sequen
         "## offspec against transformers + accelerate, and against its own ablations (`scripts/bench_peers.py`)", "",
         "Each row: one system over the group's prompts, greedy, at most "
         f"{s0['new_tokens']} new tokens ({s0['stop']}), {s0['dtype']}, {s0['repeats']} timed run(s) per prompt, "
-        "systems interleaved per prompt. `default` is offspec as `offspec generate --offload <regime>` runs; `none`, "
-        "`chain-8` and `dyspec-16` are the same engine with one tree setting changed. hf-assisted is transformers' "
-        "assisted generation at the best setting of its own sweep (`scripts/peer_hf.py`).", "",
+        "systems interleaved per prompt. `default` is offspec as `offspec generate` runs: with no `--offload` in "
+        "the host-RAM groups (on a CPU the target is left where it lies and computed there, as a CPU user runs it), "
+        "with `--offload disk` on a cold disk; a streamed emulation group ran it with `--offload cpu`, every layer "
+        "copied each pass on the cores that compute (an ablation: what streaming costs where there is no link to "
+        "hide it behind). `none`, `chain-8` and `dyspec-16` are the same engine with one tree setting changed. "
+        "hf-assisted is transformers' assisted generation at the best setting of its own sweep "
+        "(`scripts/peer_hf.py`); hf-plain is transformers' generate without it.", "",
         "Measured by:", "```",
         *sorted({_common.relative_command(r["command"]) for g in groups.values() for r in g if "command" in r}), "```",
         f"Rendered by `{command}`. " + _common.measured_line([r for g in groups.values() for r in g]), "",
@@ -185,8 +227,25 @@ def render(rows_by_file: list[list[dict]], files: list[str], sweep_files: Sequen
         f"{s0['new_tokens']} new tokens, {' or '.join(map(str, counts))} prompts per group; medians with bootstrap "
         "95% intervals ([docs/benchmarks.md](docs/benchmarks.md)):", "",
         "| group | offspec s/token | speedup over transformers assisted | speedup over plain decoding |",
-        "|---|---|---|---|", *headline, "", f"Command: `{command}`"])
+        "|---|---|---|---|", *headline, "", *headline_note(groups, shown), f"Command: `{command}`"])
     return section, readme
+
+
+def headline_note(groups: dict, shown: list[tuple]) -> list[str]:
+    """What the headline's host-RAM rows ran, when it shows any: a line and a blank line, else nothing."""
+    host = [k for k in shown if k[0] == "cpu" and not k[2]]
+    if not host:
+        return []
+    if any(emulation(k) for k in host):
+        text = ("A streamed emulation row ran offspec with `--offload cpu` on a CPU: every layer copied each pass on "
+                "the cores that compute, which a CPU user does not run.")
+    else:
+        text = ("Host RAM on a CPU: offspec as a CPU user runs it, with no `--offload` (the target computed where it "
+                "lies)")
+        if any(emulation(k) for k in groups):
+            text += "; the streamed emulation (`--offload cpu`) is an ablation on docs/benchmarks.md"
+        text += "."
+    return [text + " Plain decoding is offspec's own (`--tree none`) in the same placement.", ""]
 
 
 def sweep_command(rows: list[dict], path: str) -> str:
@@ -210,7 +269,7 @@ def sweep_section(rows_by_file: list[list[dict]], files: list[str]) -> str:
     rows = [r for file_rows in rows_by_file for r in file_rows]
     keys = sorted({(r["regime"], r["prompt_set"]) for r in rows}, key=lambda k: ({"disk": 0}.get(k[0], 1), k[1]))
     best = {k: peer_hf.best_setting(rows, *k) for k in keys}
-    head = ["| hf-assisted setting | " + " | ".join(f"{group_title((*k, ''))} ({best[k]['prompts']} prompt{'s' * (best[k]['prompts'] != 1)})"
+    head = ["| hf-assisted setting | " + " | ".join(f"{regime_title(*k)} ({best[k]['prompts']} prompt{'s' * (best[k]['prompts'] != 1)})"
                                                      for k in keys) + " |", "|---" * (len(keys) + 1) + "|"]
     lines = []
     for assist in peer_hf.SWEEP:

@@ -67,9 +67,34 @@ def test_every_system_on_every_prompt_identical_resumable_and_rendered(bp, rende
                                                                                       "mtbench/81"]
 
     section, readme = render.render([rows], ["rows.jsonl"])
-    assert "| host RAM, chat | default |" in section and "2/2 identical" in section
+    emulated = "| host RAM, chat, streamed emulation (--offload cpu) |"
+    assert f"{emulated} default |" in section and "2/2 identical" in section
     assert "Default against the best fixed policy here" in section
-    assert "| host RAM, chat |" in readme and "render_peers.py --rows rows.jsonl" in readme
+    assert emulated in readme and "render_peers.py --rows rows.jsonl" in readme    # no CPU user's run to show
+
+
+def test_offload_auto_is_the_cpu_users_run_and_the_headline(bp, render, checkpoints, tmp_path):
+    """--offload auto on a CPU leaves the target resident (nothing streams); rendered beside the streamed emulation
+    of the same prompts, it is the README's host-RAM line and the emulation stays on the page, labelled."""
+    auto, streamed = tmp_path / "auto.jsonl", tmp_path / "streamed.jsonl"
+    assert run(bp, checkpoints, auto, "--systems", "hf-assisted,none,default", "--offload", "auto") == 0
+    assert run(bp, checkpoints, streamed, "--systems", "hf-assisted,none,default") == 0
+    rows = [json.loads(line) for line in auto.read_text().splitlines()]
+    for r in rows:
+        assert r["settings"]["offload"] == "auto" and r["offload_mode"] == "none"
+        assert r["systems"]["default"]["gb_streamed"] == 0
+    assert all("offload" not in json.loads(line)["settings"] for line in streamed.read_text().splitlines())
+    files = [rows, [json.loads(line) for line in streamed.read_text().splitlines()]]
+    section, readme = render.render(files, ["auto.jsonl", "streamed.jsonl"])
+    assert "| host RAM, chat | default |" in section and "--offload auto ran none" in section
+    assert "| host RAM, chat, streamed emulation (--offload cpu) | default |" in section
+    assert "| host RAM, chat |" in readme and "streamed emulation (--offload cpu) |" not in readme
+    assert "as a CPU user runs it" in readme
+
+
+def test_offload_auto_needs_the_host_ram_regime(bp, checkpoints, tmp_path):
+    with pytest.raises(SystemExit):
+        run(bp, checkpoints, tmp_path / "rows.jsonl", "--regime", "disk", "--offload", "auto")
 
 
 def test_identity_verdicts_and_recheck(bp):
@@ -118,8 +143,8 @@ def test_a_groups_rechecks_come_from_its_own_rows_file(render, bp):
     checks = render.group_checks([files("disk", "default"), files("cpu", "chain-8")])
     disk, cpu = (next(r for r in rows if "systems" in r and "kind" not in r)
                  for rows in (files("disk", "default"), files("cpu", "chain-8")))
-    assert bp.verdict(disk, checks[("disk", "chat", "")], fp32_run=False) == "rounding"
-    assert bp.verdict(cpu, checks[("cpu", "chat", "")], fp32_run=False) == "rounding"
+    assert bp.verdict(disk, checks[("disk", "chat", "", "disk")], fp32_run=False) == "rounding"
+    assert bp.verdict(cpu, checks[("cpu", "chat", "", "cpu")], fp32_run=False) == "rounding"
 
 
 def test_each_sweep_file_names_the_command_that_makes_it(render):

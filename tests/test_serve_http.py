@@ -88,9 +88,10 @@ def test_a_clamped_request_equals_the_request_at_the_cap(server):
 
 
 def test_fields_are_honoured_or_refused(server):
-    """top_k and ignore_eos change the answer as they say (the same as the request run alone with them);
-    min_tokens, stop lists too long or with a string too long, and the vLLM/llama.cpp extensions offspec does not
-    implement are refused naming the field."""
+    """top_k and ignore_eos change the answer as they say (the same as the request run alone with them); the
+    fields offspec does not implement are taken with the values that change nothing (the defaults many clients
+    send) and refused naming the field otherwise, as are min_tokens and stop lists too long or with a string too
+    long."""
     ask = {"model": "tiny", "prompt": "abc", "max_tokens": 16, "temperature": 1.0, "seed": 3}
     got = httpx.post(f"{server.url}/v1/completions", headers=AUTH, json={**ask, "top_k": 2}, timeout=60).json()
     want, _ = solo(server, "abc", chat=False, max_tokens=16, sampling=SamplingConfig(temperature=1.0, top_k=2, seed=3))
@@ -98,7 +99,13 @@ def test_fields_are_honoured_or_refused(server):
     eos = httpx.post(f"{server.url}/v1/completions", headers=AUTH, timeout=60,
                      json={"model": "tiny", "prompt": "abc", "max_tokens": 40, "ignore_eos": True}).json()
     assert eos["usage"]["completion_tokens"] == 40 and eos["choices"][0]["finish_reason"] == "length"
-    for field, value in (("min_tokens", 5), ("stop", ["x"] * 65), ("stop", ["x" * 257]), ("top_k", -2),
+    neutral = {"repetition_penalty": 1.0, "min_p": 0, "presence_penalty": 0, "frequency_penalty": 0.0,
+               "logprobs": False, "tools": [], "logit_bias": {}, "best_of": 1, "echo": False, "typical_p": 1}
+    r = httpx.post(f"{server.url}/v1/completions", headers=AUTH, json={**ask, **neutral})
+    assert r.status_code == 200 and r.json()["choices"][0]["text"] == httpx.post(
+        f"{server.url}/v1/completions", headers=AUTH, json=ask).json()["choices"][0]["text"]
+    for field, value in (("repetition_penalty", 1.1), ("logprobs", 0), ("tools", [{"type": "function"}]),
+                         ("min_tokens", 5), ("stop", ["x"] * 65), ("stop", ["x" * 257]), ("top_k", -2),
                          ("guided_json", {"type": "object"}), ("stop_token_ids", [3]), ("ignore_eos", "yes")):
         r = httpx.post(f"{server.url}/v1/completions", headers=AUTH, json={**ask, field: value})
         assert r.status_code == 400 and r.json()["error"]["param"] == field, (field, r.text)
@@ -324,3 +331,21 @@ def test_a_load_of_mixed_clients_then_sigterm(server, pair, tmp_path):
                          max_tokens=last["usage"]["completion_tokens"])[0]        # (it may stop at its EOS)
             assert text.startswith(alone)
     assert "Traceback" not in output and "GET /health 200" in output and KEY not in output, output
+
+
+def test_the_server_is_configured_to_drain_and_to_bound_connections():
+    """`offspec serve`'s uvicorn server: SIGTERM drains the service before uvicorn's own shutdown, which waits at
+    most --shutdown-timeout; connections are capped and idle keep-alives closed."""
+    from offspec.cli.serve import draining_server
+
+    class Service:
+        drained = False
+
+        def drain(self):
+            self.drained = True
+    service = Service()
+    server = draining_server(object(), service, "127.0.0.1", 0, shutdown_timeout=7.5, connections=90)
+    assert server.config.timeout_graceful_shutdown == 7.5 and server.config.limit_concurrency == 90
+    assert server.config.timeout_keep_alive == 5
+    server.handle_exit(signal.SIGTERM, None)
+    assert service.drained and server.should_exit

@@ -1,7 +1,7 @@
 """An OpenAI request body -> the engine's GenerationRequest, or an ApiError naming the field.
 
-Every field that would change the output is honoured or refused in one line, never ignored (UNSUPPORTED,
-PENALTIES, `n`, `min_tokens`); a client's defaults are met where offspec can honour them: a `max_tokens` over the
+Every field that would change the output is honoured or refused in one line, never ignored (NEUTRAL: refused
+unless unset or sent as the value that changes nothing; `n`, `min_tokens`); a client's defaults are met where offspec can honour them: a `max_tokens` over the
 server's cap is clamped to it (the answer ends with `length`), as llama.cpp's server does, and a stop list may be
 long (MAX_STOP strings of at most MAX_STOP_CHARS characters each, which bound the engine's per-token check).
 """
@@ -17,12 +17,18 @@ from offspec.errors import InputError
 
 MAX_STOP = 64                     # stop strings a request may give (Continue sends a dozen to any non-OpenAI host)
 MAX_STOP_CHARS = 256              # characters a stop string may have
-# Fields that would change the output in a way offspec does not implement: refused, not ignored.
-UNSUPPORTED = ("logprobs", "top_logprobs", "logit_bias", "tools", "tool_choice", "functions", "function_call",
-               "best_of", "echo", "suffix", "min_p", "repetition_penalty", "prompt_logprobs", "guided_json",
-               "guided_regex", "guided_choice", "grammar", "json_schema", "stop_token_ids", "length_penalty",
-               "use_beam_search")
-PENALTIES = ("presence_penalty", "frequency_penalty")
+# Fields that would change the output in a way offspec does not implement: refused, not ignored, unless a client
+# sends the value that changes nothing (many send their defaults: repetition_penalty 1, min_p 0, ...).
+NEUTRAL = {
+    "logprobs": (False,), "top_logprobs": (0,), "logit_bias": ({},), "tools": ([],), "tool_choice": ("none",),
+    "functions": ([],), "function_call": ("none",), "best_of": (1,), "echo": (False,), "suffix": ("",),
+    "min_p": (0,), "repetition_penalty": (1,), "repeat_penalty": (1,), "prompt_logprobs": (0,),
+    "guided_json": (), "guided_regex": (), "guided_choice": (), "grammar": ("",), "json_schema": (),
+    "stop_token_ids": ([],), "length_penalty": (1,), "use_beam_search": (False,), "typical_p": (1,), "tfs_z": (1,),
+    "mirostat": (0,), "top_a": (0,), "dry_multiplier": (0,), "xtc_probability": (0,), "n_probs": (0,),
+    "presence_penalty": (0,), "frequency_penalty": (0,),
+}
+UNSUPPORTED = tuple(NEUTRAL)
 
 
 class ApiError(Exception):
@@ -98,16 +104,23 @@ def _top_k(body: dict, cfg: ServeConfig) -> int:
     return max(value, 0)
 
 
+def _same(value, neutral) -> bool:
+    """value is `neutral` (true and false only as themselves; 1 and 1.0 alike)."""
+    if isinstance(value, bool) or isinstance(neutral, bool):
+        return value is neutral
+    if isinstance(value, (int, float)) and isinstance(neutral, (int, float)):
+        return value == neutral
+    return type(value) is type(neutral) and value == neutral
+
+
 def _check_supported(body: dict) -> None:
     if body.get("n") not in (None, 1):
         raise ApiError(400, f"n must be 1: offspec returns one choice a request (asked for {body.get('n')!r})", "n")
-    for name in UNSUPPORTED:
-        if body.get(name) not in (None, False, [], {}):
-            raise ApiError(400, f"{name} is not supported by offspec", name)
-    for name in PENALTIES:
-        if body.get(name) not in (None, 0, 0.0):
-            raise ApiError(400, f"{name} is not supported by offspec (it would change the model's distribution)",
-                           name)
+    for name, neutral in NEUTRAL.items():
+        value = body.get(name)
+        if value is not None and not any(_same(value, n) for n in neutral):
+            raise ApiError(400, f"{name} is not supported by offspec (it would change the output); send it "
+                           f"unset" + (f" or as {neutral[0]!r}" if neutral else ""), name)
     if body.get("min_tokens") not in (None, 0):
         raise ApiError(400, "min_tokens is not supported by offspec (it would change where the answer ends)",
                        "min_tokens")

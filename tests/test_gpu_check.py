@@ -263,22 +263,28 @@ def test_gpu_session_parts_run_on_a_cpu_with_tiny_shapes(tmp_path):
     renders every part."""
     gs = load_script("gpu_session")
     common = ["--out", str(tmp_path), "--tiny", "--device", "cpu", "--passes", "1", "--context", "16"]
-    for part in ("pass70b", "drafts", "dequant"):
+    for part in ("pass70b", "drafts", "dequant", "passq"):
         assert gs.main([*common, "--part", part]) == 0
     data = json.loads((tmp_path / "gpu_70b.json").read_text())
-    assert all(data[part]["status"] == "passed" for part in ("pass70b", "drafts", "dequant"))
+    assert all(data[part]["status"] == "passed" for part in ("pass70b", "drafts", "dequant", "passq"))
     rows = data["pass70b"]["rows"]
     assert [r["tokens"] for r in rows] == list(gs.WIDTHS) and all(r["logits_equal"] for r in rows)
     assert {(r["draft"], r["tokens"]) for r in data["drafts"]["rows"]} == {(d, t) for d in gs.DRAFTS for t in gs.WIDTHS}
     timed = {r["quant"]: r for r in data["dequant"]["rows"] if "seconds" in r}
     assert {"int8", "awq-g128", "gptq-b4-g128-v2", "ct-b4-g128-bf16", "gguf-q4_k+q6_k"} <= set(timed)
     assert all(r["block_bytes"] < r["dense_bytes"] for r in timed.values())
-    chunks = {r["chunk"] for r in data["dequant"]["rows"] if r["quant"] == "awq-g128"}
-    assert chunks == set(gs.CHUNKS) and all(r["issue_seconds"] > 0 for r in data["dequant"]["rows"])
-    from offspec.formats import gguf_blocks, published
-    assert published.DEQUANT_ELEMENTS == 1 << 22 and gguf_blocks.DEQUANT_ELEMENTS["cuda"] == 1 << 22   # restored
+    awq = [r for r in data["dequant"]["rows"] if r["quant"] == "awq-g128"]
+    assert [r["path"] for r in awq] == ["torch"] + ["kernel"] * len(gs.TILE_SWEEP["awq"])
+    assert [tuple(r["tile"]) for r in awq[1:]] == gs.TILE_SWEEP["awq"] and all(r["equal"] for r in awq[1:])
+    assert all(r["issue_seconds"] > 0 for r in data["dequant"]["rows"] if "seconds" in r)
+    import os
+
+    from offspec.formats import kernels
+    assert "OFFSPEC_DEQUANT" not in os.environ and kernels.TILES["awq"] == gs.TILE_SWEEP["awq"][0]   # restored
+    passq = data["passq"]["rows"]
+    assert {(r["queues"], r["path"]) for r in passq} == set(gs.PASSQ_RUNS) and all(r["copies_s"] > 0 for r in passq)
     text = (tmp_path / "gpu_70b.md").read_text()
-    assert "## pass70b" in text and "## drafts" in text and "## dequant" in text
+    assert "## pass70b" in text and "## drafts" in text and "## dequant" in text and "## passq" in text
 
 
 def test_gpu_session_records_a_failing_part(tmp_path, monkeypatch):

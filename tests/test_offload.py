@@ -282,7 +282,9 @@ def test_ring_protocol_quantized(regime, n_slots):
                                                 (NoDequantWaitBackend, "compute-bound"),
                                                 (NoWarBackend, "copy-bound"), (NoRawBackend, "copy-bound")])
 def test_the_harness_catches_a_missing_wait_of_the_quantized_ring(backend_cls, regime):
-    assert quantized_protocol(regime, 2, backend_cls=backend_cls) != []
+    """(Timing decides whether one run meets the hazard: three seeds of six passes each, any one catching it.)"""
+    assert any(quantized_protocol(regime, 2, backend_cls=backend_cls, n_passes=6, seed=seed) != []
+               for seed in range(3))
 
 
 def test_protocol_test_catches_per_pass_slot_mapping():

@@ -169,11 +169,6 @@ def dequant_quants(cfg: ModelConfig) -> tuple[str, ...]:
             "ct-b8-g0-asym-f16") + gguf
 
 
-def kernel_family(quant: str) -> str:
-    family = "gguf" if quant.startswith("gguf:") else quant.split("-")[0]
-    return family + quant.split("-")[1].removeprefix("b") if family == "ct" else family
-
-
 @contextlib.contextmanager
 def dequant_path(path: str, tile: Optional[tuple[int, int, int]] = None):
     """path "torch": the torch transcriptions (OFFSPEC_DEQUANT=torch); "kernel": the Triton kernels, in `tile`."""
@@ -240,7 +235,7 @@ def dequant_part(args, device: torch.device, results: Results) -> None:
     """Per format: the torch path, then the kernels in each of TILE_SWEEP's tiles (the first is offspec's
     default), each checked bit for bit against the torch path's dense layer on the device."""
     from offspec.errors import InputError
-    from offspec.formats.kernels import TILES
+    from offspec.formats.kernels import TILES, tile_key
     from offspec.formats.published import is_published, short
     cfg = shape(LLAMA_70B, args, 1)
     weights = random_layers(cfg, device, torch.bfloat16)(0)
@@ -259,7 +254,7 @@ def dequant_part(args, device: torch.device, results: Results) -> None:
         if quant == "nf4":
             continue
         reference = dense.clone()
-        family = kernel_family(quant)
+        family = tile_key(quant)
         for tile in [TILES[family], *(t for t in TILE_SWEEP[family] if t != TILES[family])]:
             dense.fill_(0)
             with dequant_path("kernel", tile):

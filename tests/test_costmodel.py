@@ -1,7 +1,6 @@
 """The cost model's GPU inputs are the measured ones (docs/gpu_70b*.json), and its predictions use them."""
 import json
 import statistics
-import sys
 from pathlib import Path
 
 import pytest
@@ -48,9 +47,7 @@ def test_the_dequantization_figures_are_the_h200_kernels_measurement():
     """Each format's figure is its row in offspec's own tile (kernels.TILES) of the H200 session of 2026-11-28
     (docs/gpu/2026-11-28-h200/gpu_70b.json), every one of them equal to the torch path bit for bit; nf4 is
     bitsandbytes'. The record names that card."""
-    from offspec.formats.kernels import TILES
-    sys.path.insert(0, str(DOCS.parent / "scripts"))
-    from gpu_session import kernel_family
+    from offspec.formats.kernels import TILES, tile_key
     h200 = json.loads((DOCS / "gpu" / "2026-11-28-h200" / "gpu_70b.json").read_text())
     assert "H200" in h200["environment"]["gpu"] and not h200["environment"]["tiny"]
     assert DEQUANT.spec.name in h200["environment"]["gpu"] and "H200" in DEQUANT.device
@@ -59,7 +56,7 @@ def test_the_dequantization_figures_are_the_h200_kernels_measurement():
         if r["path"] == "kernel":
             assert r["equal"], r
         quant = {"gguf-q4_k+q6_k": "gguf:q4_k"}.get(r["quant"], r["quant"])
-        if r["quant"] == "nf4" or (r["path"] == "kernel" and tuple(r["tile"]) == TILES[kernel_family(quant)]):
+        if r["quant"] == "nf4" or (r["path"] == "kernel" and tuple(r["tile"]) == TILES[tile_key(quant)]):
             rows[r["quant"]] = r
     assert set(rows) == {q for q, _ in DEQUANT.s_per_gb}
     for quant, r in rows.items():

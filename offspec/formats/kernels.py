@@ -47,6 +47,15 @@ def _jit():
 _broken: list[str] = []     # the first launch error, once seen: the torch path from then on
 
 
+def tile_key(quant: str) -> str:
+    """The TILES entry a quantization's kernel launches with."""
+    if gguf_blocks.is_gguf(quant):
+        return "gguf"
+    if quant.startswith("ct-"):
+        return f"ct{published.ct_params(quant)[0]}"           # by its bits
+    return quant.split("-")[0]                                 # int8, gptq-..., awq-...
+
+
 def handles(quant: str) -> bool:
     """Whether a kernel exists for this quantization (nf4 has bitsandbytes' own)."""
     return quant == "int8" or published.is_published(quant)
@@ -93,32 +102,33 @@ def launch(quant: str, pieces: dict[str, torch.Tensor], out: torch.Tensor, field
         name = gguf_blocks.type_of(quant, field, layer)
         t, row = gguf_blocks.BY_NAME[name], gguf_blocks.row_nbytes(name, K)
         raw = pieces["blocks"][: N * row]
-        BN, BK, warps = TILES["gguf"]
+        BN, BK, warps = TILES[tile_key(quant)]
         NB = max(1, BK // t.block)                                             # blocks a row a program
         jit.gguf_kernel[(_cdiv(N, BN), _cdiv(K // t.block, NB))](
             raw, raw.view(torch.int16), dst, N, K, row, TYPE=GGUF_TYPES.index(name), B=t.block, SIZE=t.size,
             OUT=kind, BN=BN, NB=NB, num_warps=warps, enable_fp_fusion=False)
     elif quant == "int8":
         scale = pieces["scale"]
-        _run(jit.int8_kernel, "int8", N, K, pieces["int8"], scale, dst, N, K, SCALE=OUT_KINDS[scale.dtype], OUT=kind)
+        _run(jit.int8_kernel, tile_key(quant), N, K, pieces["int8"], scale, dst, N, K, SCALE=OUT_KINDS[scale.dtype], OUT=kind)
     elif quant.startswith("gptq-"):
         bits, _, v2 = published.gptq_params(quant)
         zeros = pieces["qzeros"] if v2 else published.v1_zeros_as_v2(pieces["qzeros"], bits)
-        _run(jit.gptq_kernel, "gptq", N, K, pieces["qweight"], zeros, pieces["scales"], pieces["g_idx"], dst, N, K,
+        _run(jit.gptq_kernel, tile_key(quant), N, K, pieces["qweight"], zeros, pieces["scales"], pieces["g_idx"], dst, N, K,
              BITS=bits, OUT=kind)
     elif quant.startswith("ct-"):
         bits, _, asym, _ = published.ct_params(quant)
         scales = pieces["weight_scale"]
         zeros = pieces["weight_zero_point"] if asym else scales       # not read when symmetric
-        _run(jit.ct_kernel, f"ct{bits}", N, K, pieces["weight_packed"], scales, zeros, dst, N, K, K // scales.shape[1],
+        _run(jit.ct_kernel, tile_key(quant), N, K, pieces["weight_packed"], scales, zeros, dst, N, K, K // scales.shape[1],
              BITS=bits, ASYM=asym, SCALE=OUT_KINDS[scales.dtype], OUT=kind)
     else:
-        _run(jit.awq_kernel, "awq", N, K, pieces["qweight"], pieces["qzeros"], pieces["scales"], dst, N, K,
+        _run(jit.awq_kernel, tile_key(quant), N, K, pieces["qweight"], pieces["qzeros"], pieces["scales"], dst, N, K,
              published.awq_group(quant), OUT=kind)
 
 
 def _run(kernel, tile: str, N: int, K: int, *args, **constants) -> None:
-    """One launch over the (N, K) output in TILES[tile]'s tiles; float32 operations are not fused (exactness)."""
+    """One launch over the (N, K) output in TILES[tile]'s tiles (tile_key); float32 operations are not fused
+    (exactness)."""
     BN, BK, warps = TILES[tile]
     grid = (_cdiv(N, BN), _cdiv(K, BK))
     kernel[grid](*args, **constants, BN=BN, BK=BK, num_warps=warps, enable_fp_fusion=False)

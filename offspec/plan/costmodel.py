@@ -160,10 +160,6 @@ def dequant_seconds(quant: str, dense_bytes: int, card: Optional[GpuSpec] = None
     return figure[1] * dense_bytes / 1e9 * scale if figure else 0.0
 
 
-def dequant_measured(quant: str) -> bool:
-    return dequant_figure(quant) is not None
-
-
 @dataclass(frozen=True)
 class GpuSetup:
     """A hypothetical machine for `predict_seconds_per_token`."""

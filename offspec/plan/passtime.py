@@ -3,7 +3,6 @@ from __future__ import annotations
 
 from typing import Optional
 
-from offspec.formats.published import short as short_quant
 from offspec.plan.costmodel import PAGEABLE_GB_PER_S, GpuSpec, dequant_seconds, transfer_seconds
 from offspec.plan.machine import GB
 from offspec.plan.memory import MemoryPlan
@@ -37,4 +36,4 @@ def pipelined_dequant_seconds(placement: Placement, quant: str, card: Optional[G
     dequantization queue beside the copies (0 for a compact ring's, which dequantize on the compute queue)."""
     if placement.compact:
         return 0.0
-    return len(placement.streamed) * dequant_seconds(short_quant(quant), placement.layer_nbytes, card)
+    return len(placement.streamed) * dequant_seconds(quant, placement.layer_nbytes, card)

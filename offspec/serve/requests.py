@@ -15,7 +15,7 @@ from offspec.config import SamplingConfig, TreeConfig
 from offspec.engine.request import GenerationRequest, check_messages
 from offspec.errors import InputError
 
-MAX_STOP = 64                     # stop strings a request may give (Continue sends a dozen to any non-OpenAI host)
+MAX_STOP = 64                     # stop strings a request may give
 MAX_STOP_CHARS = 256              # characters a stop string may have
 # Fields that would change the output in a way offspec does not implement: refused, not ignored, unless a client
 # sends the value that changes nothing (many send their defaults: repetition_penalty 1, min_p 0, ...).

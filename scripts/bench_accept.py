@@ -20,6 +20,11 @@ Tokens per pass do not depend on the machine's speed or load (greedy: the tokens
 seconds are kept in its row but not tabled: what a budget costs on a machine is the peer grid's question
 (scripts/bench_peers.py, timed systems interleaved on an idle machine).
 
+sequoia-N (Sequoia's DP tree for the pair's acceptance by rank, offspec.spec.sequoia) starts each prompt from the
+vector cached for the pair under $OFFSPEC_HOME/sequoia (offspec.engine.rank_cache) and adds what its runs observed
+when the engine closes; once the cache holds 2000 observations the vector is frozen. So compare it after a
+calibration run into a throwaway rows file (one engine, a few prompts), or its first prompts measure the prior.
+
 Acceptance does not depend on where the target's weights live, so --offload none is the default (the fastest).
 One rows file per prompt set; rerunning a command resumes it (rows of other settings are refused).
 

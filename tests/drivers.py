@@ -28,11 +28,12 @@ def forward_one(model: Model, tokens: torch.Tensor, positions: torch.Tensor, slo
 
 def grow(tree_cfg: TreeConfig, sampling: SamplingConfig, root_token: int, root_dist: torch.Tensor,
          draft_step: DraftStep, budget: int, generator: torch.Generator, expand_floor: float = 0.0, *,
-         calibration: Optional[Calibration] = None, ngram: Sequence[NgramChain] = ()) -> TokenTree:
+         calibration: Optional[Calibration] = None, ngram: Sequence[NgramChain] = (),
+         rank_acceptance: Optional[Sequence[float]] = None) -> TokenTree:
     """Grow one round's token tree with at most `budget` nodes besides the root, calling draft_step for every
     draft call (grow_steps' requests, answered one at a time)."""
     steps = grow_steps(tree_cfg, sampling, root_token, root_dist, budget, generator, expand_floor,
-                       calibration=calibration, ngram=ngram)
+                       calibration=calibration, ngram=ngram, rank_acceptance=rank_acceptance)
     try:
         request = next(steps)
         while True:

@@ -15,6 +15,7 @@ from offspec.spec.accept import Verdict, verify_greedy, verify_stochastic
 from offspec.spec.calibrate import Calibrator, judged_greedy, judged_path, observe
 from offspec.spec.ngram import lookup
 from offspec.spec.sampling import make_generator, process_logits
+from offspec.spec.sequoia import RankCounts, RankLearner
 from offspec.spec.tree import TokenTree
 
 GREEDY = SamplingConfig(temperature=0.0)
@@ -74,6 +75,7 @@ def speculative_greedy(cfg: TreeConfig, budget: int, prompt: list[int], n: int, 
     levers: calibrated values and n-gram branches (--calibrate/--ngram on), else raw draft probabilities (the default)."""
     seq, accepted, rounds = list(prompt), 0, 0
     calibrator, ngram_accepted = Calibrator(), 0
+    ranks = RankLearner(RankCounts.zeros(cfg.branching), cfg.branching)     # sequoia's p, learned as it goes
     while len(seq) - len(prompt) < n:
         before_root = seq[-2]
         root_dist = process_logits(draft.table[seq[-2], seq[-1]], GREEDY)
@@ -82,10 +84,14 @@ def speculative_greedy(cfg: TreeConfig, budget: int, prompt: list[int], n: int, 
             return process_logits(draft.at_nodes(tree, frontier, before_root), GREEDY)
 
         tree = grow(cfg, GREEDY, seq[-1], root_dist, draft_step, budget, make_generator(0),
-                    calibration=calibrator.calibration() if levers else None, ngram=lookup(seq) if levers else ())
+                    calibration=calibrator.calibration() if levers else None, ngram=lookup(seq) if levers else (),
+                    rank_acceptance=ranks.vector() if cfg.policy == "sequoia" else None)
         q = target.at_nodes(tree, torch.arange(tree.n_nodes), before_root)
         verdict = verify_greedy(tree, q)
-        calibrator.add(observe(tree, judged_greedy(tree, q.argmax(-1).tolist())))
+        judged = judged_greedy(tree, q.argmax(-1).tolist())
+        calibrator.add(observe(tree, judged))
+        if cfg.policy == "sequoia":
+            ranks.observe(tree, judged)
         seq += verdict.emitted
         accepted += len(verdict.nodes)
         ngram_accepted += sum(tree.ngram_match(n) > 0 for n in verdict.nodes)
@@ -109,12 +115,13 @@ GREEDY_POLICIES = [
     TreeConfig(policy="heap"),
     TreeConfig(policy="chain"),
     TreeConfig(policy="static"),
+    TreeConfig(policy="sequoia"),
 ]
 
 
 @pytest.mark.parametrize("levers", [False, True], ids=["raw", "calibrated+ngram"])
 @pytest.mark.parametrize("cfg", GREEDY_POLICIES, ids=["dyspec", "dyspec-C0.2", "dyspec-C0.01", "heap", "chain",
-                                                      "static"])
+                                                      "static", "sequoia"])
 def test_greedy_speculation_equals_plain_greedy(cfg, levers):
     target, draft = pair_models()
     prompt, n = [1, 2], 48
@@ -126,7 +133,8 @@ def test_greedy_speculation_equals_plain_greedy(cfg, levers):
         if budget >= 8 and cfg.threshold != 0.2:
             assert mean_accepted > 1.0        # the trees really were used, not just the bonus tokens
         ngram_accepted += from_ngram
-    assert ngram_accepted > 0 or not levers, "n-gram nodes were proposed and accepted"
+    assert ngram_accepted > 0 or not levers or cfg.policy == "sequoia", "n-gram nodes were proposed and accepted"
+    # (sequoia grafts no n-grams: its shape is the DP's alone)
 
 
 # ------------------------------------------------------------------------------------------------ stochastic
@@ -184,6 +192,7 @@ def sample_speculatively(cfg: TreeConfig, T: float, budget: int, trials: int = T
     Q, P, sampling = markov_pair(T, top_p=0.9)
     g = make_generator(seed)
     calibrator = Calibrator()
+    ranks = RankLearner(RankCounts.zeros(cfg.branching), cfg.branching)     # sequoia's p, learned from earlier trials
 
     def draft_step(tree: TokenTree, frontier: torch.Tensor) -> torch.Tensor:
         return P[tree.tokens[frontier]]                                                  # (F, V)
@@ -196,9 +205,13 @@ def sample_speculatively(cfg: TreeConfig, T: float, budget: int, trials: int = T
             root = out[-1] if out else 0
             chains = lookup(HISTORY + out) if ngram else ()
             tree = grow(cfg, sampling, root, P[root], draft_step, budget, g, ngram=chains,
-                        calibration=calibrator.calibration() if calibrate else None)
+                        calibration=calibrator.calibration() if calibrate else None,
+                        rank_acceptance=ranks.vector() if cfg.policy == "sequoia" else None)
             verdict = verify_stochastic(tree, Q[tree.tokens].__getitem__, g)
-            calibrator.add(observe(tree, judged_path(tree, verdict.nodes)))
+            judged = judged_path(tree, verdict.nodes)
+            calibrator.add(observe(tree, judged))
+            if cfg.policy == "sequoia":
+                ranks.observe(tree, judged)
             for u in verdict.path:
                 for c in tree.children(u):
                     if tree.ngram_match(c) > 0:
@@ -229,11 +242,13 @@ LOSSLESS = [
     (1.0, TreeConfig(policy="static", static_widths=(3, 2, 1)), 12),
     (1.0, TreeConfig(policy="dyspec", threshold=None, branching=3, max_depth=4), 12),   # adaptive C, evictions
     (0.6, TreeConfig(policy="heap", branching=3, max_depth=4), 8),
+    (1.0, TreeConfig(policy="sequoia", branching=3, max_depth=4), 12),    # p learned from the earlier trials
 ]
 
 
 @pytest.mark.parametrize("T,cfg,budget", LOSSLESS,
-                         ids=["dyspec-T0.6", "dyspec-T1", "static-T0.6", "static-T1", "adaptive-T1", "heap-T0.6"])
+                         ids=["dyspec-T0.6", "dyspec-T1", "static-T0.6", "static-T1", "adaptive-T1", "heap-T0.6",
+                              "sequoia-T1"])
 def test_sampling_is_lossless(T, cfg, budget):
     (first, pi1), (third, pi3), widest, deepest = sample_speculatively(cfg, T, budget)
     assert widest >= 3 and deepest >= 2         # several children per node, and multi-token acceptances

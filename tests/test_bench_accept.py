@@ -26,12 +26,14 @@ def checkpoints(tmp_path_factory):
 
 def run(ba, checkpoints, rows, *extra):
     target, draft = checkpoints
-    return ba.main(["--prompt-set", "chat", "--prompts", "2", "--new-tokens", "8", "--systems", "dyspec-4,chain-2,chain-4",
+    return ba.main(["--prompt-set", "chat", "--prompts", "2", "--new-tokens", "8", "--systems",
+                    "dyspec-4,sequoia-4,chain-2,chain-4",
                     "--temperatures", "0,0.8", "--dtype", "float32", "--device", "cpu", "--target", str(target),
                     "--draft", str(draft), "--rows", str(rows), *extra])
 
 
-def test_every_policy_on_every_prompt_and_temperature_resumable(ba, checkpoints, tmp_path, capsys):
+def test_every_policy_on_every_prompt_and_temperature_resumable(ba, checkpoints, tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("OFFSPEC_HOME", str(tmp_path / "home"))       # sequoia's per-pair cache: the test's own
     rows_file = tmp_path / "rows.jsonl"
     assert run(ba, checkpoints, rows_file) == 0
     rows = [json.loads(line) for line in rows_file.read_text().splitlines()]
@@ -39,7 +41,7 @@ def test_every_policy_on_every_prompt_and_temperature_resumable(ba, checkpoints,
         ("mtbench/81", 0.0, None), ("mtbench/91", 0.0, None), ("mtbench/81", 0.8, 0), ("mtbench/91", 0.8, 0)]
     for r in rows:
         assert set(r["stamp"]) == {"commit", "time", "load_average", "machine"} and r["prompt_set"] == "chat"
-        assert list(r["systems"]) == ["dyspec-4", "chain-2", "chain-4"]
+        assert list(r["systems"]) == ["dyspec-4", "sequoia-4", "chain-2", "chain-4"]
         for name, cell in r["systems"].items():
             budget = int(name.split("-")[1])
             assert len(cell["tokens"]) == 8                                    # EOS ignored: every run makes 8

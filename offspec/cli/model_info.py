@@ -3,6 +3,7 @@
     machine_for(device_bytes, host_bytes)          the machine to plan for: sizes given, else this one
     rates_for(...)                                 the PREDICTED lines' card, link and drive, and their sources
     model_info(target, draft, plan, dtype, rates)  the report's lines: model, layer sizes, plan, PREDICTED times
+    twin_line(target, offload, runtime, ...)       whether --draft self would fit, and what it would hold
     draft_vocab_mismatch(target, draft)            why the draft cannot speculate for the target (a WARNING line)
 
 Reads config.json and the safetensors headers only (checkpoint.Checkpoint(..., headers_only=True)): a plan can be
@@ -11,11 +12,13 @@ measures the link and the drive; docs/benchmarks.md has measured tokens per pass
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Optional
 
 import torch
 
+from offspec.config import OffloadConfig, RunLimits, RuntimeConfig
+from offspec.errors import BudgetError
 from offspec.formats.gguf_blocks import is_gguf
 from offspec.formats.published import describe as describe_quant
 from offspec.formats.published import short as short_quant
@@ -24,6 +27,7 @@ from offspec.plan.costmodel import LINK_GB_PER_S as LINK_GBPS
 from offspec.plan.machine import Machine
 from offspec.plan.memory import MemoryPlan
 from offspec.plan.passtime import predicted_pass_seconds, streamed_dequant_seconds
+from offspec.plan.sizes import ModelSpec
 
 
 @dataclass(frozen=True)
@@ -144,9 +148,32 @@ def draft_vocab_mismatch(target, draft) -> Optional[str]:
     return None
 
 
-def model_info(target, draft, plan: MemoryPlan, dtype: torch.dtype, rates: Rates) -> str:
+def twin_words(plan: MemoryPlan) -> str:
+    """What a plan with --draft self holds for the twin, in words."""
+    own = sum(i.nbytes for i in plan.items if i.what in ("draft weights", "draft int8 copy"))
+    held = ("int8 copies of the target's resident matrices" if plan.draft_quant == "int8" else
+            f"the target's layers held {plan.draft_quant}")
+    return f"{held}, {own / 1e9:.2f} GB on the device, the target's embedding and lm_head shared"
+
+
+def twin_line(target: ModelSpec, offload: OffloadConfig, runtime: RuntimeConfig, limits: RunLimits,
+              machine: Machine) -> str:
+    """Whether --draft self would fit in this run (a run planned without it), and what it would hold."""
+    from offspec.formats.quant import auto_twin_quant
+    from offspec.plan.search import make_plan
+    quant = auto_twin_quant(machine.kind)
+    try:
+        plan = make_plan(target, target.as_twin(), offload, replace(runtime, draft_quant=quant), limits, machine)
+    except BudgetError as refused:
+        return f"--draft self:    would not fit ({quant}): {refused}"
+    return (f"--draft self:    fits: {twin_words(plan)}; {len(plan.placement.resident)} of {target.cfg.n_layers} "
+            f"target layers resident beside it")
+
+
+def model_info(target, draft, plan: MemoryPlan, dtype: torch.dtype, rates: Rates, twin: bool = False) -> str:
     """The report `offspec models info` prints. target, draft: checkpoint.Checkpoints (headers are enough; draft
-    may be None); plan: their memory plan (plan.make_plan) in `dtype`."""
+    may be None); plan: their memory plan (plan.make_plan) in `dtype`; twin: the draft is the target's (--draft
+    self)."""
     from offspec.formats.hub import model_name
     from offspec.formats.layout import matrix_params
     from offspec.plan.costmodel import (
@@ -182,7 +209,9 @@ def model_info(target, draft, plan: MemoryPlan, dtype: torch.dtype, rates: Rates
     elif plan.target_quant != "none":
         lines.append(f"{quant} layer:       {block / 1e6:.1f} MB stored and moved ({block / layer_bytes:.2f}x); "
                      f"all layers {cfg.n_layers * block / 1e9:.2f} GB")
-    if draft is not None:
+    if twin:
+        lines.append(f"draft:           self: {twin_words(plan)}")
+    elif draft is not None:
         lines.append(f"draft:           {draft.path} ({draft.parameter_count() / 1e9:.3f} B parameters, "
                      f"{draft.config.n_layers} layers)")
         mismatch = draft_vocab_mismatch(target, draft)

@@ -5,11 +5,12 @@ from pathlib import Path
 
 import click
 
-from offspec.cli.model_info import Rates, machine_for, model_info, rates_for, saved_rates
+from offspec.cli.model_info import Rates, machine_for, model_info, rates_for, saved_rates, twin_line
 from offspec.cli.options import (
     DRAFT_QUANT_CHOICES,
     OFFLOAD_CHOICES,
     RESIDENT_QUANT_CHOICES,
+    SELF_DRAFT,
     TARGET_QUANT_CHOICES,
     check_writable,
     headers_checkpoint,
@@ -44,7 +45,9 @@ def models_demo(gguf):
 @models.command("info")
 @click.argument("model_dir", type=click.Path())
 @click.option("--draft", "draft_dir", type=click.Path(), default=None,
-              help="Draft model folder, GGUF file or hub id (as MODEL_DIR) to plan beside the target. Default: none.")
+              help="Draft model folder, GGUF file or hub id (as MODEL_DIR) to plan beside the target, or 'self': the "
+                   "target's own layers held quantized (as generate --draft self). Default: none (the report still "
+                   "says whether --draft self would fit).")
 @click.option("--device-memory", default=None,
               help="Plan for a GPU with this much free memory (e.g. 24GB), present or not. Default: this machine's "
                    "GPU (its free memory now), or this CPU.")
@@ -107,7 +110,7 @@ def models_info(model_dir, draft_dir, device_memory, host_memory, dtype, offload
     import torch
 
     from offspec.engine.load import parse_dtype
-    from offspec.formats.quant import auto_draft_quant
+    from offspec.formats.quant import auto_draft_quant, auto_twin_quant, check_twin_quant
     from offspec.plan.options import compare
     from offspec.plan.search import make_plan
     from offspec.plan.sizes import ModelSpec
@@ -119,17 +122,22 @@ def models_info(model_dir, draft_dir, device_memory, host_memory, dtype, offload
     if tokens_per_pass < 1:
         raise InputError("--tokens-per-pass must be at least 1 (every pass yields its bonus token)")
     target = headers_checkpoint(model_dir)
-    draft = headers_checkpoint(draft_dir) if draft_dir else None
+    twin = draft_dir == SELF_DRAFT
+    draft = target if twin else headers_checkpoint(draft_dir) if draft_dir else None
     dt = parse_dtype(dtype)
     rates = rates_for(tokens_per_pass, link_gbps, disk_gbps, gpu,
                       planning_here=device_memory is None and host_memory is None, saved=saved_rates())
     if device_memory is None and gpu:
         device_memory = f"{rates.card.memory_gb:g}GB"
     machine = machine_for(parse_bytes(device_memory), parse_bytes(host_memory))
+    if draft_quant == "auto":
+        draft_quant = auto_twin_quant(machine.kind) if twin else auto_draft_quant(machine.kind, dt)
+    if twin:
+        check_twin_quant(draft_quant)
     runtime = RuntimeConfig(device=torch.device("cpu"), dtype=dt, target_quant=target_quant,
-                            resident_quant=resident_quant,
-                            draft_quant=auto_draft_quant(machine.kind, dt) if draft_quant == "auto" else draft_quant)
-    specs = (ModelSpec.of(target), ModelSpec.of(draft) if draft else None)
+                            resident_quant=resident_quant, draft_quant=draft_quant)
+    target_spec = ModelSpec.of(target)
+    specs = (target_spec, target_spec.as_twin() if twin else ModelSpec.of(draft) if draft else None)
     offload_config = OffloadConfig(mode=offload, gpu_budget=parse_bytes(gpu_budget), n_slots=n_slots,
                                    host_budget=parse_bytes(host_budget))
     limits = RunLimits(context=parse_context(context), tree_budget=parse_auto_count(tree_budget, "--tree-budget", 0),
@@ -144,7 +152,9 @@ def models_info(model_dir, draft_dir, device_memory, host_memory, dtype, offload
         if options is not None and options.options:
             click.echo(options.table(), err=True)     # what would fit, before the one line that says why not
         raise
-    click.echo(model_info(target, draft, plan, dt, rates))
+    click.echo(model_info(target, draft, plan, dt, rates, twin=twin))
+    if not twin:
+        click.echo(twin_line(target_spec, offload_config, runtime, limits, machine))
     if options is not None:
         click.echo(options.table())
     if json_path:

@@ -24,11 +24,12 @@ from offspec.errors import InputError, OffspecError
 from offspec.formats.quant import FUSED_MAX_ROWS
 from offspec.plan.machine import PINNED_FRACTION
 
-POLICIES = ["dyspec", "heap", "chain", "static", "none"]
+POLICIES = ["dyspec", "heap", "chain", "static", "sequoia", "none"]
 OFFLOAD_CHOICES = ["auto", "none", "cpu", "disk", "cpu+disk"]     # auto + plan.MODES
 TARGET_QUANT_CHOICES = ["none", "int8", "nf4"]   # quant.TARGET_QUANTS (not imported here: keeps --help fast)
 RESIDENT_QUANT_CHOICES = ["auto", "on", "off"]   # plan.RESIDENT_QUANTS
 DRAFT_QUANT_CHOICES = ["auto", "none", "int8", "int8-held", "nf4"]   # auto + quant.QUANT_MODES
+SELF_DRAFT = "self"            # --draft self (load.SELF_DRAFT, not imported here: keeps --help fast)
 
 
 def parse_bytes(text: Optional[str]) -> Optional[int]:
@@ -85,8 +86,12 @@ def model_options(f):
                           "Default: the embedded Qwen2.5-Coder-1.5B-Instruct."),
         click.option("--draft", type=click.Path(), default=None,
                      help="Draft model: a folder, a GGUF file or a hub id, like --target; same tokenizer as the target "
-                          "(embedding rows may differ). Default: the embedded Qwen2.5-Coder-0.5B-Instruct when "
-                          "--target is not given, else none (plain autoregressive)."),
+                          "(embedding rows may differ). 'self' = the target's own layers held quantized on the device "
+                          "(--draft-quant auto: nf4 on a GPU; on a CPU int8 copies of the resident target's own matrices) "
+                          "beside the target's embedding and lm_head, built at load from the target's weights: no "
+                          "second model to find, and it accepts more tokens a pass than a small draft (a folder named "
+                          "self: ./self). Default: the embedded "
+                          "Qwen2.5-Coder-0.5B-Instruct when --target is not given, else none (plain autoregressive)."),
         click.option("--draft-quant", type=click.Choice(DRAFT_QUANT_CHOICES), default="auto", show_default=True,
                      help="How the draft's matrices are held. int8 = beside each its int8 copy (one scale per row, "
                           "+50% draft memory), which a prompt's tokens in a draft call read when the call covers at "
@@ -156,7 +161,9 @@ def model_options(f):
         click.option("--no-overlap", is_flag=True,
                      help="Debug: copy each layer, then compute (no prefetch). Default: overlap."),
         click.option("--tree", "policy", type=click.Choice(POLICIES), default="dyspec", show_default=True,
-                     help="Tree growth policy; none = plain autoregressive with the target alone."),
+                     help="Tree growth policy; sequoia = the fixed tree Sequoia's DP finds best for the acceptance "
+                          "by rank measured on this draft and target (cached per pair); none = plain "
+                          "autoregressive with the target alone."),
         click.option("--tree-budget", default="auto", show_default=True,
                      help="Max tree nodes per target pass, or 'auto' (chosen from measured draft and target times, "
                           f"up to {AUTO_MAX_TREE_BUDGET}; one prompt on a CPU whose target streams: "
@@ -198,7 +205,8 @@ def build_configs(o: dict, check_device: bool = True):
     from offspec.engine.load import parse_device, parse_dtype, runtime_config
 
     runtime = runtime_config(parse_device(o["device"], check_available=check_device), parse_dtype(o["dtype"]),
-                             o["draft_quant"], o["target_quant"], o["resident_quant"])   # before any model is read
+                             o["draft_quant"], o["target_quant"], o["resident_quant"],
+                             twin=o["draft"] == SELF_DRAFT and o["policy"] != "none")   # before any model is read
     if check_device and runtime.device.type == "cpu" and runtime.dtype == torch.float16:   # (a worker's: its own)
         warn("--dtype float16 on a CPU: CPUs have no fast float16 matmuls, so this runs far slower than "
              "--dtype bfloat16 (or float32); use bfloat16")

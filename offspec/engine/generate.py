@@ -22,6 +22,7 @@ from offspec.engine.controller import Controller, DraftWork, RoundRecord, RowVie
 from offspec.engine.feed import RequestFeed
 from offspec.engine.mask import PassMask
 from offspec.engine.metrics import Step, Timer
+from offspec.engine.rank_cache import RankCache
 from offspec.engine.request import GenerationRequest, RowLimits, check_request
 from offspec.engine.rows import Batch, PassCost, Row, RowStep, StopChecker, StreamDelta
 from offspec.errors import InputError
@@ -29,7 +30,7 @@ from offspec.model.forward import Model, RowSpan
 from offspec.model.kv_cache import KVCache
 from offspec.model.vocab import SharedVocab, token_id_count
 from offspec.spec import ngram
-from offspec.spec.calibrate import Calibrator, judged_greedy, judged_path, observe
+from offspec.spec.calibrate import Calibrator, judged_greedy, judged_path
 from offspec.spec.grow import grow_steps
 from offspec.spec.sampling import process_logits
 from offspec.spec.tree import TokenTree
@@ -49,7 +50,7 @@ class Engine:
                  n_shared: Optional[int] = None, context: Optional[int] = None,
                  max_tree_budget: int = AUTO_MAX_TREE_BUDGET, prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
                  max_concurrency: Optional[int] = None, plan=None, target_quant: str = "none",
-                 draft_quant: str = "none"):
+                 draft_quant: str = "none", twin: bool = False, sequoia_key: Optional[str] = None):
         self.target = target
         self.draft = draft
         self.draft_waited = 0.0         # seconds runs waited for a draft loading beside the first round
@@ -65,8 +66,7 @@ class Engine:
             if n_shared is None:
                 n_shared = min(token_id_count(tokenizer), draft.cfg.vocab_size, target.cfg.vocab_size)
             self.vocab = SharedVocab(n_shared, draft_rows=draft.cfg.vocab_size, target_rows=target.cfg.vocab_size)
-        if context is not None:
-            self.max_context = min(self.max_context, context)
+        self.max_context = min(self.max_context, context if context is not None else self.max_context)
         self.max_tree_budget = max_tree_budget
         self.prefill_chunk = prefill_chunk
         self.max_concurrency = max_concurrency   # requests in flight the plan counted (None: not planned)
@@ -74,6 +74,8 @@ class Engine:
         # "none" | "int8" | "nf4" | published ("awq-g128"): which target runs (the output is ITS output)
         self.target_quant = target_quant
         self.draft_quant = draft_quant if draft is not None else "none"   # how the draft is held (quant.QUANT_MODES)
+        self.twin = twin and draft is not None     # the draft is the target's twin (--draft self: draft.load_twin)
+        self.ranks = RankCache(sequoia_key)   # sequoia's acceptance by rank; the key names the pair (rank_cache.py)
 
     # ------------------------------------------------------------ the loop
     def weights_source(self) -> str:
@@ -88,8 +90,8 @@ class Engine:
         return f"{host.kind}, {pinned}" + (f"; reads: {host.io}" if host.io else "")
 
     def close(self) -> None:
-        """Stop the streamer's threads and wait for a draft still loading (a no-op for resident models)."""
-        for close in (getattr(self.target.layers, "close", None), getattr(self.draft, "close", None)):
+        """Stop the streamer's threads, wait for a draft still loading, save what sequoia rows learned."""
+        for close in (getattr(self.target.layers, "close", None), getattr(self.draft, "close", None), self.ranks.save):
             if close is not None:
                 close()
 
@@ -211,7 +213,7 @@ class Engine:
                 yield RowStep(row.index, cost.step(n_fed, tokens=[], accepted=0, tree_size=0, tree_depth=0))
                 continue
             verdict, judged = self._accept(tree, q, row.request.sampling, row.generator)
-            step = row.commit(batch, tree, verdict, observe(tree, judged), cost, n_fed)
+            step = row.commit(batch, tree, verdict, judged, cost, n_fed)
             yielded += (step.accepted + 1) if row.auto else 0
             yield RowStep(row.index, step)
             if step.finish_reason is not None:
@@ -299,7 +301,8 @@ class Engine:
         return Row(index=index, request=request, cache_row=cache_row, seq=prompt, stops=stops,
                     seed_gen=torch.Generator().manual_seed(request.sampling.seed), speculative=speculative,
                     auto=speculative and request.tree.budget is None, budget=self._tree_room(request),
-                    calibrator=Calibrator() if speculative and request.tree.calibrate else None)
+                    calibrator=Calibrator() if speculative and request.tree.calibrate else None,
+                    ranks=self.ranks.learner(request) if speculative and request.tree.policy == "sequoia" else None)
 
     # ------------------------------------------------------------ draft
     def _catch_up(self, rows: list[Row], cache: Optional[KVCache]) -> tuple[dict[int, torch.Tensor], int]:
@@ -340,7 +343,7 @@ class Engine:
             root_dist = self.vocab.draft_distribution(logits, row.request.sampling)   # (V_target,)
             tree_cfg = replace(row.request.tree, max_depth=row.round_depth)
             steps[i] = grow_steps(tree_cfg, row.request.sampling, row.seq[-1], root_dist, row.round_budget,
-                                  row.generator, expand_floor=row.round_floor,
+                                  row.generator, expand_floor=row.round_floor, rank_acceptance=row.rank_acceptance(),
                                   calibration=row.calibrator.calibration() if row.calibrator is not None else None,
                                   ngram=ngram.lookup(row.seq) if row.request.tree.ngram else ())
         for i in list(steps):
@@ -441,8 +444,7 @@ class Engine:
 
     # ------------------------------------------------------------ streaming stats
     def _stream_stats(self):
-        stats = getattr(self.target.layers, "stats", None)
-        return stats() if stats is not None else None
+        return getattr(self.target.layers, "stats", lambda: None)()
 
     def _stream_delta(self, batch: Batch) -> StreamDelta:
         """What the streamer counted since the batch's last reading (docs/streaming.md §6: copies are counted
@@ -488,7 +490,7 @@ def report_of(engine: Engine, request: GenerationRequest, steps: list[Step], *, 
                      offload=offload or (engine.plan.mode if engine.plan is not None else "none"),
                      weights_source=engine.weights_source(), device=str(engine.device),
                      dtype=str(engine.target.dtype).replace("torch.", ""), target_quant=engine.target_quant,
-                     draft_quant=engine.draft_quant if speculative else "none",
+                     draft_quant=engine.draft_quant if speculative else "none", draft_twin=speculative and engine.twin,
                      memory_plan=engine.plan.to_dict() if engine.plan is not None else None)
     if text is None:
         text = IncrementalText(engine.tokenizer, request.stop_strings).text([t for s in steps for t in s.tokens])

@@ -1,5 +1,5 @@
 """Checkpoint folders (or hub ids from the local Hugging Face cache) -> a ready Engine: target (resident or
-streamed), optional draft, shared tokenizer.
+streamed), optional draft (a model of its own, or the target's twin: --draft self), shared tokenizer.
 
     Models.open(target, draft)             configs, safetensors headers and the tokenizers; no weights read
           .plan(offload, runtime, limits)  the memory plan (plan/search.py): where everything will live, or one line
@@ -26,6 +26,7 @@ from offspec.engine.controller import plain_first_round
 from offspec.engine.generate import Engine
 from offspec.engine.metrics import StartTimes
 from offspec.engine.prompt import stop_token_ids
+from offspec.engine.rank_cache import pair_key
 from offspec.errors import InputError
 from offspec.formats import published
 from offspec.formats.checkpoint import Checkpoint
@@ -33,14 +34,17 @@ from offspec.formats.hub import resolve_model
 from offspec.formats.layout import LayerWeights
 from offspec.formats.open import load_tokenizer, open_checkpoint, same_tokenizer_files
 from offspec.formats.quant import (
+    TWIN_QUANTS,
     QuantizedResident,
     auto_draft_quant,
+    auto_twin_quant,
     check_draft_quant,
     check_target_quant,
+    check_twin_quant,
     dequantized,
     target_layout,
 )
-from offspec.model.draft import DraftBeside, load_resident
+from offspec.model.draft import DraftBeside, load_resident, load_twin
 from offspec.model.forward import Model, ResidentLayers
 from offspec.model.vocab import check_rows_cover_tokenizer, check_same_tokenizer, token_id_count
 from offspec.plan.machine import Machine
@@ -53,6 +57,8 @@ from offspec.stream.ring import LayerStreamer, StreamStats
 from offspec.stream.staged import BlockLayout, LayerTensorsFn, StoreInfo, pack_layer
 from offspec.stream.stores import HostArenaStore, TieredStore, WeightStore
 from offspec.stream.transfer import make_backend
+
+SELF_DRAFT = "self"     # --draft self: the target's own layers held quantized (model.draft.load_twin)
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
           "float16": torch.float16, "fp16": torch.float16}
@@ -78,12 +84,15 @@ def parse_device(name: str, check_available: bool = True) -> torch.device:
 
 
 def runtime_config(device: torch.device, dtype: torch.dtype, draft_quant: str = "auto", target_quant: str = "none",
-                   resident_quant: str = "auto") -> RuntimeConfig:
+                   resident_quant: str = "auto", twin: bool = False) -> RuntimeConfig:
     """The RuntimeConfig of a run on `device`, checked before any model is read: draft_quant "auto" resolved for
-    the device and dtype (quant.auto_draft_quant), each quantization one that they can run. The CLI makes this
-    machine's; cluster.engines_on_ray the Ray workers' (their device is chosen there)."""
+    the device and dtype (quant.auto_draft_quant; for a twin, --draft self: quant.auto_twin_quant), each
+    quantization one that they can run. The CLI makes this machine's; cluster.engines_on_ray the Ray workers'
+    (their device is chosen there)."""
     if draft_quant == "auto":
-        draft_quant = auto_draft_quant(device.type, dtype)
+        draft_quant = auto_twin_quant(device.type) if twin else auto_draft_quant(device.type, dtype)
+    if twin:
+        check_twin_quant(draft_quant)
     check_target_quant(target_quant, device, dtype)
     check_draft_quant(draft_quant, device, dtype)
     # "on" with no --target-quant may still hold a published checkpoint's layers: the plan checks it there.
@@ -147,17 +156,21 @@ class Models:
     eos_ids: list[int]              # EOS and chat end tokens, from the tokenizer and generation_config
     n_shared: Optional[int]         # token ids both tokenizers know: the rows the draft may propose (vocab.py)
     open_seconds: float
+    twin: bool = False              # --draft self: `draft` is a second handle on the target's checkpoint
 
     @staticmethod
     def open(target_dir: str | Path, draft_dir: Optional[str | Path]) -> "Models":
-        """target_dir / draft_dir: a model folder, or a hub id (hub.resolve_model)."""
+        """target_dir / draft_dir: a model folder, or a hub id (hub.resolve_model); draft_dir SELF_DRAFT: the
+        target's twin (its own layers held quantized, model.draft.load_twin), read through a second handle."""
         start = time.perf_counter()
         target_dir = resolve_model(target_dir)
         target = open_checkpoint(target_dir)
         tokenizer = load_tokenizer(target_dir)
         check_rows_cover_tokenizer(target.config.vocab_size, token_id_count(tokenizer), f"target {target_dir}")
-        draft, n_shared = None, None
-        if draft_dir is not None:
+        draft, n_shared, twin = None, None, draft_dir == SELF_DRAFT
+        if twin:
+            draft = open_checkpoint(target_dir)
+        elif draft_dir is not None:
             draft_dir = resolve_model(draft_dir)
             draft = open_checkpoint(draft_dir)
             draft_tokenizer = tokenizer if same_tokenizer_files(target_dir, draft_dir) else load_tokenizer(draft_dir)
@@ -165,17 +178,30 @@ class Models:
             n_shared = check_same_tokenizer(tokenizer, draft_tokenizer)
             check_rows_cover_tokenizer(draft.config.vocab_size, token_id_count(draft_tokenizer), f"draft {draft_dir}")
         eos = stop_token_ids(tokenizer, generation_eos(target_dir))
-        return Models(target, draft, tokenizer, eos, n_shared, time.perf_counter() - start)
+        return Models(target, draft, tokenizer, eos, n_shared, time.perf_counter() - start, twin)
+
+    def draft_spec(self) -> Optional[ModelSpec]:
+        if self.draft is None:
+            return None
+        return ModelSpec.of(self.draft).as_twin() if self.twin else ModelSpec.of(self.draft)
+
+    def runtime(self, runtime: RuntimeConfig) -> RuntimeConfig:
+        """The run's RuntimeConfig for these models: a twin reads the target's layers quantized (a --draft-quant
+        that would not becomes quant.auto_twin_quant; the CLI refuses it earlier, in runtime_config)."""
+        if self.twin and runtime.draft_quant not in TWIN_QUANTS:
+            return replace(runtime, draft_quant=auto_twin_quant(runtime.device.type))
+        return runtime
 
     def plan(self, offload: OffloadConfig, runtime: RuntimeConfig, limits: RunLimits = RunLimits(),
              machine: Optional[Machine] = None) -> MemoryPlan:
         """The memory plan for this machine now (or `machine`), before anything is allocated: every "auto"
         resolved (plan.make_plan)."""
         from offspec.formats.demo import offspec_home
+        runtime = self.runtime(runtime)
         quant = published_runtime(ModelSpec.of(self.target), runtime).target_quant
         store_dir = str(store_dir_for(self.target, runtime.dtype, offspec_home(), quant))
-        return make_plan(ModelSpec.of(self.target), ModelSpec.of(self.draft) if self.draft else None, offload,
-                         runtime, limits, machine or Machine.measure(runtime.device), store_dir=store_dir)
+        return make_plan(ModelSpec.of(self.target), self.draft_spec(), offload, runtime, limits,
+                         machine or Machine.measure(runtime.device), store_dir=store_dir)
 
     def load(self, offload: OffloadConfig, runtime: RuntimeConfig, limits: RunLimits = RunLimits(),
              progress: bool = True, machine: Optional[Machine] = None) -> Loaded:
@@ -184,29 +210,45 @@ class Models:
         (limits.concurrency None: the most the plan fits, recorded in plan.concurrency_auto)."""
         t0 = time.perf_counter()
         plan = self.plan(offload, runtime, limits, machine)
-        runtime = replace(runtime, target_quant=plan.target_quant)     # a published checkpoint's own
+        # A published checkpoint's own quantization; a twin's held as the plan says (search.make_plan).
+        runtime = replace(runtime, target_quant=plan.target_quant, draft_quant=plan.draft_quant)
         t1 = time.perf_counter()
         draft = None
         # A run whose first round is a plain prefill loads the draft beside it, after the target, and the first
-        # token does not wait for it.
+        # token does not wait for it. A twin is built after the target: it shares the target's globals.
         beside = self.draft is not None and plain_first_round(runtime.device.type == "cuda",
                                                               bool(plan.placement.streamed))
         if self.draft is not None:
             check_draft_quant(runtime.draft_quant, runtime.device, runtime.dtype)
-            if not beside:
-                draft = load_resident(self.draft, runtime.device, runtime.dtype, runtime.draft_quant)
-                self.draft.close()
+            if not beside and not self.twin:
+                draft = self._load_draft(runtime, None, progress)
         t2 = time.perf_counter()
         target = load_target(self.target, plan.layers, runtime, progress)
         self.target.close()      # the weights now live in the model, the arena or the store
+        t3 = time.perf_counter()
+        twin_of = target if self.twin else None
         if beside:
-            draft = DraftBeside(self.draft, runtime.device, runtime.dtype, runtime.draft_quant)
+            draft = DraftBeside(self.draft, runtime.device, runtime.dtype, runtime.draft_quant, twin_of=twin_of)
+        elif self.twin:
+            draft = self._load_draft(runtime, twin_of, progress)
         engine = Engine(target, draft, self.tokenizer, self.eos_ids, n_shared=self.n_shared, context=plan.context,
                         max_tree_budget=plan.tree_budget, prefill_chunk=plan.prefill_chunk,
                         max_concurrency=plan.concurrency, plan=plan, target_quant=runtime.target_quant,
-                        draft_quant=runtime.draft_quant)
-        start = StartTimes(open=self.open_seconds, plan=t1 - t0, draft=t2 - t1, target=time.perf_counter() - t2)
+                        draft_quant=runtime.draft_quant, twin=self.twin,
+                        sequoia_key=pair_key(self.target, self.draft, target_quant=runtime.target_quant,
+                                             draft_quant=runtime.draft_quant, dtype=runtime.dtype, twin=self.twin))
+        t4 = time.perf_counter()
+        start = StartTimes(open=self.open_seconds, plan=t1 - t0, draft=t2 - t1 + t4 - t3, target=t3 - t2)
         return Loaded(engine, self.target, self.draft, self.tokenizer, start, plan)
+
+    def _load_draft(self, runtime: RuntimeConfig, twin_of, progress: bool) -> Model:
+        """The draft, now, on the compute device: a model of its own, or (twin_of: the target) its twin."""
+        if twin_of is None:
+            draft = load_resident(self.draft, runtime.device, runtime.dtype, runtime.draft_quant)
+        else:
+            draft = load_twin(self.draft, twin_of, runtime.draft_quant, progress)
+        self.draft.close()
+        return draft
 
 
 def load_engine(target_dir: str | Path, draft_dir: Optional[str | Path], offload: OffloadConfig,

@@ -11,6 +11,7 @@ import torch
 from offspec.formats.published import describe as describe_quant
 from offspec.formats.published import is_published
 from offspec.spec.calibrate import AcceptanceCounts
+from offspec.spec.sequoia import RankCounts
 
 
 def synchronize(device: torch.device) -> None:
@@ -59,6 +60,7 @@ class Step:
     rows_in_pass: int = 1        # requests that shared this pass (its times and bytes are the whole pass's)
     finish_reason: Optional[str] = None   # "eos" | "stop" | "length" | "context" when this round ends generation
     acceptance_counts: Optional[AcceptanceCounts] = None   # what this round's tree said about acceptance (calibrate.py)
+    rank_counts: Optional[RankCounts] = None   # policy "sequoia": the same, by rank (sequoia.RankCounts)
 
 
 @dataclass(frozen=True)
@@ -118,6 +120,7 @@ class RunReport:
     dtype: str
     target_quant: str                   # "none" | "int8" | "nf4" | a published one ("awq-g128"): the target that ran (output is exactly ITS output)
     draft_quant: str = "none"           # "none" | "int8" (copy) | "int8-held" | "nf4": the draft that ran (changes acceptance only)
+    draft_twin: bool = False            # the draft was the target's twin (--draft self)
     acceptance: list[int] = field(default_factory=list)   # accepted draft tokens per round
     tree_sizes: list[int] = field(default_factory=list)   # tree nodes proposed per round
     memory_plan: Optional[dict] = None  # plan.MemoryPlan.to_dict(): where every byte was planned to live
@@ -151,7 +154,10 @@ class RunReport:
         quant = ("" if self.target_quant == "none" else
                  f", target {describe_quant(self.target_quant)} as published" if is_published(self.target_quant) else
                  f", target quantized {self.target_quant} (output is that quantized target's)")
-        quant += f", draft {self.draft_quant}" if self.draft_quant != "none" else ""
+        if self.draft_twin:
+            quant += f", draft self ({self.draft_quant})"
+        elif self.draft_quant != "none":
+            quant += f", draft {self.draft_quant}"
         return (
             f"{self.new_tokens} tokens in {self.passes} target passes ({self.tokens_per_pass:.2f} tokens/pass), "
             f"finish: {self.finish_reason}\n"
@@ -280,6 +286,7 @@ class RunSetup:
     dtype: str
     target_quant: str = "none"
     draft_quant: str = "none"
+    draft_twin: bool = False
     memory_plan: Optional[dict] = None
 
 
@@ -323,4 +330,11 @@ def acceptance_report(steps: list[Step]) -> Optional[dict]:
     total = counts[0]
     for c in counts[1:]:
         total = total + c
-    return total.report()
+    report = total.report()
+    ranks = [s.rank_counts for s in steps if s.rank_counts is not None]
+    if ranks:
+        by_rank = RankCounts.zeros(max(len(r.tried) for r in ranks))
+        for r in ranks:
+            by_rank.add_(r)
+        report["by_rank"] = {k: [int(x) for x in v] for k, v in by_rank.to_dict().items()}   # tried, hits
+    return report

@@ -12,8 +12,9 @@ from offspec.engine.metrics import Step
 from offspec.engine.request import GenerationRequest
 from offspec.errors import InputError
 from offspec.model.kv_cache import KVCache
-from offspec.spec.calibrate import AcceptanceCounts, Calibrator
+from offspec.spec.calibrate import Calibrator, observe
 from offspec.spec.sampling import make_generator
+from offspec.spec.sequoia import RankLearner
 from offspec.spec.tree import TokenTree
 
 
@@ -76,6 +77,7 @@ class Row:
     budget: int                         # the most tree nodes a round may have (0: plain decoding)
     generated: list[int] = field(default_factory=list)   # emitted tokens (seq minus the prompt, cut at a stop)
     calibrator: Optional[Calibrator] = None   # TreeConfig.calibrate: this row's observed acceptance rates
+    ranks: Optional[RankLearner] = None       # policy "sequoia": this row's acceptance by rank (rank_cache.py)
     floor: float = 0.0                  # TreeConfig.prune: last round's C, when that tree filled its budget
     floor_budget: int = 0               # ... and that round's budget
     generator: Optional[torch.Generator] = None   # this round's randomness (growth and verification)
@@ -95,18 +97,25 @@ class Row:
         # A round with a larger budget than the floor's (the controller probing) must reach below it: no floor.
         self.round_floor = self.floor if self.round_budget <= self.floor_budget else 0.0
 
+    def rank_acceptance(self) -> Optional[tuple[float, ...]]:
+        """Policy "sequoia": the acceptance by rank this round's shape is built for (None: another policy)."""
+        return self.ranks.vector() if self.ranks is not None else None
+
     def tokens_left(self) -> int:
         """The most tokens it may still generate: to its max_new_tokens or the context end (EOS may come first)."""
         end = min(self.stops.max_new_tokens, self.stops.context_tokens or self.stops.max_new_tokens)
         return max(end - len(self.generated), 0)
 
-    def commit(self, batch: "Batch", tree: TokenTree, verdict, observed: AcceptanceCounts,
+    def commit(self, batch: "Batch", tree: TokenTree, verdict, judged: dict[int, Optional[int]],
                step_of: "PassCost", fed: int) -> Step:
         """Emit the accepted block (cut at a stop), keep only the root and accepted path in both caches; the
-        bonus token is the next root. `observed`: what the tree said about acceptance (calibrate.observe);
-        fed: the tokens this row fed the pass."""
+        bonus token is the next root. `judged`: the child the target accepted at each node whose children were
+        judged (calibrate.judged_greedy / judged_path), what the tree says about acceptance; fed: the tokens this
+        row fed the pass."""
+        observed = observe(tree, judged)
         if self.calibrator is not None:
             self.calibrator.add(observed)
+        by_rank = self.ranks.observe(tree, judged) if self.ranks is not None and tree.size > 0 else None
         block = list(verdict.tokens) + [verdict.bonus]
         emitted, reason = self.stops.cut(self.generated, block)
         dev, root_slot = batch.device, len(self.seq) - 1
@@ -126,7 +135,7 @@ class Row:
         self.generated = self.generated + emitted
         return step_of.step(fed, tokens=emitted, accepted=len(verdict.nodes), tree_size=tree.size,
                             tree_depth=tree.depth, finish_reason=reason,
-                            acceptance_counts=observed if tree.size > 0 else None)
+                            acceptance_counts=observed if tree.size > 0 else None, rank_counts=by_rank)
 
 
 @dataclass(frozen=True)

@@ -213,6 +213,24 @@ def auto_draft_quant(device_kind: str, dtype: torch.dtype) -> str:
     return "int8" if device_kind == "cpu" and dtype == torch.bfloat16 else "none"
 
 
+TWIN_QUANTS = ("int8", "nf4", "int8-held")   # how a twin (--draft self) may hold the target's layers
+
+
+def auto_twin_quant(device_kind: str) -> str:
+    """--draft-quant auto for a twin (--draft self): nf4 on a GPU (0.28x of bf16: the most that fits beside the
+    target's resident layers); int8 on a CPU, whose calls over a few rows read int8 copies of the target's own
+    resident matrices and wider ones the matrices themselves (search.make_plan makes it int8-held, int8 layers of
+    its own, where the target's layers are not all resident and dense)."""
+    return "nf4" if device_kind == "cuda" else "int8"
+
+
+def check_twin_quant(draft_quant: str) -> None:
+    """A twin (--draft self) reads the target's layers quantized: a dense one would be the target again."""
+    if draft_quant not in TWIN_QUANTS:
+        raise InputError(f"--draft self reads the target's layers quantized: use --draft-quant "
+                         f"{', '.join(TWIN_QUANTS)} or auto, not {draft_quant}")
+
+
 def check_draft_quant(draft_quant: str, device: torch.device, dtype: torch.dtype) -> None:
     """Refuse, in one line, a --draft-quant that is unknown, or held quantized where this device and dtype
     cannot run it (the same probe as the target's)."""

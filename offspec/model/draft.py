@@ -1,4 +1,5 @@
-"""The draft: a small model resident on the compute device, run by the same forward as the target."""
+"""The draft: a small model resident on the compute device, run by the same forward as the target; or the
+target's own layers held quantized beside its globals (its twin, --draft self)."""
 from __future__ import annotations
 
 import threading
@@ -7,9 +8,11 @@ from dataclasses import replace
 from typing import Optional
 
 import torch
+from tqdm import tqdm
 
 from offspec.formats.checkpoint import Checkpoint
-from offspec.formats.quant import QUANT_MODES, Int8Weight, with_quantized_matrices
+from offspec.formats.layout import LayerWeights
+from offspec.formats.quant import HELD_DRAFT_QUANTS, QUANT_MODES, Int8Weight, with_quantized_matrices
 from offspec.model.forward import Model, ResidentLayers
 
 
@@ -25,16 +28,47 @@ def load_resident(ckpt: Checkpoint, device: torch.device, dtype: torch.dtype, qu
       "int8-held"  the layers' matrices held only as per-row int8 (0.50x of bf16), lm_head dense
       "nf4"        the layers' matrices held only as bitsandbytes nf4 (0.28x of bf16), lm_head dense
     A held layer is quantized right after it is read, so loading needs one dense layer more, not a model."""
-    if quant not in QUANT_MODES:
-        raise ValueError(f"unknown quantization {quant!r}; expected one of {', '.join(QUANT_MODES)}")
-    layers = []
-    for i in range(ckpt.config.n_layers):
-        w = ckpt.layer_weights(i, device, dtype)
-        layers.append(w if quant == "none" else with_quantized_matrices(w, quant))
+    layers = _layers(ckpt, device, dtype, quant)
     globals_ = ckpt.global_weights(device, dtype, embed_device, lm_head_device)
     if quant == "int8":
         globals_ = replace(globals_, lm_head=Int8Weight.quantize(globals_.lm_head))   # embed stays as it is
     return Model(ckpt.config, globals_, ResidentLayers(layers))
+
+
+def load_twin(ckpt: Checkpoint, target: Model, quant: str, progress: bool = False) -> Model:
+    """--draft self: the target as its own draft, on the target's compute device, beside its embedding and final
+    norm (shared, not copied). ckpt: the target's checkpoint (a handle of its own). quant (quant.TWIN_QUANTS):
+      "int8"       the target's own resident dense matrices, lm_head too, each beside its per-row int8 copy
+                   (quant.Int8Weight): calls over a few rows read the copies, wider ones the target's matrices;
+                   only for a target whose layers are all resident and dense (search.make_plan sees to it)
+      "int8-held"  every layer's matrices held per-row int8 | bitsandbytes nf4, built from the checkpoint's dense
+      "nf4"        layers (a published format's dequantized) one at a time; lm_head the target's
+    Its distributions differ from the target's only by the quantization of its matrices."""
+    if quant == "int8":
+        if not isinstance(target.layers, ResidentLayers) or not all(
+                isinstance(w.q_proj, torch.Tensor) for w in target.layers.layers):
+            raise ValueError("an int8 twin reads the target's resident dense layers; this target has none")
+        layers = [with_quantized_matrices(w, "int8") for w in target.layers.layers]   # Int8Weight.full: the target's
+        globals_ = replace(target.globals, lm_head=Int8Weight.quantize(target.globals.lm_head))
+        return Model(ckpt.config, globals_, ResidentLayers(layers))
+    if quant not in HELD_DRAFT_QUANTS:
+        raise ValueError(f"a twin holds the target's matrices quantized (int8, {', '.join(HELD_DRAFT_QUANTS)}), "
+                         f"not {quant!r}")
+    return Model(ckpt.config, target.globals, ResidentLayers(_layers(ckpt, target.device, target.dtype, quant,
+                                                                     progress)))
+
+
+def _layers(ckpt: Checkpoint, device: torch.device, dtype: torch.dtype, quant: str,
+            progress: bool = False) -> list[LayerWeights]:
+    """Every decoder layer on `device`, as `quant` (QUANT_MODES) holds it; one dense layer in memory at a time."""
+    if quant not in QUANT_MODES:
+        raise ValueError(f"unknown quantization {quant!r}; expected one of {', '.join(QUANT_MODES)}")
+    layers = []
+    for i in tqdm(range(ckpt.config.n_layers), desc=f"draft layers ({quant})", unit="layer", disable=not progress,
+                  leave=False):
+        w = ckpt.layer_weights(i, device, dtype)
+        layers.append(w if quant == "none" else with_quantized_matrices(w, quant))
+    return layers
 
 
 class DraftBeside:
@@ -44,18 +78,22 @@ class DraftBeside:
     the model, wait for the load (and raise its error, if any); `seconds` is what the load took. close() waits
     for a load still running."""
 
-    def __init__(self, ckpt: Checkpoint, device: torch.device, dtype: torch.dtype, quant: str = "none"):
+    def __init__(self, ckpt: Checkpoint, device: torch.device, dtype: torch.dtype, quant: str = "none",
+                 twin_of: Optional[Model] = None):
+        """twin_of: the target, when the draft is its twin (load_twin); None: a model of its own."""
         self.cfg, self.dtype, self.device = ckpt.config, dtype, device
         self.seconds: Optional[float] = None
         self._model: Optional[Model] = None
         self._error: Optional[BaseException] = None
-        self._thread = threading.Thread(target=self._load, args=(ckpt, quant), name="offspec-draft-load", daemon=True)
+        self._thread = threading.Thread(target=self._load, args=(ckpt, quant, twin_of), name="offspec-draft-load",
+                                        daemon=True)
         self._thread.start()
 
-    def _load(self, ckpt: Checkpoint, quant: str) -> None:
+    def _load(self, ckpt: Checkpoint, quant: str, twin_of: Optional[Model]) -> None:
         start = time.perf_counter()
         try:
-            self._model = load_resident(ckpt, self.device, self.dtype, quant)
+            self._model = (load_resident(ckpt, self.device, self.dtype, quant) if twin_of is None else
+                           load_twin(ckpt, twin_of, quant))
         except BaseException as err:     # handed to the first forward(), never swallowed
             self._error = err
         finally:

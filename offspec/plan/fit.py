@@ -283,7 +283,7 @@ def _memory_plan(run: PlanRun, room: Room, tree_budget: int, placement: Placemen
                       host_pinned=host.pinned, items=tuple(items), notes=tuple(notes),
                       streamed_bytes=moved_by(run.sizes.moved, B, placement.streamed), block_nbytes=B,
                       layer_moved=run.sizes.moved, pinned_layers=host.pinned_layers,
-                      pinned_budget=room.pinned_budget)
+                      pinned_budget=room.pinned_budget, draft_quant=run.runtime.draft_quant)
 
 
 def _ring_note(p: Placement, quant: str, L: int, B: int) -> str:

@@ -40,6 +40,8 @@ class MemoryPlan:
     pinned_budget: int = 0          # host bytes that may be pinned (the arena's share of it, less any disk
                                     # staging, is layers.host_budget)
     layer_moved: tuple[int, ...] = ()   # TargetLayerSizes.moved: bytes each layer's load copies, where they differ
+    draft_quant: str = "none"       # how the draft's matrices are held (RuntimeConfig.draft_quant; a twin's may
+                                    # differ from the one asked: search.make_plan)
 
     def moved_by(self, layers) -> int:
         """Bytes the loads of these target layers copy (block_nbytes each, unless layer_moved says otherwise)."""

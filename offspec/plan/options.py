@@ -138,11 +138,12 @@ def compare(target: ModelSpec, draft: Optional[ModelSpec], offload: OffloadConfi
 
 
 def _drafts(fastest: Option, draft: Optional[ModelSpec], option) -> tuple[Option, ...]:
-    """The fastest option with the draft held each way that fits (none when there is no draft)."""
+    """The fastest option with the draft held each way that fits (none when there is no draft; a twin is never
+    dense)."""
     if draft is None:
         return ()
     found = []
-    for draft_quant in DRAFT_CHOICES:
+    for draft_quant in DRAFT_CHOICES[1:] if draft.twin else DRAFT_CHOICES:
         try:
             found.append(option(fastest.target_quant, fastest.mode, draft_quant))
         except BudgetError:

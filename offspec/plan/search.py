@@ -84,7 +84,7 @@ def make_plan(target: ModelSpec, draft: Optional[ModelSpec], offload: OffloadCon
     in its own quantization (published_runtime)."""
     runtime = published_runtime(target, runtime)
     try:
-        plan = _plan_concurrency(target, draft, offload, runtime, limits, machine, store_dir)
+        plan = _plan_with_draft(target, draft, offload, runtime, limits, machine, store_dir)
     except BudgetError as refused:
         fits = _what_fits(target, draft, offload, runtime, limits, machine, store_dir)
         if fits is None:
@@ -97,6 +97,20 @@ def make_plan(target: ModelSpec, draft: Optional[ModelSpec], offload: OffloadCon
             f"{describe_quant(target.quant)} dequantizes in {name}; in {str(runtime.dtype).removeprefix('torch.')} "
             f"its weights are rounded once more (--dtype {name} runs exactly them)",))
     return plan
+
+
+def _plan_with_draft(target: ModelSpec, draft: Optional[ModelSpec], offload: OffloadConfig, runtime: RuntimeConfig,
+                     limits: RunLimits, machine: Machine, store_dir: Optional[str]) -> MemoryPlan:
+    """_plan_concurrency; but a twin with --draft-quant int8 reads the target's own resident dense matrices
+    (beside their int8 copies), so it needs a plan that keeps every target layer on the device, dense: where
+    the plan does not, the twin holds int8 layers of its own (int8-held, the same draft), said in the notes."""
+    plan = _plan_concurrency(target, draft, offload, runtime, limits, machine, store_dir)
+    if draft is None or not draft.twin or runtime.draft_quant != "int8" or plan.layers.dense_resident:
+        return plan
+    plan = _plan_concurrency(target, draft, offload, replace(runtime, draft_quant="int8-held"), limits, machine,
+                             store_dir)
+    return replace(plan, notes=plan.notes + ("--draft self: the target's layers do not all stay on the device "
+                                             "dense, so its twin holds int8 layers of its own (int8-held)",))
 
 
 def _what_fits(target: ModelSpec, draft: Optional[ModelSpec], offload: OffloadConfig, runtime: RuntimeConfig,
@@ -253,8 +267,9 @@ def _draft_weight_items(draft: ModelSpec, runtime: RuntimeConfig) -> list[PlanIt
     """The draft's weights on the device: dense or held quantized, and its int8 copy or dequantization temporary."""
     dtype = runtime.dtype
     held = runtime.draft_quant in HELD_DRAFT_QUANTS
+    name = "--draft self: the target's own" if draft.twin else Path(draft.name).name
     items = [PlanItem("device", "draft weights", draft_weights_nbytes(draft, dtype, runtime.draft_quant),
-                      Path(draft.name).name + (f", layers held {runtime.draft_quant}" if held else ""))]
+                      name + (f", layers held {runtime.draft_quant}" if held else ""))]
     if runtime.draft_quant == "int8":
         items.append(PlanItem("device", "draft int8 copy", int8_copy_nbytes(draft.cfg, dtype), "--draft-quant int8"))
     if held:

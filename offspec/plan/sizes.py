@@ -22,11 +22,16 @@ class ModelSpec:
     lm_head_stored: bool   # lm_head is its own tensor (untied, or saved anyway); else it shares the embedding
     name: str              # for messages: the folder
     quant: str = "none"    # a published quantization its layers are stored in (published.py), else "none"
+    twin: bool = False     # the draft is the target's own layers held quantized (--draft self), its globals shared
 
     @staticmethod
     def of(ckpt) -> "ModelSpec":
         """From a checkpoint.Checkpoint (headers only is enough)."""
         return ModelSpec(ckpt.config, ckpt.has_lm_head, str(ckpt.path), ckpt.quant)
+
+    def as_twin(self) -> "ModelSpec":
+        """This model (a target's spec) as its own draft: --draft self."""
+        return replace(self, twin=True)
 
 
 def published_runtime(target: ModelSpec, runtime: RuntimeConfig) -> RuntimeConfig:
@@ -118,14 +123,18 @@ def int8_copy_nbytes(cfg: ModelConfig, dtype: torch.dtype) -> int:
 
 def draft_weights_nbytes(spec: ModelSpec, dtype: torch.dtype, draft_quant: str = "none") -> int:
     """The draft's weights on the device: dense, or (--draft-quant int8-held | nf4) its layers' matrices held
-    quantized (quant.HeldWeight) beside dense norms, biases, embedding and lm_head."""
+    quantized (quant.HeldWeight) beside dense norms, biases, embedding and lm_head. A twin (--draft self) holds
+    only its layers: the embedding, final norm and lm_head are the target's, counted with the target; with
+    --draft-quant int8 not even those (the target's resident layers, beside their int8 copies)."""
     cfg = spec.cfg
+    own_globals = 0 if spec.twin else globals_nbytes(spec, dtype)
     if draft_quant not in HELD_DRAFT_QUANTS:
-        return cfg.n_layers * layer_nbytes(cfg, dtype) + globals_nbytes(spec, dtype)
+        # A dense twin is the target's resident layers themselves (int8: its int8 copies, int8_copy_nbytes).
+        return 0 if spec.twin else cfg.n_layers * layer_nbytes(cfg, dtype) + own_globals
     quant = HELD_DRAFT_QUANTS[draft_quant]
     layer = sum(held_matrix_nbytes(quant, shape, dtype) if len(shape) == 2 else math.prod(shape) * itemsize(dtype)
                 for shape in layer_shapes(cfg).values())
-    return cfg.n_layers * layer + globals_nbytes(spec, dtype)
+    return cfg.n_layers * layer + own_globals
 
 
 def largest_matrix_nbytes(cfg: ModelConfig, dtype: torch.dtype) -> int:

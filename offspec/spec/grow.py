@@ -69,6 +69,7 @@ draft's KV of final node n is where working node origin[n] was written.
 Draft calls per round (root_dist is the caller's, not counted; recorded as tree.n_draft_calls):
   dyspec   one per depth, over the whole frontier (<= max_depth - 1)
   static   one per depth (<= len(static_widths) - 1)
+  sequoia  one per depth of its fixed shape (sequoia.py: Sequoia's DP over the measured acceptance by rank)
   chain    one per token after the first (budget - 1, capped by max_depth - 1)
   heap     one per "wave": best-first pops until the best candidate belongs to a node not yet run; then every
            such node that could still place a child (fewer real candidates than the remaining budget rank
@@ -88,17 +89,19 @@ from offspec.config import SamplingConfig, TreeConfig
 from offspec.spec.calibrate import UNCALIBRATED_NGRAM, Calibration
 from offspec.spec.ngram import NgramChain
 from offspec.spec.sampling import draw_without_replacement
+from offspec.spec.sequoia import RankCounts, best_tree, grow_shape
 from offspec.spec.tree import TokenTree
 
 DraftRequest = tuple[TokenTree, torch.Tensor]                   # what a growth yields: (working tree, frontier (F,))
 Growth = Generator[DraftRequest, torch.Tensor, TokenTree]       # yields requests, is sent (F, V), returns the tree
 
-POLICIES = ("dyspec", "heap", "chain", "static", "none")
+POLICIES = ("dyspec", "heap", "chain", "static", "sequoia", "none")
 
 
 def grow_steps(tree_cfg: TreeConfig, sampling: SamplingConfig, root_token: int, root_dist: torch.Tensor,
                budget: int, generator: torch.Generator, expand_floor: float = 0.0, *,
-               calibration: Optional[Calibration] = None, ngram: Sequence[NgramChain] = ()) -> Growth:
+               calibration: Optional[Calibration] = None, ngram: Sequence[NgramChain] = (),
+               rank_acceptance: Optional[Sequence[float]] = None) -> Growth:
     """Grow one round's token tree with at most `budget` nodes besides the root, as a generator of draft calls.
 
     root_dist (V,): the draft's processed distribution at the root (process_logits of its logits there).
@@ -107,6 +110,7 @@ def grow_steps(tree_cfg: TreeConfig, sampling: SamplingConfig, root_token: int, 
     round's C; see _grow_dyspec). 0 = every node that could still place a child.
     calibration: the estimates a(x) of draft and n-gram nodes (None: a = p, and NGRAM_PRIOR for n-gram nodes).
     ngram: the chains to graft onto the grown tree (ngram.lookup of the sequence ending with root_token).
+    rank_acceptance: sequoia's p by rank (sequoia.RankCounts.vector; None: the prior's). Sequoia grafts no n-grams.
     """
     if tree_cfg.policy not in POLICIES:
         raise ValueError(f"unknown tree policy {tree_cfg.policy!r}; expected one of {', '.join(POLICIES)}")
@@ -123,6 +127,10 @@ def grow_steps(tree_cfg: TreeConfig, sampling: SamplingConfig, root_token: int, 
         return (yield from _grow_heap(tree_cfg, g, budget))
     if tree_cfg.policy == "chain":
         return (yield from _grow_chain(tree_cfg, g, budget))
+    if tree_cfg.policy == "sequoia":
+        g.ngram = ()
+        p = rank_acceptance if rank_acceptance is not None else RankCounts.zeros(tree_cfg.branching).vector()
+        return (yield from grow_shape(g, best_tree(p, budget, tree_cfg.max_depth)[0]))
     return (yield from _grow_static(tree_cfg, g, budget))
 
 

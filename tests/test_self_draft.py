@@ -1,0 +1,157 @@
+"""--draft self: the target's own layers held quantized as its draft (model.draft.load_twin). It shares the
+target's globals, is counted by the memory plan like any draft (its layers only), never changes the output
+(greedy float32 == the target's own; sampling keeps the target's law; a batch keeps each prompt's tokens), and
+works for published and GGUF targets."""
+from dataclasses import replace
+
+import pytest
+import torch
+from test_cli import cli, ok
+from tiny import hf_config, make_model, save_agreeing_pair, save_gguf, save_published_checkpoint
+
+from offspec.config import OffloadConfig, RunLimits, RuntimeConfig, SamplingConfig, TreeConfig
+from offspec.engine.generate import GenerationRequest, run
+from offspec.engine.load import SELF_DRAFT, Models, load_engine
+from offspec.formats.quant import HeldWeight, Int8Weight
+from offspec.plan.sizes import ModelSpec, draft_weights_nbytes, globals_nbytes, int8_copy_nbytes
+
+RUNTIME = RuntimeConfig(device=torch.device("cpu"), dtype=torch.float32)
+PROMPTS = (tuple(range(5, 25)), tuple(range(40, 47)), (3, 9, 27, 81 % 50, 11))
+TREE = TreeConfig(policy="dyspec", budget=16)
+
+
+@pytest.fixture(scope="module")
+def target(tmp_path_factory):
+    return save_agreeing_pair(tmp_path_factory.mktemp("twin"), n_layers=3)[0]
+
+
+def tokens(engine, prompt, tree, n=30, sampling=SamplingConfig()):
+    report, _ = run(engine, GenerationRequest(prompt_ids=prompt, max_new_tokens=n, tree=tree, sampling=sampling,
+                                              ignore_eos=True))
+    return report
+
+
+@pytest.mark.parametrize("offload", ["none", "cpu"])
+def test_twin_greedy_equals_the_targets_own_and_shares_its_weights(target, offload):
+    """--draft-quant auto on a CPU: int8 copies of the resident target's own matrices; where the target streams,
+    int8 layers of its own (int8-held)."""
+    loaded = load_engine(target, SELF_DRAFT, OffloadConfig(mode=offload), RUNTIME, progress=False)
+    engine = loaded.engine
+    try:
+        twin = engine.draft.model() if hasattr(engine.draft, "model") else engine.draft
+        assert twin.globals.embed is engine.target.globals.embed              # shared, not copied
+        if offload == "none":
+            assert engine.draft_quant == "int8"
+            for mine, its in zip(twin.layers.layers, engine.target.layers.layers):
+                assert isinstance(mine.q_proj, Int8Weight) and mine.q_proj.full is its.q_proj
+            assert twin.globals.lm_head.full is engine.target.globals.lm_head
+        else:
+            assert engine.draft_quant == "int8-held" and any("int8-held" in n for n in loaded.plan.notes)
+            assert twin.globals is engine.target.globals
+            assert all(isinstance(w.q_proj, HeldWeight) and w.q_proj.quant == "int8" for w in twin.layers.layers)
+        for prompt in PROMPTS[:2]:
+            plain = tokens(engine, prompt, TreeConfig(policy="none"))
+            spec = tokens(engine, prompt, TREE)
+            assert spec.tokens == plain.tokens
+            assert spec.tokens_per_pass > 2, "an int8 twin agrees with its target most of the time"
+    finally:
+        engine.close()
+
+
+def test_twin_keeps_each_prompts_tokens_in_a_batch(target):
+    engine = load_engine(target, SELF_DRAFT, OffloadConfig(), RUNTIME, progress=False,
+                         limits=RunLimits(concurrency=3)).engine
+    try:
+        alone = [tokens(engine, p, TREE, n=20).tokens for p in PROMPTS]
+        requests = [GenerationRequest(prompt_ids=p, max_new_tokens=20, tree=TREE, ignore_eos=True) for p in PROMPTS]
+        together = {i: [] for i in range(len(requests))}
+        for event in engine.run_batch(requests, concurrency=3):
+            together[event.request] += event.step.tokens
+        assert [together[i] for i in range(len(PROMPTS))] == alone
+    finally:
+        engine.close()
+
+
+def test_twin_sampling_keeps_the_targets_law(tmp_path):
+    """The nf4 twin of a nearly context-free target (the next token's law depends on the last token only): the
+    second emitted token, reached through accepted twin tokens or residual samples, follows the target's law
+    (chi-square, alpha 0.001; as test_generate.test_engine_sampling_is_lossless for a separate draft)."""
+    import numpy as np
+    from scipy.stats import chisquare
+    from tiny import make_tokenizer, save_checkpoint
+
+    from offspec.spec.sampling import process_logits
+    pytest.importorskip("bitsandbytes")
+    model = make_model(hf_config("llama", n_layers=2, vocab=24), seed=11, scale=3.0)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+            layer.mlp.up_proj.weight.normal_()       # nf4's error shows in the MLP output of every row
+    t_dir = save_checkpoint(model, tmp_path / "t", make_tokenizer(n_tokens=24))
+    runtime = RuntimeConfig(device=torch.device("cpu"), dtype=torch.float32, draft_quant="nf4")
+    engine = load_engine(t_dir, SELF_DRAFT, OffloadConfig(), runtime, progress=False).engine
+    sampling = SamplingConfig(temperature=1.0, top_p=0.95)
+    with torch.no_grad():
+        Q = process_logits(model(torch.arange(24)[:, None]).logits[:, 0], sampling).double()   # (V, V)
+    prompt = (5, 9, 7)
+    law2 = (Q[prompt[-1]] @ Q).numpy()
+    second = []
+    tree = TreeConfig(policy="dyspec", budget=6, branching=3, max_depth=3)
+    for seed in range(800):
+        req = GenerationRequest(prompt_ids=prompt, max_new_tokens=2, ignore_eos=True, tree=tree,
+                                sampling=SamplingConfig(temperature=1.0, top_p=0.95, seed=seed))
+        second.append([t for s in engine.generate(req) for t in s.tokens][1])
+    engine.close()
+    counts = np.bincount(second, minlength=24)
+    support = law2 > 0
+    assert counts[~support].sum() == 0
+    expected = law2[support] / law2[support].sum() * len(second)
+    assert chisquare(counts[support], expected).pvalue > 1e-3
+
+
+@pytest.mark.parametrize("kind", ["awq", "gguf"])
+def test_twin_of_a_published_or_gguf_target_equals_its_own_greedy(tmp_path, kind):
+    """The twin is built from the dequantized layers: the output is the published target's own."""
+    pytest.importorskip("gguf") if kind == "gguf" else None
+    model = make_model(hf_config("llama", n_layers=2, hidden=256, vocab=300), seed=5, scale=3.0)
+    path = (save_published_checkpoint(model, tmp_path / "awq", "awq-g32") if kind == "awq" else
+            save_gguf(model, tmp_path / "t.gguf", {"q_proj": "Q4_K", "down_proj": "Q6_K"}))
+    engine = load_engine(path, SELF_DRAFT, OffloadConfig(), RUNTIME, progress=False).engine
+    try:
+        plain = tokens(engine, PROMPTS[0], TreeConfig(policy="none"), n=20)
+        spec = tokens(engine, PROMPTS[0], TREE, n=20)
+        assert spec.tokens == plain.tokens and spec.tokens_per_pass > 1.5
+    finally:
+        engine.close()
+
+
+def test_the_plan_counts_the_twins_own_bytes_only(target):
+    """int8: the int8 copies of the target's matrices (its dense ones are the target's); int8-held and nf4:
+    its layers, not the globals it shares."""
+    models = Models.open(target, SELF_DRAFT)
+    spec = ModelSpec.of(models.target)
+    try:
+        plan = models.plan(OffloadConfig(), RUNTIME)
+        items = {i.what: i for i in plan.items}
+        assert plan.draft_quant == "int8" and items["draft weights"].nbytes == 0
+        assert items["draft int8 copy"].nbytes == int8_copy_nbytes(spec.cfg, torch.float32)
+        for quant in ("int8-held", "nf4"):
+            plan = models.plan(OffloadConfig(), replace(RUNTIME, draft_quant=quant))
+            item = next(i for i in plan.items if i.what == "draft weights")
+            own = draft_weights_nbytes(spec, torch.float32, quant)            # its layers + globals of its own
+            assert item.nbytes == own - globals_nbytes(spec, torch.float32)
+            assert "--draft self" in item.note and quant in item.note
+    finally:
+        models.target.close()
+        models.draft.close()
+
+
+def test_cli_self_draft_runs_and_refuses_a_dense_twin(target):
+    out = ok(cli("generate", "--target", target, "--draft", "self", "--device", "cpu", "--dtype", "float32",
+                 "--max-new-tokens", "8", "--raw", "hello"))
+    assert "draft self (int8)" in out.stderr
+    bad = cli("generate", "--target", target, "--draft", "self", "--draft-quant", "none", "--device", "cpu",
+              "--max-new-tokens", "4", "hello")
+    assert bad.exit_code == 1 and "--draft self reads the target's layers quantized" in bad.stderr
+    assert len(bad.stderr.strip().splitlines()) == 1

@@ -83,7 +83,8 @@ class RaySetup:
 class WorkerSpec:
     """What every worker loads; the same on every node."""
     target: Optional[str]         # target folder (absolute) or hub id, opened on the worker's node; None with demo
-    draft: Optional[str]          # draft folder or hub id; None: the target alone (with demo: any value = the demo draft)
+    draft: Optional[str]          # draft folder, hub id or "self"; None: the target alone (with demo: any other value =
+                                  # the demo draft)
     demo: bool                    # the embedded demo models: each node converts its own copy (demo.py)
     offload: OffloadConfig
     runtime: RuntimeConfig        # device (cuda = the GPU Ray gave the actor), dtype, draft quantization
@@ -120,7 +121,7 @@ class BatchWorker:
 
     def load(self) -> WorkerInfo:
         if self.loaded is None:
-            from offspec.engine.load import Models
+            from offspec.engine.load import SELF_DRAFT, Models
 
             spec = self.spec
             start = time.perf_counter()
@@ -131,7 +132,7 @@ class BatchWorker:
                 if spec.demo:
                     from offspec.formats.demo import ensure_demo_models
                     target, demo_draft = ensure_demo_models(progress=False)
-                    draft = demo_draft if spec.draft is not None else None
+                    draft = None if spec.draft is None else spec.draft if spec.draft == SELF_DRAFT else demo_draft
                 self.loaded = Models.open(target, draft).load(spec.offload, spec.runtime, spec.limits, progress=False)
             self.info = WorkerInfo(os.getpid(), socket.gethostname(), str(self.loaded.engine.device),
                                    self.loaded.plan.layers_line(), time.perf_counter() - start)
@@ -461,21 +462,22 @@ def engines_on_ray(run: BatchRun, setup: RaySetup, ray, notify: Callable[[str], 
     The workers' device: setup.device, else cuda where the cluster has GPUs, else cpu. Their memory plan is made
     here, for the machine a probe task placed like a worker measures: a job no worker can hold stops before any
     starts, and the plan's rows in flight (auto concurrency resolved) size each worker's feed."""
-    from offspec.engine.load import parse_device, runtime_config
+    from offspec.engine.load import SELF_DRAFT, parse_device, runtime_config
 
     with Cluster(ray, setup.address, notify) as cluster:
         device = setup.device or ("cuda" if cluster.gpus() > 0 else "cpu")
         if device.startswith("cuda") and cluster.gpus() == 0:
             raise ClusterError(f"--device {device}: the Ray cluster has no GPU")
         runtime = runtime_config(parse_device(device, check_available=False), run.runtime.dtype, setup.draft_quant,
-                                 run.runtime.target_quant, run.runtime.resident_quant)
+                                 run.runtime.target_quant, run.runtime.resident_quant, twin=run.models.twin)
         cluster.check_slots(setup.workers, runtime.device.type, setup.worker_cpus)
         machine = cluster.probe(runtime.device.type, setup.worker_cpus)
         plan = run.models.plan(run.offload, runtime, run.limits, machine)    # what a worker cannot hold stops here
         host_bytes = plan_host_bytes(plan)
         cluster.check_memory(host_bytes)
         demo = setup.target is None
-        draft = None if run.models.draft is None else ("demo" if demo else absolute(setup.draft))
+        draft = (None if run.models.draft is None else SELF_DRAFT if run.models.twin else
+                 "demo" if demo else absolute(setup.draft))
         # Each worker plans again when it loads, on its own node: never more rows than Ray was told the memory of.
         spec = WorkerSpec(target=absolute(setup.target), draft=draft, demo=demo, offload=run.offload, runtime=runtime,
                           limits=replace(run.limits, concurrency_cap=plan.concurrency),

@@ -83,8 +83,7 @@ class RaySetup:
 class WorkerSpec:
     """What every worker loads; the same on every node."""
     target: Optional[str]         # target folder (absolute) or hub id, opened on the worker's node; None with demo
-    draft: Optional[str]          # draft folder, hub id or "self"; None: the target alone (with demo: any other value =
-                                  # the demo draft)
+    draft: Optional[str]          # draft folder, hub id or "self"; None: the target alone (demo: else the demo draft)
     demo: bool                    # the embedded demo models: each node converts its own copy (demo.py)
     offload: OffloadConfig
     runtime: RuntimeConfig        # device (cuda = the GPU Ray gave the actor), dtype, draft quantization
@@ -476,8 +475,8 @@ def engines_on_ray(run: BatchRun, setup: RaySetup, ray, notify: Callable[[str], 
         host_bytes = plan_host_bytes(plan)
         cluster.check_memory(host_bytes)
         demo = setup.target is None
-        draft = (None if run.models.draft is None else SELF_DRAFT if run.models.twin else
-                 "demo" if demo else absolute(setup.draft))
+        draft = SELF_DRAFT if run.models.twin else "demo" if demo else absolute(setup.draft)
+        draft = None if run.models.draft is None else draft
         # Each worker plans again when it loads, on its own node: never more rows than Ray was told the memory of.
         spec = WorkerSpec(target=absolute(setup.target), draft=draft, demo=demo, offload=run.offload, runtime=runtime,
                           limits=replace(run.limits, concurrency_cap=plan.concurrency),

@@ -110,7 +110,7 @@ def models_info(model_dir, draft_dir, device_memory, host_memory, dtype, offload
     import torch
 
     from offspec.engine.load import parse_dtype
-    from offspec.formats.quant import auto_draft_quant, auto_twin_quant, check_twin_quant
+    from offspec.formats.quant import resolve_draft_quant
     from offspec.plan.options import compare
     from offspec.plan.search import make_plan
     from offspec.plan.sizes import ModelSpec
@@ -130,12 +130,9 @@ def models_info(model_dir, draft_dir, device_memory, host_memory, dtype, offload
     if device_memory is None and gpu:
         device_memory = f"{rates.card.memory_gb:g}GB"
     machine = machine_for(parse_bytes(device_memory), parse_bytes(host_memory))
-    if draft_quant == "auto":
-        draft_quant = auto_twin_quant(machine.kind) if twin else auto_draft_quant(machine.kind, dt)
-    if twin:
-        check_twin_quant(draft_quant)
     runtime = RuntimeConfig(device=torch.device("cpu"), dtype=dt, target_quant=target_quant,
-                            resident_quant=resident_quant, draft_quant=draft_quant)
+                            resident_quant=resident_quant,
+                            draft_quant=resolve_draft_quant(draft_quant, machine.kind, dt, twin))
     target_spec = ModelSpec.of(target)
     specs = (target_spec, target_spec.as_twin() if twin else ModelSpec.of(draft) if draft else None)
     offload_config = OffloadConfig(mode=offload, gpu_budget=parse_bytes(gpu_budget), n_slots=n_slots,

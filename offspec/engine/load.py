@@ -36,15 +36,14 @@ from offspec.formats.open import load_tokenizer, open_checkpoint, same_tokenizer
 from offspec.formats.quant import (
     TWIN_QUANTS,
     QuantizedResident,
-    auto_draft_quant,
     auto_twin_quant,
     check_draft_quant,
     check_target_quant,
-    check_twin_quant,
     dequantized,
+    resolve_draft_quant,
     target_layout,
 )
-from offspec.model.draft import DraftBeside, load_resident, load_twin
+from offspec.model.draft import DraftBeside, load_draft, load_resident
 from offspec.model.forward import Model, ResidentLayers
 from offspec.model.vocab import check_rows_cover_tokenizer, check_same_tokenizer, token_id_count
 from offspec.plan.machine import Machine
@@ -89,10 +88,7 @@ def runtime_config(device: torch.device, dtype: torch.dtype, draft_quant: str = 
     the device and dtype (quant.auto_draft_quant; for a twin, --draft self: quant.auto_twin_quant), each
     quantization one that they can run. The CLI makes this machine's; cluster.engines_on_ray the Ray workers'
     (their device is chosen there)."""
-    if draft_quant == "auto":
-        draft_quant = auto_twin_quant(device.type) if twin else auto_draft_quant(device.type, dtype)
-    if twin:
-        check_twin_quant(draft_quant)
+    draft_quant = resolve_draft_quant(draft_quant, device.type, dtype, twin)
     check_target_quant(target_quant, device, dtype)
     check_draft_quant(draft_quant, device, dtype)
     # "on" with no --target-quant may still hold a published checkpoint's layers: the plan checks it there.
@@ -243,10 +239,7 @@ class Models:
 
     def _load_draft(self, runtime: RuntimeConfig, twin_of, progress: bool) -> Model:
         """The draft, now, on the compute device: a model of its own, or (twin_of: the target) its twin."""
-        if twin_of is None:
-            draft = load_resident(self.draft, runtime.device, runtime.dtype, runtime.draft_quant)
-        else:
-            draft = load_twin(self.draft, twin_of, runtime.draft_quant, progress)
+        draft = load_draft(self.draft, runtime.device, runtime.dtype, runtime.draft_quant, twin_of, progress)
         self.draft.close()
         return draft
 

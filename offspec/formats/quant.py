@@ -224,6 +224,16 @@ def auto_twin_quant(device_kind: str) -> str:
     return "nf4" if device_kind == "cuda" else "int8"
 
 
+def resolve_draft_quant(draft_quant: str, device_kind: str, dtype: torch.dtype, twin: bool = False) -> str:
+    """--draft-quant as asked -> as the run holds it: "auto" resolved (auto_draft_quant; for a twin, --draft self,
+    auto_twin_quant); a twin's refused in one line where it would be dense (check_twin_quant)."""
+    if draft_quant == "auto":
+        return auto_twin_quant(device_kind) if twin else auto_draft_quant(device_kind, dtype)
+    if twin:
+        check_twin_quant(draft_quant)
+    return draft_quant
+
+
 def check_twin_quant(draft_quant: str) -> None:
     """A twin (--draft self) reads the target's layers quantized: a dense one would be the target again."""
     if draft_quant not in TWIN_QUANTS:

@@ -58,6 +58,14 @@ def load_twin(ckpt: Checkpoint, target: Model, quant: str, progress: bool = Fals
                                                                      progress)))
 
 
+def load_draft(ckpt: Checkpoint, device: torch.device, dtype: torch.dtype, quant: str,
+               twin_of: Optional[Model] = None, progress: bool = False) -> Model:
+    """The draft on `device`: a model of its own (load_resident), or, twin_of the target, its twin (load_twin)."""
+    if twin_of is None:
+        return load_resident(ckpt, device, dtype, quant)
+    return load_twin(ckpt, twin_of, quant, progress)
+
+
 def _layers(ckpt: Checkpoint, device: torch.device, dtype: torch.dtype, quant: str,
             progress: bool = False) -> list[LayerWeights]:
     """Every decoder layer on `device`, as `quant` (QUANT_MODES) holds it; one dense layer in memory at a time."""
@@ -92,8 +100,7 @@ class DraftBeside:
     def _load(self, ckpt: Checkpoint, quant: str, twin_of: Optional[Model]) -> None:
         start = time.perf_counter()
         try:
-            self._model = (load_resident(ckpt, self.device, self.dtype, quant) if twin_of is None else
-                           load_twin(ckpt, twin_of, quant))
+            self._model = load_draft(ckpt, self.device, self.dtype, quant, twin_of)
         except BaseException as err:     # handed to the first forward(), never swallowed
             self._error = err
         finally:

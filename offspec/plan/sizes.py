@@ -129,8 +129,9 @@ def draft_weights_nbytes(spec: ModelSpec, dtype: torch.dtype, draft_quant: str =
     cfg = spec.cfg
     own_globals = 0 if spec.twin else globals_nbytes(spec, dtype)
     if draft_quant not in HELD_DRAFT_QUANTS:
-        # A dense twin is the target's resident layers themselves (int8: its int8 copies, int8_copy_nbytes).
-        return 0 if spec.twin else cfg.n_layers * layer_nbytes(cfg, dtype) + own_globals
+        if spec.twin:
+            return 0      # the target's resident layers themselves (int8: its int8 copies, int8_copy_nbytes)
+        return cfg.n_layers * layer_nbytes(cfg, dtype) + own_globals
     quant = HELD_DRAFT_QUANTS[draft_quant]
     layer = sum(held_matrix_nbytes(quant, shape, dtype) if len(shape) == 2 else math.prod(shape) * itemsize(dtype)
                 for shape in layer_shapes(cfg).values())

@@ -97,7 +97,7 @@ from offspec.engine.load import Models, parse_dtype  # noqa: E402
 from offspec.engine.metrics import JobReport, synchronize  # noqa: E402
 from offspec.engine.prompt import encode_prompt  # noqa: E402
 from offspec.formats.demo import ensure_demo_models  # noqa: E402
-from offspec.formats.quant import auto_draft_quant  # noqa: E402
+from offspec.formats.draft_quant import auto_draft_quant  # noqa: E402
 from offspec.plan.costmodel import LINK_GB_PER_S  # noqa: E402
 from offspec.plan.sizes import layer_nbytes  # noqa: E402
 

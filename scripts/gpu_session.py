@@ -12,6 +12,9 @@ Parts, in order, each in its own process with its own time limit (a hang or a cr
            streamed logits against the resident ones (bitwise)
   drafts   one call of a 1B-shaped (Llama-3.2-1B) and an 8B-shaped (Llama-3.1-8B) draft, resident, at the
            same widths, after the same prefix
+  twin     one 70B-shaped layer's seven matrices as a twin (--draft self) holds them: bf16, int4 (PyTorch's int4
+           matmul, formats/int4.py) and nf4 (bitsandbytes: dequantized per call), at 1, 4, 16 and 64 tree rows;
+           and int4's error against its reference dequantization (the CUDA kernel's first check)
   kernels  the Triton dequantization kernels' tests on the GPU (tests/test_kernels.py: every format and shape
            edge, bit for bit against the torch transcriptions; OUT/kernels.log, OUT/kernels_junit.xml)
   dequant  the dequantization of one 70B layer on the GPU, for every layer format offspec streams: int8 and nf4
@@ -65,8 +68,10 @@ from offspec.model.forward import Model  # noqa: E402
 from offspec.plan.placement import LayerPlan  # noqa: E402
 from offspec.plan.sizes import layer_nbytes  # noqa: E402
 
-PARTS = ("check", "kernels", "pass70b", "drafts", "dequant", "passq")
-PART_LIMIT_S = {"check": 260, "kernels": 150, "pass70b": 150, "drafts": 60, "dequant": 150, "passq": 150}
+PARTS = ("check", "kernels", "pass70b", "drafts", "twin", "dequant", "passq")
+PART_LIMIT_S = {"check": 260, "kernels": 150, "pass70b": 150, "drafts": 60, "twin": 90, "dequant": 150,
+                "passq": 150}
+TWIN_ROWS = (1, 4, 16, 64)
 WIDTHS = (1, 64, 256, 1024)
 
 LLAMA_70B = ModelConfig(arch="llama", vocab_size=128256, hidden_size=8192, intermediate_size=28672, n_layers=16,
@@ -155,6 +160,44 @@ def drafts_part(args, device: torch.device, results: Results) -> None:
             results.add_row("drafts", {"draft": name, "tokens": T, "call_s": timer.seconds / args.passes,
                                        "layers": cfg.n_layers, "hidden": cfg.hidden_size})
         del model, cache
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+
+
+def twin_part(args, device: torch.device, results: Results) -> None:
+    from offspec.errors import InputError
+    from offspec.formats import int4
+    from offspec.formats.layout import layer_shapes
+    from offspec.formats.quant import HeldWeight, linear
+
+    cfg = shape(LLAMA_70B, args, 1)
+    gen = torch.Generator(device).manual_seed(0)
+    dense = [torch.randn(s, generator=gen, device=device, dtype=torch.bfloat16) * 0.02
+             for s in layer_shapes(cfg).values() if len(s) == 2]
+    x = torch.randn(3, dense[0].shape[1], generator=gen, device=device, dtype=torch.bfloat16)
+    q, sz = int4.quantize_groups(dense[0], int4.group_size(dense[0].shape[1]))
+    want = x.float() @ int4.dequantize_groups(q, sz, int4.group_size(dense[0].shape[1])).t()
+    got = int4.Int4Weight.quantize(dense[0]).matmul(x).float()
+    results.update("twin", int4_max_rel_error=float((got - want).abs().max() / want.abs().max()), layers_per_70b=80)
+    forms = {"bf16": lambda w: w, "int4": int4.Int4Weight.quantize, "nf4": lambda w: HeldWeight.quantize(w, "nf4")}
+    for form, make in forms.items():
+        try:
+            held = [make(w) for w in dense]
+        except InputError as err:          # nf4 without bitsandbytes
+            results.add_row("twin", {"form": form, "skipped": str(err)[:120]})
+            continue
+        nbytes = sum(w.numel() * w.element_size() if isinstance(w, torch.Tensor) else w.nbytes for w in held)
+        for T in TWIN_ROWS:
+            xs = [torch.randn(T, w.shape[1], generator=gen, device=device, dtype=torch.bfloat16) for w in dense]
+            for w, xi in zip(held, xs):                                                 # warm-up
+                linear(xi, w)
+            with Timer(device) as timer:
+                for _ in range(args.passes):
+                    for w, xi in zip(held, xs):
+                        linear(xi, w)
+            results.add_row("twin", {"form": form, "tokens": T, "layer_s": timer.seconds / args.passes,
+                                     "layer_bytes": nbytes})
+        del held
         if device.type == "cuda":
             torch.cuda.empty_cache()
 
@@ -329,7 +372,8 @@ class _Counted:
         self.placement = dataclasses.make_dataclass("P", ["streamed", "split"])(tuple(range(n_layers)), False)
 
 
-PART_FNS = {"pass70b": pass70b_part, "drafts": drafts_part, "dequant": dequant_part, "passq": passq_part}
+PART_FNS = {"pass70b": pass70b_part, "drafts": drafts_part, "twin": twin_part, "dequant": dequant_part,
+            "passq": passq_part}
 
 
 def child(args) -> int:
@@ -437,6 +481,9 @@ def render(data: dict) -> str:
                             "yes" if r["logits_equal"] else "**no**"] for r in p["rows"]]), ""]
     for part, heads, cells in (
             ("drafts", ["draft", "tokens", "call ms"], lambda r: [r["draft"], r["tokens"], f(r["call_s"] * 1e3, 2)]),
+            ("twin", ["form", "tree rows", "ms per 70B layer", "x 80 layers, ms", "layer GB"],
+             lambda r: [r["form"], r.get("tokens", "–"), r.get("skipped") or f(r["layer_s"] * 1e3, 3),
+                        f(r["layer_s"] * 80e3, 1) if "layer_s" in r else "–", f(r.get("layer_bytes", 0) / 1e9, 3)]),
             ("dequant", ["quant", "path", "tile (rows, cols, warps)", "ms per layer", "ms to issue",
                          "== torch path", "block GB", "dense GB"],
              lambda r: [r["quant"], r.get("path", "–"), r.get("tile", "–"),

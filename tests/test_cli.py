@@ -666,7 +666,6 @@ def test_bad_bench_and_models_options(m, tmp_path):
     prompts = write_jsonl(tmp_path / "p.txt", ["hi"])
     assert_clean_error(cli("bench", prompts, *m.models, *FAST, "--temperatures", "0,hot"), "--temperatures")
     assert_clean_error(cli("bench", prompts, *m.models, *FAST, "--new-tokens", 0), "--new-tokens")
-    assert_clean_error(cli("bench", prompts, "--target", m.target, *FAST), "--draft")
     assert_clean_error(cli("bench", prompts, *m.models, *FAST, "--systems", "none,forest-3"), "unknown system")
     assert_clean_error(cli("bench", prompts, *m.models, *FAST, "--systems", "default,chain-8"), "--systems must name")
     assert_clean_error(cli("models", "info", m.target, "--dtype", "int8"), "unknown dtype")

@@ -263,10 +263,13 @@ def test_gpu_session_parts_run_on_a_cpu_with_tiny_shapes(tmp_path):
     renders every part."""
     gs = load_script("gpu_session")
     common = ["--out", str(tmp_path), "--tiny", "--device", "cpu", "--passes", "1", "--context", "16"]
-    for part in ("pass70b", "drafts", "dequant", "passq"):
+    for part in ("pass70b", "drafts", "twin", "dequant", "passq"):
         assert gs.main([*common, "--part", part]) == 0
     data = json.loads((tmp_path / "gpu_70b.json").read_text())
-    assert all(data[part]["status"] == "passed" for part in ("pass70b", "drafts", "dequant", "passq"))
+    assert all(data[part]["status"] == "passed" for part in ("pass70b", "drafts", "twin", "dequant", "passq"))
+    twin = data["twin"]
+    assert twin["int4_max_rel_error"] < 0.05
+    assert {(r["form"], r["tokens"]) for r in twin["rows"] if "tokens" in r} >= {("int4", t) for t in gs.TWIN_ROWS}
     rows = data["pass70b"]["rows"]
     assert [r["tokens"] for r in rows] == list(gs.WIDTHS) and all(r["logits_equal"] for r in rows)
     assert {(r["draft"], r["tokens"]) for r in data["drafts"]["rows"]} == {(d, t) for d in gs.DRAFTS for t in gs.WIDTHS}
@@ -284,7 +287,8 @@ def test_gpu_session_parts_run_on_a_cpu_with_tiny_shapes(tmp_path):
     passq = data["passq"]["rows"]
     assert {(r["queues"], r["path"]) for r in passq} == set(gs.PASSQ_RUNS) and all(r["copies_s"] > 0 for r in passq)
     text = (tmp_path / "gpu_70b.md").read_text()
-    assert "## pass70b" in text and "## drafts" in text and "## dequant" in text and "## passq" in text
+    assert "## pass70b" in text and "## drafts" in text and "## twin" in text and "## dequant" in text
+    assert "## passq" in text
 
 
 def test_gpu_session_records_a_failing_part(tmp_path, monkeypatch):

@@ -103,14 +103,14 @@ def pair_root(pair):
 
 def test_the_draft_choices_are_named_for_the_fastest_row(pair):
     """A draft held quantized leaves the device more room for resident target layers: the fastest row is planned
-    again with the draft dense, int8-held and nf4, and the table names each with its predicted pass."""
+    again with the draft dense, int8-held, nf4 and int4, and the table names each with its predicted pass."""
     c = compared(pair, 24, 64)
-    assert [o.plan_draft_quant for o in c.drafts] == ["none", "int8-held", "nf4"]
+    assert [o.plan_draft_quant for o in c.drafts] == ["none", "int8-held", "nf4", "int4"]
     resident = [len(o.plan.placement.resident) for o in c.drafts]
     assert resident[0] < resident[2] and c.drafts[2].pass_seconds < c.drafts[0].pass_seconds
     assert all(o.target_quant == c.options[0].target_quant for o in c.drafts)
     assert "the draft, for the fastest row (nf4 cpu): as stored" in c.table()
-    assert [d["draft_quant"] for d in c.to_dict()["drafts"]] == ["none", "int8-held", "nf4"]
+    assert [d["draft_quant"] for d in c.to_dict()["drafts"]] == ["none", "int8-held", "nf4", "int4"]
     alone = compare(pair[0], None, OffloadConfig(mode="auto"), RuntimeConfig(dtype=torch.bfloat16),
                     RunLimits(context=4096), Machine.given(24 * GB, 64 * GB), 24.0, 3.0)
     assert alone.drafts == () and "the draft" not in alone.table()

@@ -12,6 +12,8 @@ from tiny import hf_config, make_model, save_agreeing_pair, save_gguf, save_publ
 from offspec.config import OffloadConfig, RunLimits, RuntimeConfig, SamplingConfig, TreeConfig
 from offspec.engine.generate import GenerationRequest, run
 from offspec.engine.load import SELF_DRAFT, Models, load_engine
+from offspec.errors import BudgetError
+from offspec.formats.int4 import Int4Weight
 from offspec.formats.quant import HeldWeight, Int8Weight
 from offspec.plan.sizes import ModelSpec, draft_weights_nbytes, globals_nbytes, int8_copy_nbytes
 
@@ -49,13 +51,45 @@ def test_twin_greedy_equals_the_targets_own_and_shares_its_weights(target, offlo
             assert engine.draft_quant == "int8-held" and any("int8-held" in n for n in loaded.plan.notes)
             assert twin.globals is engine.target.globals
             assert all(isinstance(w.q_proj, HeldWeight) and w.q_proj.quant == "int8" for w in twin.layers.layers)
-        for prompt in PROMPTS[:2]:
-            plain = tokens(engine, prompt, TreeConfig(policy="none"))
-            spec = tokens(engine, prompt, TREE)
-            assert spec.tokens == plain.tokens
-            assert spec.tokens_per_pass > 2, "an int8 twin agrees with its target most of the time"
+        greedy_equals_plain(engine, at_least=2)        # an int8 twin agrees with its target most of the time
     finally:
         engine.close()
+
+
+@pytest.mark.parametrize("offload", ["none", "cpu"])
+def test_int4_twin_equals_the_targets_greedy_and_holds_the_bytes_the_plan_counts(target, offload):
+    """--draft-quant int4 (the GPU's default): every matrix, lm_head too, in 4-bit groups read by PyTorch's int4
+    matmul; built from the resident target's layers, or from the checkpoint where the target streams."""
+    loaded = load_engine(target, SELF_DRAFT, OffloadConfig(mode=offload), replace(RUNTIME, draft_quant="int4"),
+                         progress=False)
+    engine = loaded.engine
+    try:
+        assert engine.draft_quant == "int4" and int4_twin_as_planned(loaded).globals.embed is engine.target.globals.embed
+        greedy_equals_plain(engine, at_least=1.5)      # 4 bits of a tiny random model: nf4 takes 1.9-3.8 here
+    finally:
+        engine.close()
+
+
+def greedy_equals_plain(engine, at_least: float) -> None:
+    """Greedy with dyspec trees == plain greedy on two prompts, at more than at_least tokens a pass."""
+    for prompt in PROMPTS[:2]:
+        plain = tokens(engine, prompt, TreeConfig(policy="none"))
+        spec = tokens(engine, prompt, TREE)
+        assert spec.tokens == plain.tokens and spec.tokens_per_pass > at_least
+
+
+def int4_twin_as_planned(loaded):
+    """The loaded engine's twin, its matrices and lm_head all int4, the plan's draft bytes theirs plus its norms and
+    biases."""
+    twin = loaded.engine.draft.model() if hasattr(loaded.engine.draft, "model") else loaded.engine.draft
+    held = [twin.globals.lm_head] + [getattr(w, f) for w in twin.layers.layers for f in
+                                     ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")]
+    assert all(isinstance(m, Int4Weight) for m in held)
+    dense = sum(t.numel() * t.element_size() for w in twin.layers.layers for t in vars(w).values()
+                if isinstance(t, torch.Tensor))                                         # norms and biases
+    planned = next(i for i in loaded.plan.items if i.what == "draft weights")
+    assert planned.nbytes == sum(m.nbytes for m in held) + dense and "int4" in planned.note
+    return twin
 
 
 def test_twin_keeps_each_prompts_tokens_in_a_batch(target):
@@ -72,16 +106,19 @@ def test_twin_keeps_each_prompts_tokens_in_a_batch(target):
         engine.close()
 
 
-def test_twin_sampling_keeps_the_targets_law(tmp_path):
-    """The nf4 twin of a nearly context-free target (the next token's law depends on the last token only): the
-    second emitted token, reached through accepted twin tokens or residual samples, follows the target's law
-    (chi-square, alpha 0.001; as test_generate.test_engine_sampling_is_lossless for a separate draft)."""
+@pytest.mark.parametrize("quant, policy", [("nf4", "dyspec"), ("int4", "sequoia")])
+def test_twin_sampling_keeps_the_targets_law(tmp_path, quant, policy):
+    """The nf4 / int4 twin of a nearly context-free target (the next token's law depends on the last token only),
+    growing dyspec / Sequoia trees: the second emitted token, reached through accepted twin tokens or residual
+    samples, follows the target's law (chi-square, alpha 0.001; as test_generate.test_engine_sampling_is_lossless
+    for a separate draft)."""
     import numpy as np
     from scipy.stats import chisquare
     from tiny import make_tokenizer, save_checkpoint
 
     from offspec.spec.sampling import process_logits
-    pytest.importorskip("bitsandbytes")
+    if quant == "nf4":
+        pytest.importorskip("bitsandbytes")
     model = make_model(hf_config("llama", n_layers=2, vocab=24), seed=11, scale=3.0)
     with torch.no_grad():
         for layer in model.model.layers:
@@ -89,7 +126,7 @@ def test_twin_sampling_keeps_the_targets_law(tmp_path):
             layer.mlp.down_proj.weight.zero_()
             layer.mlp.up_proj.weight.normal_()       # nf4's error shows in the MLP output of every row
     t_dir = save_checkpoint(model, tmp_path / "t", make_tokenizer(n_tokens=24))
-    runtime = RuntimeConfig(device=torch.device("cpu"), dtype=torch.float32, draft_quant="nf4")
+    runtime = RuntimeConfig(device=torch.device("cpu"), dtype=torch.float32, draft_quant=quant)
     engine = load_engine(t_dir, SELF_DRAFT, OffloadConfig(), runtime, progress=False).engine
     sampling = SamplingConfig(temperature=1.0, top_p=0.95)
     with torch.no_grad():
@@ -97,7 +134,7 @@ def test_twin_sampling_keeps_the_targets_law(tmp_path):
     prompt = (5, 9, 7)
     law2 = (Q[prompt[-1]] @ Q).numpy()
     second = []
-    tree = TreeConfig(policy="dyspec", budget=6, branching=3, max_depth=3)
+    tree = TreeConfig(policy=policy, budget=6, branching=3, max_depth=3)
     for seed in range(800):
         req = GenerationRequest(prompt_ids=prompt, max_new_tokens=2, ignore_eos=True, tree=tree,
                                 sampling=SamplingConfig(temperature=1.0, top_p=0.95, seed=seed))
@@ -110,15 +147,19 @@ def test_twin_sampling_keeps_the_targets_law(tmp_path):
     assert chisquare(counts[support], expected).pvalue > 1e-3
 
 
-@pytest.mark.parametrize("kind", ["awq", "gguf"])
-def test_twin_of_a_published_or_gguf_target_equals_its_own_greedy(tmp_path, kind):
-    """The twin is built from the dequantized layers: the output is the published target's own."""
+@pytest.mark.parametrize("kind, quant", [("awq", "auto"), ("gguf", "auto"), ("gguf", "int4")])
+def test_twin_of_a_published_or_gguf_target_equals_its_own_greedy(tmp_path, kind, quant):
+    """The twin is built from the dequantized layers: the output is the published target's own. An int4 twin of
+    a GGUF target holds its matrices in the blocks' groups of 32 (int4.source_group), as the plan counts them."""
     pytest.importorskip("gguf") if kind == "gguf" else None
     model = make_model(hf_config("llama", n_layers=2, hidden=256, vocab=300), seed=5, scale=3.0)
     path = (save_published_checkpoint(model, tmp_path / "awq", "awq-g32") if kind == "awq" else
             save_gguf(model, tmp_path / "t.gguf", {"q_proj": "Q4_K", "down_proj": "Q6_K"}))
-    engine = load_engine(path, SELF_DRAFT, OffloadConfig(), RUNTIME, progress=False).engine
+    loaded = load_engine(path, SELF_DRAFT, OffloadConfig(), replace(RUNTIME, draft_quant=quant), progress=False)
+    engine = loaded.engine
     try:
+        if quant == "int4":
+            assert int4_twin_as_planned(loaded).layers.layers[0].q_proj.group == 32
         plain = tokens(engine, PROMPTS[0], TreeConfig(policy="none"), n=20)
         spec = tokens(engine, PROMPTS[0], TREE, n=20)
         assert spec.tokens == plain.tokens and spec.tokens_per_pass > 1.5
@@ -155,3 +196,42 @@ def test_cli_self_draft_runs_and_refuses_a_dense_twin(target):
               "--max-new-tokens", "4", "hello")
     assert bad.exit_code == 1 and "--draft self reads the target's layers quantized" in bad.stderr
     assert len(bad.stderr.strip().splitlines()) == 1
+
+
+def test_a_target_without_draft_drafts_for_itself_where_it_streams_and_the_twin_fits(target):
+    """No --draft with a --target: the twin, optional (Models.open(optional_twin=True)). Kept where the target,
+    planned alone, streams and the twin fits beside it; dropped, with the plan's note saying why, where every
+    target layer stays resident or it does not fit. Asked for (--draft self), a twin that does not fit is refused."""
+    from offspec.plan.machine import Machine
+
+    roomy = Machine("cpu", 8 << 30, 8 << 30, "given")
+    streamed = OffloadConfig(mode="cpu")
+    alone = Models.open(target, None).plan(streamed, RUNTIME, machine=roomy)
+    need = alone.total("device") + alone.total("host")
+    tight = Machine("cpu", need + (64 << 10), need + (64 << 10), "given")
+    cases = [(roomy, streamed, "int8-held", None), (roomy, OffloadConfig(mode="none"), None, "stays resident"),
+             (tight, streamed, None, "does not fit")]
+    for machine, offload, held, why in cases:
+        models = Models.open(target, SELF_DRAFT, optional_twin=True)
+        plan = models.plan(offload, RUNTIME, machine=machine)
+        if held:
+            assert models.twin and plan.draft_quant == held
+            models.draft.close()
+        else:
+            assert models.draft is None and not models.twin and why in plan.notes[-1]
+        models.target.close()
+    asked = Models.open(target, SELF_DRAFT)
+    with pytest.raises(BudgetError):
+        asked.plan(streamed, RUNTIME, machine=tight)
+    asked.target.close()
+    asked.draft.close()
+
+
+def test_cli_target_without_draft_uses_its_twin_where_it_streams(target):
+    out = ok(cli("generate", "--target", target, "--offload", "cpu", "--device", "cpu", "--dtype", "float32",
+                 "--max-new-tokens", "8", "--raw", "hello"))
+    assert "the target drafts for itself" in out.stderr and "draft self (int8-held)" in out.stderr
+    alone = ok(cli("generate", "--target", target, "--device", "cpu", "--dtype", "float32", "--max-new-tokens", "8",
+                   "--raw", "hello"))
+    assert "draft self (" not in alone.stderr and alone.stdout == out.stdout
+    assert "plan note: no --draft: the target runs alone, since every target layer stays resident" in alone.stderr

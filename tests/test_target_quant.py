@@ -720,7 +720,7 @@ def test_cli_held_resident_layers_and_a_held_draft(pair, tmp_path):
 def test_cli_bad_resident_and_draft_quant_inputs(pair, request):
     models = ["--target", pair[0], "--draft", pair[1], "--device", "cpu", "--dtype", "float32"]
     one_error_line(cli("generate", *models, "--resident-quant", "on", "abc"), "needs --target-quant int8 or nf4")
-    r = cli("generate", *models, "--draft-quant", "int4", "abc")
+    r = cli("generate", *models, "--draft-quant", "int2", "abc")
     assert r.exit_code == 2 and "Invalid value for '--draft-quant'" in r.stderr
     request.getfixturevalue("no_bitsandbytes")
     one_error_line(cli("generate", *models, "--draft-quant", "nf4", "abc"), "needs bitsandbytes")

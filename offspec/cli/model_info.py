@@ -152,16 +152,18 @@ def twin_words(plan: MemoryPlan) -> str:
     """What a plan with --draft self holds for the twin, in words."""
     own = sum(i.nbytes for i in plan.items if i.what in ("draft weights", "draft int8 copy"))
     held = ("int8 copies of the target's resident matrices" if plan.draft_quant == "int8" else
+            "the target's layers and lm_head held int4" if plan.draft_quant == "int4" else
             f"the target's layers held {plan.draft_quant}")
-    return f"{held}, {own / 1e9:.2f} GB on the device, the target's embedding and lm_head shared"
+    shared = "embedding" if plan.draft_quant == "int4" else "embedding and lm_head"
+    return f"{held}, {own / 1e9:.2f} GB on the device, the target's {shared} shared"
 
 
 def twin_line(target: ModelSpec, offload: OffloadConfig, runtime: RuntimeConfig, limits: RunLimits,
               machine: Machine) -> str:
     """Whether --draft self would fit in this run (a run planned without it), and what it would hold."""
-    from offspec.formats.quant import auto_twin_quant
+    from offspec.formats.draft_quant import auto_twin_quant
     from offspec.plan.search import make_plan
-    quant = auto_twin_quant(machine.kind)
+    quant = auto_twin_quant(machine.kind, runtime.dtype)
     try:
         plan = make_plan(target, target.as_twin(), offload, replace(runtime, draft_quant=quant), limits, machine)
     except BudgetError as refused:

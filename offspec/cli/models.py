@@ -110,7 +110,7 @@ def models_info(model_dir, draft_dir, device_memory, host_memory, dtype, offload
     import torch
 
     from offspec.engine.load import parse_dtype
-    from offspec.formats.quant import resolve_draft_quant
+    from offspec.formats.draft_quant import resolve_draft_quant
     from offspec.plan.options import compare
     from offspec.plan.search import make_plan
     from offspec.plan.sizes import ModelSpec

@@ -28,7 +28,7 @@ POLICIES = ["dyspec", "heap", "chain", "static", "sequoia", "none"]
 OFFLOAD_CHOICES = ["auto", "none", "cpu", "disk", "cpu+disk"]     # auto + plan.MODES
 TARGET_QUANT_CHOICES = ["none", "int8", "nf4"]   # quant.TARGET_QUANTS (not imported here: keeps --help fast)
 RESIDENT_QUANT_CHOICES = ["auto", "on", "off"]   # plan.RESIDENT_QUANTS
-DRAFT_QUANT_CHOICES = ["auto", "none", "int8", "int8-held", "nf4"]   # auto + quant.QUANT_MODES
+DRAFT_QUANT_CHOICES = ["auto", "none", "int8", "int8-held", "nf4", "int4"]   # auto + draft_quant.QUANT_MODES
 SELF_DRAFT = "self"            # --draft self (load.SELF_DRAFT, not imported here: keeps --help fast)
 
 
@@ -87,11 +87,12 @@ def model_options(f):
         click.option("--draft", type=click.Path(), default=None,
                      help="Draft model: a folder, a GGUF file or a hub id, like --target; same tokenizer as the target "
                           "(embedding rows may differ). 'self' = the target's own layers held quantized on the device "
-                          "(--draft-quant auto: nf4 on a GPU; on a CPU int8 copies of the resident target's own matrices) "
-                          "beside the target's embedding and lm_head, built at load from the target's weights: no "
-                          "second model to find, and it accepts more tokens a pass than a small draft (a folder named "
-                          "self: ./self). Default: the embedded "
-                          "Qwen2.5-Coder-0.5B-Instruct when --target is not given, else none (plain autoregressive)."),
+                          "(--draft-quant auto: int4 in bfloat16, on a GPU and a CPU) beside the target's embedding, "
+                          "built at load from the target's weights: no second model to find, and it accepts more "
+                          "tokens a pass than a small draft (a folder named self: ./self). Default: the embedded Qwen2.5-Coder-0.5B-Instruct when --target is not "
+                          "given; else self where the memory plan streams target layers and fits the twin beside "
+                          "them, the target alone where not (all resident: a twin's round costs about what it "
+                          "saves; offspec bench takes self)."),
         click.option("--draft-quant", type=click.Choice(DRAFT_QUANT_CHOICES), default="auto", show_default=True,
                      help="How the draft's matrices are held. int8 = beside each its int8 copy (one scale per row, "
                           "+50% draft memory), which a prompt's tokens in a draft call read when the call covers at "
@@ -100,11 +101,14 @@ def model_options(f):
                           "times: docs/notes/2026-11-26-draft-int8-copy.md). int8-held / nf4 = held ONLY quantized "
                           "(per-row int8: 0.50x; bitsandbytes nf4: 0.28x of bf16; lm_head stays dense) to free device "
                           "memory for resident target layers: each call dequantizes a matrix at a time (slower on a "
-                          "CPU; int8-held reads int8 directly where the copy would). Output is unchanged either way "
+                          "CPU; int8-held reads int8 directly where the copy would). int4 = held ONLY in 4-bit groups "
+                          "of 64, lm_head too (0.28x), read in 4 bits by PyTorch's int4 matmul on a CPU and a GPU "
+                          "(bfloat16 there), never dequantized. Output is unchanged either way "
                           "(the target verifies every token), only acceptance may move slightly, and a prompt's tokens "
                           "do not depend on what shares its passes. auto = int8 on a CPU in bfloat16, none on a GPU "
                           "(where a draft call is latency-bound) and in float32 or float16 (where the int8 kernel is "
-                          "slower)."),
+                          "slower); for --draft self, int4 in bfloat16 (nf4 on a GPU where its kernel cannot run), "
+                          "else nf4 on a GPU and int8 on a CPU."),
         click.option("--target-quant", type=click.Choice(TARGET_QUANT_CHOICES), default="none", show_default=True,
                      help="Store, pin, read and stream the target's decoder layers quantized (nf4, by bitsandbytes: "
                           "4.5 bits a weight, 0.28x the bf16 bytes; int8: symmetric, one scale a row, 0.50x) and "
@@ -206,7 +210,7 @@ def build_configs(o: dict, check_device: bool = True):
 
     runtime = runtime_config(parse_device(o["device"], check_available=check_device), parse_dtype(o["dtype"]),
                              o["draft_quant"], o["target_quant"], o["resident_quant"],
-                             twin=o["draft"] == SELF_DRAFT and o["policy"] != "none")   # before any model is read
+                             twin=draft_of(o) == SELF_DRAFT)   # before any model is read
     if check_device and runtime.device.type == "cpu" and runtime.dtype == torch.float16:   # (a worker's: its own)
         warn("--dtype float16 on a CPU: CPUs have no fast float16 matmuls, so this runs far slower than "
              "--dtype bfloat16 (or float32); use bfloat16")
@@ -235,24 +239,37 @@ def build_configs(o: dict, check_device: bool = True):
     return runtime, offload, tree, sampling
 
 
+def draft_of(o: dict) -> Optional[str]:
+    """The run's draft as given: --draft; with --tree none, none; with a --target and no --draft, the target's
+    twin (SELF_DRAFT: optional, dropped by the plan where it does not fit); with neither, the demo draft (None
+    here: resolve_models finds it)."""
+    if o["policy"] == "none":
+        return None
+    if o["draft"] is None and o["target"] is not None:
+        return SELF_DRAFT
+    return o["draft"]
+
+
 def resolve_models(o: dict) -> tuple[str, Optional[str]]:
     if o["target"] is None:
         from offspec.formats.demo import ensure_demo_models
         target, draft = ensure_demo_models()
         return str(target), (o["draft"] or str(draft)) if o["policy"] != "none" else None
     if o["draft"] is None and o["policy"] != "none":
-        click.echo("note: no --draft given; running the target alone (plain autoregressive)", err=True)
-    return o["target"], (o["draft"] if o["policy"] != "none" else None)
+        click.echo("note: no --draft given: the target drafts for itself (--draft self) where its layers stream and "
+                   "its twin fits beside them, else it runs alone (the report says which ran)", err=True)
+    return o["target"], draft_of(o)
 
 
-def open_from_options(o: dict, check_device: bool = True):
+def open_from_options(o: dict, check_device: bool = True, need_draft: bool = False):
     """The model folders opened (configs, headers, tokenizer; no weights) and the configs: (models, configs).
-    check_device False: the models run on Ray workers (build_configs)."""
+    check_device False: the models run on Ray workers (build_configs). need_draft: a --target's default twin is
+    not optional (bench compares it with plain decoding): where it does not fit, the plan refuses the run."""
     from offspec.engine.load import Models
 
     configs = build_configs(o, check_device)
     target, draft = resolve_models(o)
-    return Models.open(target, draft), configs
+    return Models.open(target, draft, optional_twin=o["draft"] is None and not need_draft), configs
 
 
 def run_limits(o: dict, tree: TreeConfig, sampling: bool, longest: int, concurrency: Optional[int] = 1,

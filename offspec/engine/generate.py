@@ -73,7 +73,7 @@ class Engine:
         self.plan = plan            # plan.MemoryPlan the engine was loaded by, for reports (None: built by hand)
         # "none" | "int8" | "nf4" | published ("awq-g128"): which target runs (the output is ITS output)
         self.target_quant = target_quant
-        self.draft_quant = draft_quant if draft is not None else "none"   # how the draft is held (quant.QUANT_MODES)
+        self.draft_quant = draft_quant if draft is not None else "none"   # how the draft is held (draft_quant.QUANT_MODES)
         self.twin = twin and draft is not None     # the draft is the target's twin (--draft self: draft.load_twin)
         self.ranks = RankCache(sequoia_key)   # sequoia's acceptance by rank; the key names the pair (rank_cache.py)
 

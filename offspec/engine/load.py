@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import sys
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -27,22 +28,14 @@ from offspec.engine.generate import Engine
 from offspec.engine.metrics import StartTimes
 from offspec.engine.prompt import stop_token_ids
 from offspec.engine.rank_cache import pair_key
-from offspec.errors import InputError
+from offspec.errors import BudgetError, InputError
 from offspec.formats import published
 from offspec.formats.checkpoint import Checkpoint
+from offspec.formats.draft_quant import TWIN_QUANTS, auto_twin_quant, check_draft_quant, resolve_draft_quant
 from offspec.formats.hub import resolve_model
 from offspec.formats.layout import LayerWeights
 from offspec.formats.open import load_tokenizer, open_checkpoint, same_tokenizer_files
-from offspec.formats.quant import (
-    TWIN_QUANTS,
-    QuantizedResident,
-    auto_twin_quant,
-    check_draft_quant,
-    check_target_quant,
-    dequantized,
-    resolve_draft_quant,
-    target_layout,
-)
+from offspec.formats.quant import QuantizedResident, check_target_quant, dequantized, target_layout
 from offspec.model.draft import DraftBeside, load_draft, load_resident
 from offspec.model.forward import Model, ResidentLayers
 from offspec.model.vocab import check_rows_cover_tokenizer, check_same_tokenizer, token_id_count
@@ -85,15 +78,23 @@ def parse_device(name: str, check_available: bool = True) -> torch.device:
 def runtime_config(device: torch.device, dtype: torch.dtype, draft_quant: str = "auto", target_quant: str = "none",
                    resident_quant: str = "auto", twin: bool = False) -> RuntimeConfig:
     """The RuntimeConfig of a run on `device`, checked before any model is read: draft_quant "auto" resolved for
-    the device and dtype (quant.auto_draft_quant; for a twin, --draft self: quant.auto_twin_quant), each
-    quantization one that they can run. The CLI makes this machine's; cluster.engines_on_ray the Ray workers'
+    the device and dtype (draft_quant.auto_draft_quant; for a twin, --draft self: auto_twin_quant, whose int4 on a
+    GPU becomes nf4 (int8 on a CPU), with a note, where PyTorch's int4 kernel cannot run), each quantization one
+    that they can run. The CLI makes this machine's; cluster.engines_on_ray the Ray workers'
     (their device is chosen there)."""
-    draft_quant = resolve_draft_quant(draft_quant, device.type, dtype, twin)
+    held = resolve_draft_quant(draft_quant, device.type, dtype, twin)
     check_target_quant(target_quant, device, dtype)
-    check_draft_quant(draft_quant, device, dtype)
+    try:
+        check_draft_quant(held, device, dtype)
+    except InputError as err:
+        if draft_quant != "auto" or held != "int4":
+            raise
+        held = "nf4" if device.type == "cuda" else "int8"        # the kernel failed, not the user's choice
+        print(f"note: {err}; the twin holds {held} instead", file=sys.stderr)
+        check_draft_quant(held, device, dtype)
     # "on" with no --target-quant may still hold a published checkpoint's layers: the plan checks it there.
     check_resident_quant(resident_quant, quantized=True)
-    return RuntimeConfig(device=device, dtype=dtype, draft_quant=draft_quant, target_quant=target_quant,
+    return RuntimeConfig(device=device, dtype=dtype, draft_quant=held, target_quant=target_quant,
                          resident_quant=resident_quant)
 
 
@@ -153,11 +154,13 @@ class Models:
     n_shared: Optional[int]         # token ids both tokenizers know: the rows the draft may propose (vocab.py)
     open_seconds: float
     twin: bool = False              # --draft self: `draft` is a second handle on the target's checkpoint
+    optional_twin: bool = False     # the twin was not asked for: where it does not fit, the target runs alone
 
     @staticmethod
-    def open(target_dir: str | Path, draft_dir: Optional[str | Path]) -> "Models":
+    def open(target_dir: str | Path, draft_dir: Optional[str | Path], optional_twin: bool = False) -> "Models":
         """target_dir / draft_dir: a model folder, or a hub id (hub.resolve_model); draft_dir SELF_DRAFT: the
-        target's twin (its own layers held quantized, model.draft.load_twin), read through a second handle."""
+        target's twin (its own layers held quantized, model.draft.load_twin), read through a second handle.
+        optional_twin: the twin is the default draft, not asked for: the plan drops it where it does not fit."""
         start = time.perf_counter()
         target_dir = resolve_model(target_dir)
         target = open_checkpoint(target_dir)
@@ -174,7 +177,7 @@ class Models:
             n_shared = check_same_tokenizer(tokenizer, draft_tokenizer)
             check_rows_cover_tokenizer(draft.config.vocab_size, token_id_count(draft_tokenizer), f"draft {draft_dir}")
         eos = stop_token_ids(tokenizer, generation_eos(target_dir))
-        return Models(target, draft, tokenizer, eos, n_shared, time.perf_counter() - start, twin)
+        return Models(target, draft, tokenizer, eos, n_shared, time.perf_counter() - start, twin, twin and optional_twin)
 
     def draft_spec(self) -> Optional[ModelSpec]:
         if self.draft is None:
@@ -185,19 +188,37 @@ class Models:
         """The run's RuntimeConfig for these models: a twin reads the target's layers quantized (a --draft-quant
         that would not becomes quant.auto_twin_quant; the CLI refuses it earlier, in runtime_config)."""
         if self.twin and runtime.draft_quant not in TWIN_QUANTS:
-            return replace(runtime, draft_quant=auto_twin_quant(runtime.device.type))
+            return replace(runtime, draft_quant=auto_twin_quant(runtime.device.type, runtime.dtype))
         return runtime
 
     def plan(self, offload: OffloadConfig, runtime: RuntimeConfig, limits: RunLimits = RunLimits(),
              machine: Optional[Machine] = None) -> MemoryPlan:
         """The memory plan for this machine now (or `machine`), before anything is allocated: every "auto"
-        resolved (plan.make_plan)."""
+        resolved (plan.make_plan).
+
+        A twin that was not asked for (optional_twin) is kept only where the target, planned alone, streams some
+        of its layers (a pass then costs copies, against which a twin's round is cheap) and the twin fits beside
+        it. Otherwise it is dropped here, for good, the plan's notes say why, and the target runs alone: with
+        every layer resident a pass costs about what a twin's round does (docs/notes/2026-11-28-int4-twin.md)."""
         from offspec.formats.demo import offspec_home
         runtime = self.runtime(runtime)
         quant = published_runtime(ModelSpec.of(self.target), runtime).target_quant
         store_dir = str(store_dir_for(self.target, runtime.dtype, offspec_home(), quant))
-        return make_plan(ModelSpec.of(self.target), self.draft_spec(), offload, runtime, limits,
-                         machine or Machine.measure(runtime.device), store_dir=store_dir)
+        machine = machine or Machine.measure(runtime.device)
+        target = ModelSpec.of(self.target)
+        if not self.optional_twin:
+            return make_plan(target, self.draft_spec(), offload, runtime, limits, machine, store_dir=store_dir)
+        alone = make_plan(target, None, offload, runtime, limits, machine, store_dir=store_dir)
+        why = "every target layer stays resident, where a twin's round costs about what it saves"
+        if alone.placement.streamed:
+            try:
+                return make_plan(target, self.draft_spec(), offload, runtime, limits, machine, store_dir=store_dir)
+            except BudgetError as err:
+                why = f"the twin does not fit beside the target ({err})"
+        self.draft.close()
+        self.draft, self.twin, self.optional_twin = None, False, False
+        return replace(alone, notes=alone.notes + (f"no --draft: the target runs alone, since {why}; --draft self "
+                                                   f"drafts with its twin anyway",))
 
     def load(self, offload: OffloadConfig, runtime: RuntimeConfig, limits: RunLimits = RunLimits(),
              progress: bool = True, machine: Optional[Machine] = None) -> Loaded:

@@ -143,6 +143,7 @@ class RunReport:
         dev = f", device peak {self.peak_device_gb:.2f} GB" if self.peak_device_gb is not None else ""
         prefetch = (f", {self.prefetch_gb:.2f} GB of it moved while drafting" if self.gb_streamed > 0 else "")
         plan = f"\nplan: {self.memory_plan['layers_line']}" if self.memory_plan else ""
+        plan += "".join(f"\nplan note: {n}" for n in (self.memory_plan or {}).get("notes", ()))
         cal = self.calibration
         if cal and cal["draft_nodes"]:
             plan += (f"\nnode acceptance: draft nodes {cal['draft_observed']:.3f} observed vs {cal['draft_p']:.3f} by "

@@ -17,14 +17,13 @@ sequences share its calls (a call mixing both runs the two kernels over their ow
 draft's distribution p a little and nothing else: the target verifies every token, so output stays exactly
 the target's, greedy and sampled.
 
-Part 1b, a draft held quantized (`--draft-quant int8-held | nf4`): to free device memory rather than to be
-fast, each matrix of the draft's layers is kept ONLY quantized, as a HeldWeight, in the same pieces as the
-target's blocks (per-row int8, or bitsandbytes' nf4): 0.50x / 0.28x of its bf16 bytes. A call dequantizes the
-matrix into a temporary with the target's dequantization (_dequantize_matrix) and runs the plain matmul; a
-held int8 matrix on a CPU serves the narrow sequences' rows straight from int8, like the copy.
-lm_head and the embedding stay dense (as bitsandbytes-quantized models usually keep lm_head): every call
-reads lm_head over the full vocabulary, so dequantizing it each call would cost a (V, D) temporary and its
-time. Like the int8 copy, this changes p only: the output stays the target's.
+Part 1b, a draft held quantized (`--draft-quant int8-held | nf4 | int4`): to free device memory, each matrix of
+the draft's layers is kept ONLY quantized. int8-held and nf4 are HeldWeights, in the pieces a target block stores
+(per-row int8, bitsandbytes' nf4: 0.50x / 0.28x of bf16); a call dequantizes the matrix into a temporary with the
+target's dequantization (_dequantize_matrix), but a held int8 matrix on a CPU serves narrow rows straight, like the
+copy. lm_head and the embedding stay dense: dequantizing lm_head each call would cost a (V, D) temporary. int4
+(0.28x, formats/int4.py) is read in 4 bits by PyTorch's int4 matmul on a CPU and a GPU alike, lm_head included.
+Like the int8 copy, this changes p only: the output stays the target's.
 
 `linear` accepts a plain tensor, an Int8Weight or a HeldWeight, so the one layer forward serves both models.
 
@@ -54,10 +53,9 @@ import torch.nn.functional as F
 
 from offspec.config import ModelConfig
 from offspec.errors import InputError
-from offspec.formats import kernels, published
+from offspec.formats import int4, kernels, published
 from offspec.formats.layout import TENSOR_ALIGN, LayerLayout, LayerWeights, PartLayout, round_up, split_entries
 
-QUANT_MODES = ("none", "int8", "int8-held", "nf4")   # the draft's: dense | + int8 copies | held quantized
 HELD_DRAFT_QUANTS = {"int8-held": "int8", "nf4": "nf4"}  # --draft-quant held quantized -> the matrices' quantization
 TARGET_QUANTS = ("none", "int8", "nf4")      # the target's layer blocks
 NF4_BLOCK = 64                               # weights per nf4 absmax (bitsandbytes' finest block size)
@@ -144,6 +142,8 @@ def linear(x: torch.Tensor, w, bias: torch.Tensor | None = None, narrow: torch.T
     whatever the other rows are. A plain weight, an nf4 one, or narrow None: every row reads the dense weight."""
     if isinstance(w, torch.Tensor):
         return F.linear(x, w, bias)
+    if isinstance(w, int4.Int4Weight):
+        return w.matmul(x, bias)
     int8 = ((w.q, w.scale) if isinstance(w, Int8Weight) else
             (w.pieces["int8"], w.pieces["scale"]) if w.quant == "int8" else None)
     dense = (lambda: w.full) if isinstance(w, Int8Weight) else w.dequantize   # a HeldWeight's only when needed
@@ -165,12 +165,14 @@ def _int8_matmul(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias: to
     return out if bias is None else out + bias
 
 
-def with_quantized_matrices(weights, draft_quant: str):
+def with_quantized_matrices(weights, draft_quant: str, source_group: Optional[int] = None):
     """A copy of the weights dataclass with every 2-D matrix as --draft-quant says: "int8" an Int8Weight (the
-    weight plus its int8 copy), "int8-held" | "nf4" a HeldWeight (quantized only); norms and biases as they are."""
+    weight plus its int8 copy), "int8-held" | "nf4" a HeldWeight, "int4" an int4.Int4Weight (quantized only);
+    norms and biases as they are. source_group: int4's groups where they can be the checkpoint's (int4.source_group)."""
     matrices = [f.name for f in fields(weights)
                 if isinstance(getattr(weights, f.name), torch.Tensor) and getattr(weights, f.name).dim() == 2]
     make = (Int8Weight.quantize if draft_quant == "int8" else
+            functools.partial(int4.Int4Weight.quantize, source=source_group) if draft_quant == "int4" else
             functools.partial(HeldWeight.quantize, quant=HELD_DRAFT_QUANTS[draft_quant]))
     return replace(weights, **{name: make(getattr(weights, name)) for name in matrices})
 
@@ -187,9 +189,8 @@ def held_matrix_nbytes(quant: str, shape: tuple[int, int], dtype: torch.dtype) -
 def bitsandbytes_ops():
     """torch.ops.bitsandbytes, imported on first use (1.5 s), or InputError in one line when it cannot be.
     Cached: the streamer asks for it for every matrix it dequantizes."""
-    # bitsandbytes' CPU backend warns that its fused 4-bit matmul kernel needs the `kernels` package; offspec
-    # dequantizes and then runs its own matmul (faster here; the CPU timings of held nf4 and int8:
-    # docs/notes/2026-11-23-held-quantized-layers-and-drafts.md), so the warning is noise.
+    # bitsandbytes' CPU backend warns that its fused 4-bit kernel needs the `kernels` package; offspec dequantizes
+    # and runs its own matmul (docs/notes/2026-11-23-held-quantized-layers-and-drafts.md): the warning is noise.
     cpu_ops_log = logging.getLogger("bitsandbytes.backends.cpu.ops")
     level = cpu_ops_log.level
     cpu_ops_log.setLevel(logging.ERROR)
@@ -203,51 +204,6 @@ def bitsandbytes_ops():
     finally:
         cpu_ops_log.setLevel(level)
     return torch.ops.bitsandbytes
-
-
-def auto_draft_quant(device_kind: str, dtype: torch.dtype) -> str:
-    """--draft-quant auto on a device of this kind ("cpu" or "cuda") in this compute dtype: the int8 copy on a CPU
-    in bfloat16, where a narrow draft call is bound by reading its weights and the fused kernel reads half the
-    bytes; none elsewhere: on a GPU, and in float32 or float16 on a CPU, where the fused kernel has no fast path
-    and loses to the dense matmul (docs/notes/2026-11-26-draft-int8-copy.md)."""
-    return "int8" if device_kind == "cpu" and dtype == torch.bfloat16 else "none"
-
-
-TWIN_QUANTS = ("int8", "nf4", "int8-held")   # how a twin (--draft self) may hold the target's layers
-
-
-def auto_twin_quant(device_kind: str) -> str:
-    """--draft-quant auto for a twin (--draft self): nf4 on a GPU (0.28x of bf16: the most that fits beside the
-    target's resident layers); int8 on a CPU, whose calls over a few rows read int8 copies of the target's own
-    resident matrices and wider ones the matrices themselves (search.make_plan makes it int8-held, int8 layers of
-    its own, where the target's layers are not all resident and dense)."""
-    return "nf4" if device_kind == "cuda" else "int8"
-
-
-def resolve_draft_quant(draft_quant: str, device_kind: str, dtype: torch.dtype, twin: bool = False) -> str:
-    """--draft-quant as asked -> as the run holds it: "auto" resolved (auto_draft_quant; for a twin, --draft self,
-    auto_twin_quant); a twin's refused in one line where it would be dense (check_twin_quant)."""
-    if draft_quant == "auto":
-        return auto_twin_quant(device_kind) if twin else auto_draft_quant(device_kind, dtype)
-    if twin:
-        check_twin_quant(draft_quant)
-    return draft_quant
-
-
-def check_twin_quant(draft_quant: str) -> None:
-    """A twin (--draft self) reads the target's layers quantized: a dense one would be the target again."""
-    if draft_quant not in TWIN_QUANTS:
-        raise InputError(f"--draft self reads the target's layers quantized: use --draft-quant "
-                         f"{', '.join(TWIN_QUANTS)} or auto, not {draft_quant}")
-
-
-def check_draft_quant(draft_quant: str, device: torch.device, dtype: torch.dtype) -> None:
-    """Refuse, in one line, a --draft-quant that is unknown, or held quantized where this device and dtype
-    cannot run it (the same probe as the target's)."""
-    if draft_quant not in QUANT_MODES:
-        raise InputError(f"unknown draft quantization {draft_quant!r}; choose one of {', '.join(QUANT_MODES)}")
-    if draft_quant in HELD_DRAFT_QUANTS:
-        check_target_quant(HELD_DRAFT_QUANTS[draft_quant], device, dtype, option=f"--draft-quant {draft_quant}")
 
 
 def check_target_quant(quant: str, device: torch.device, dtype: torch.dtype, option: str = "") -> None:

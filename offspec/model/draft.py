@@ -11,8 +11,10 @@ import torch
 from tqdm import tqdm
 
 from offspec.formats.checkpoint import Checkpoint
-from offspec.formats.layout import LayerWeights
-from offspec.formats.quant import HELD_DRAFT_QUANTS, QUANT_MODES, Int8Weight, with_quantized_matrices
+from offspec.formats.draft_quant import QUANT_MODES, TWIN_QUANTS
+from offspec.formats.int4 import Int4Weight, source_group
+from offspec.formats.layout import GlobalWeights, LayerWeights
+from offspec.formats.quant import Int8Weight, with_quantized_matrices
 from offspec.model.forward import Model, ResidentLayers
 
 
@@ -22,40 +24,53 @@ def load_resident(ckpt: Checkpoint, device: torch.device, dtype: torch.dtype, qu
     embedding and the lm_head where embed_device / lm_head_device say (the memory plan's embed_on_host,
     lm_head_on_host).
 
-    quant (only for the draft: it changes p, never the output; see quant.py):
+    quant (only for the draft: it changes p, never the output; see quant.py, int4.py):
       "int8"       the layers' matrices and lm_head also get a per-row int8 copy that calls over a few rows
                    read instead (+50% memory for the draft; faster on a CPU)
       "int8-held"  the layers' matrices held only as per-row int8 (0.50x of bf16), lm_head dense
       "nf4"        the layers' matrices held only as bitsandbytes nf4 (0.28x of bf16), lm_head dense
+      "int4"       the layers' matrices and lm_head held only in 4-bit groups (0.28x), read in 4 bits
     A held layer is quantized right after it is read, so loading needs one dense layer more, not a model."""
     layers = _layers(ckpt, device, dtype, quant)
     globals_ = ckpt.global_weights(device, dtype, embed_device, lm_head_device)
-    if quant == "int8":
-        globals_ = replace(globals_, lm_head=Int8Weight.quantize(globals_.lm_head))   # embed stays as it is
-    return Model(ckpt.config, globals_, ResidentLayers(layers))
+    return Model(ckpt.config, _own_lm_head(globals_, quant), ResidentLayers(layers))
 
 
 def load_twin(ckpt: Checkpoint, target: Model, quant: str, progress: bool = False) -> Model:
     """--draft self: the target as its own draft, on the target's compute device, beside its embedding and final
-    norm (shared, not copied). ckpt: the target's checkpoint (a handle of its own). quant (quant.TWIN_QUANTS):
+    norm (shared, not copied). ckpt: the target's checkpoint (a handle of its own). quant (TWIN_QUANTS):
       "int8"       the target's own resident dense matrices, lm_head too, each beside its per-row int8 copy
                    (quant.Int8Weight): calls over a few rows read the copies, wider ones the target's matrices;
                    only for a target whose layers are all resident and dense (search.make_plan sees to it)
-      "int8-held"  every layer's matrices held per-row int8 | bitsandbytes nf4, built from the checkpoint's dense
-      "nf4"        layers (a published format's dequantized) one at a time; lm_head the target's
+      "int4"       every layer's matrices held in 4-bit groups (int4.Int4Weight; a 4-bit checkpoint's own groups,
+                   where it has them: int4.source_group), lm_head too
+      "int8-held"  every layer's matrices held per-row int8 | bitsandbytes nf4; lm_head the target's
+      "nf4"
+    A held twin is built from the target's resident dense layers where it has them (no second read), else from
+    the checkpoint's dense layers (a published format's dequantized), one at a time.
     Its distributions differ from the target's only by the quantization of its matrices."""
-    if quant == "int8":
-        if not isinstance(target.layers, ResidentLayers) or not all(
-                isinstance(w.q_proj, torch.Tensor) for w in target.layers.layers):
-            raise ValueError("an int8 twin reads the target's resident dense layers; this target has none")
-        layers = [with_quantized_matrices(w, "int8") for w in target.layers.layers]   # Int8Weight.full: the target's
-        globals_ = replace(target.globals, lm_head=Int8Weight.quantize(target.globals.lm_head))
-        return Model(ckpt.config, globals_, ResidentLayers(layers))
-    if quant not in HELD_DRAFT_QUANTS:
-        raise ValueError(f"a twin holds the target's matrices quantized (int8, {', '.join(HELD_DRAFT_QUANTS)}), "
-                         f"not {quant!r}")
-    return Model(ckpt.config, target.globals, ResidentLayers(_layers(ckpt, target.device, target.dtype, quant,
-                                                                     progress)))
+    if quant not in TWIN_QUANTS:
+        raise ValueError(f"a twin holds the target's matrices quantized ({', '.join(TWIN_QUANTS)}), not {quant!r}")
+    resident = isinstance(target.layers, ResidentLayers) and all(
+        isinstance(w.q_proj, torch.Tensor) for w in target.layers.layers)
+    if quant == "int8" and not resident:
+        raise ValueError("an int8 twin reads the target's resident dense layers; this target has none")
+    if resident:
+        layers = [with_quantized_matrices(w, quant, source_group(ckpt.quant)) for w in
+                  tqdm(target.layers.layers, desc=f"twin layers ({quant})", unit="layer", disable=not progress,
+                       leave=False)]                                     # int8: Int8Weight.full is the target's
+    else:
+        layers = _layers(ckpt, target.device, target.dtype, quant, progress)
+    return Model(ckpt.config, _own_lm_head(target.globals, quant), ResidentLayers(layers))
+
+
+def _own_lm_head(globals_: GlobalWeights, quant: str) -> GlobalWeights:
+    """The draft's globals: lm_head beside its int8 copy (int8) or held in 4 bits (int4); as they are otherwise,
+    and where lm_head stays in host memory (the plan's lm_head_on_host: Model.forward streams it in chunks)."""
+    make = {"int8": Int8Weight.quantize, "int4": Int4Weight.quantize}.get(quant)
+    if make is None or globals_.lm_head.device != globals_.final_norm.device:
+        return globals_
+    return replace(globals_, lm_head=make(globals_.lm_head))
 
 
 def load_draft(ckpt: Checkpoint, device: torch.device, dtype: torch.dtype, quant: str,
@@ -75,7 +90,7 @@ def _layers(ckpt: Checkpoint, device: torch.device, dtype: torch.dtype, quant: s
     for i in tqdm(range(ckpt.config.n_layers), desc=f"draft layers ({quant})", unit="layer", disable=not progress,
                   leave=False):
         w = ckpt.layer_weights(i, device, dtype)
-        layers.append(w if quant == "none" else with_quantized_matrices(w, quant))
+        layers.append(w if quant == "none" else with_quantized_matrices(w, quant, source_group(ckpt.quant)))
     return layers
 
 

@@ -30,7 +30,7 @@ from offspec.plan.sizes import ModelSpec, published_runtime
 
 QUANTS = ("none", "int8", "nf4")
 MODES = ("none", "cpu", "cpu+disk", "disk")
-DRAFT_CHOICES = ("none", "int8-held", "nf4")   # ways to hold the draft on a GPU: dense, or its layers held quantized
+DRAFT_CHOICES = ("none", "int8-held", "nf4", "int4")   # ways to hold the draft on a GPU: dense, or held quantized
 
 
 @dataclass(frozen=True)

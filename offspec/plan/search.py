@@ -269,7 +269,8 @@ def _draft_weight_items(draft: ModelSpec, runtime: RuntimeConfig) -> list[PlanIt
     held = runtime.draft_quant in HELD_DRAFT_QUANTS
     name = "--draft self: the target's own" if draft.twin else Path(draft.name).name
     items = [PlanItem("device", "draft weights", draft_weights_nbytes(draft, dtype, runtime.draft_quant),
-                      name + (f", layers held {runtime.draft_quant}" if held else ""))]
+                      name + (f", layers held {runtime.draft_quant}" if held else
+                              ", layers and lm_head held int4" if runtime.draft_quant == "int4" else ""))]
     if runtime.draft_quant == "int8":
         items.append(PlanItem("device", "draft int8 copy", int8_copy_nbytes(draft.cfg, dtype), "--draft-quant int8"))
     if held:

@@ -1,6 +1,7 @@
 """What every kind of bytes a run holds costs: a model's layers, globals, caches, logits and activations, by shape."""
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, replace
 from typing import Optional, Union
@@ -9,6 +10,7 @@ import torch
 
 from offspec.config import ModelConfig, RuntimeConfig, attention_rows
 from offspec.errors import InputError
+from offspec.formats import int4
 from offspec.formats.layout import LayerLayout, layer_shapes
 from offspec.formats.published import describe as describe_quant
 from offspec.formats.published import per_layer_sizes
@@ -122,20 +124,31 @@ def int8_copy_nbytes(cfg: ModelConfig, dtype: torch.dtype) -> int:
 
 
 def draft_weights_nbytes(spec: ModelSpec, dtype: torch.dtype, draft_quant: str = "none") -> int:
-    """The draft's weights on the device: dense, or (--draft-quant int8-held | nf4) its layers' matrices held
-    quantized (quant.HeldWeight) beside dense norms, biases, embedding and lm_head. A twin (--draft self) holds
-    only its layers: the embedding, final norm and lm_head are the target's, counted with the target; with
-    --draft-quant int8 not even those (the target's resident layers, beside their int8 copies)."""
+    """The draft's weights on the device: dense, or its layers' matrices held quantized (--draft-quant int8-held |
+    nf4: quant.HeldWeight; int4: int4.Int4Weight, lm_head too) beside dense norms, biases, embedding (and lm_head).
+    A twin (--draft self) holds only its layers (and an int4 lm_head): the embedding, final norm and lm_head are
+    the target's, counted with the target; with --draft-quant int8 not even those (the target's resident layers,
+    beside their int8 copies)."""
     cfg = spec.cfg
     own_globals = 0 if spec.twin else globals_nbytes(spec, dtype)
+    if draft_quant == "int4":
+        int4.check_shapes([s for s in layer_shapes(cfg).values() if len(s) == 2], "--draft-quant int4")
+        head = int4.nbytes((cfg.vocab_size, cfg.hidden_size), dtype)
+        dense_head = 0 if spec.twin or not spec.lm_head_stored else embed_nbytes(spec, dtype)
+        held = functools.partial(int4.nbytes, source=int4.source_group(spec.quant))
+        return cfg.n_layers * _held_layer_nbytes(cfg, dtype, held) + head + own_globals - dense_head
     if draft_quant not in HELD_DRAFT_QUANTS:
         if spec.twin:
             return 0      # the target's resident layers themselves (int8: its int8 copies, int8_copy_nbytes)
         return cfg.n_layers * layer_nbytes(cfg, dtype) + own_globals
-    quant = HELD_DRAFT_QUANTS[draft_quant]
-    layer = sum(held_matrix_nbytes(quant, shape, dtype) if len(shape) == 2 else math.prod(shape) * itemsize(dtype)
-                for shape in layer_shapes(cfg).values())
-    return cfg.n_layers * layer + own_globals
+    held = functools.partial(held_matrix_nbytes, HELD_DRAFT_QUANTS[draft_quant])
+    return cfg.n_layers * _held_layer_nbytes(cfg, dtype, held) + own_globals
+
+
+def _held_layer_nbytes(cfg: ModelConfig, dtype: torch.dtype, matrix_nbytes) -> int:
+    """One layer with each matrix held as matrix_nbytes(shape, dtype) says, norms and biases dense."""
+    return sum(matrix_nbytes(shape, dtype) if len(shape) == 2 else math.prod(shape) * itemsize(dtype)
+               for shape in layer_shapes(cfg).values())
 
 
 def largest_matrix_nbytes(cfg: ModelConfig, dtype: torch.dtype) -> int:

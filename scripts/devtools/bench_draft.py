@@ -1,6 +1,6 @@
 #!/usr/bin/env python
 """What one draft call costs, by the number of tree nodes it runs, with and without the draft's int8 copy, and
-held quantized (int8-held, nf4).
+held quantized (int8-held, nf4, int4); with --twin, also the demo target's twin (--draft self) beside it.
 
 A round grows its tree with one draft call per depth, so the time of one call decides how deep a tree can pay
 for itself. On a CPU a call over a few rows is memory-bound (it reads every draft weight once), which is what
@@ -13,6 +13,9 @@ cache, R in --rows, median of --calls calls:
   int8-held       the draft's layer matrices held only as per-row int8 (narrow calls read it, wider ones
                   dequantize each matrix first)
   nf4             the draft's layer matrices held only as bitsandbytes nf4 (every call dequantizes each matrix)
+  int4            the draft's layer matrices and lm_head held in 4-bit groups, read by PyTorch's int4 matmul
+  self int8       (--twin) the 1.5B demo target's twin: int8 copies of its resident matrices, lm_head too
+  self int4       (--twin) the same target's twin held in 4-bit groups (formats/int4.py)
   ... +streamer   the same while the target's layer streamer is alive (--offload cpu, 8 slots, idle after
                   its prefetch), as during generation
   ... +torch-copy the same with the streamer's copy worker using Tensor.copy_, as before this benchmark: its
@@ -20,6 +23,8 @@ cache, R in --rows, median of --calls calls:
 
 Example:
   python scripts/devtools/bench_draft.py --write-docs      # the table into its block of its notes entry (NOTES)
+  python scripts/devtools/bench_draft.py --twin --no-streamer --rows 1,4,16,64 --calls 5 --write-docs
+                                                           # both drafts of the demo target (TWIN_NOTES)
 """
 from __future__ import annotations
 
@@ -39,7 +44,7 @@ from offspec.config import OffloadConfig, RuntimeConfig  # noqa: E402
 from offspec.engine.load import load_target, parse_dtype  # noqa: E402
 from offspec.formats.checkpoint import Checkpoint  # noqa: E402
 from offspec.formats.demo import ensure_demo_models  # noqa: E402
-from offspec.model.draft import load_resident  # noqa: E402
+from offspec.model.draft import load_resident, load_twin  # noqa: E402
 from offspec.model.forward import RowSpan  # noqa: E402
 from offspec.model.kv_cache import KVCache  # noqa: E402
 from offspec.plan.placement import LayerPlan  # noqa: E402
@@ -48,6 +53,7 @@ from offspec.stream.transfer import CpuBackend  # noqa: E402
 
 SECTION = "bench_draft"
 NOTES = _common.REPO / "docs" / "notes" / "2026-11-26-draft-int8-copy.md"   # where --write-docs writes
+TWIN_NOTES = _common.REPO / "docs" / "notes" / "2026-11-28-int4-twin.md"     # ... with --twin
 CPU = torch.device("cpu")
 
 
@@ -96,6 +102,15 @@ def live_streamer(target_dir, dtype, torch_copy: bool):
         CpuBackend.copy_bytes = original
 
 
+def twins(target_dir, dtype) -> dict:
+    """The demo target, resident, and its twins (--draft self) by setting label."""
+    ckpt = Checkpoint(target_dir)
+    target = load_resident(ckpt, CPU, dtype)
+    out = {f"self {quant}": load_twin(ckpt, target, quant) for quant in ("int8", "int4")}
+    ckpt.close()
+    return out
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=_common.HelpFormatter)
     p.add_argument("--rows", default="1,2,4,8,16,32,64", help="tree nodes per call (comma-separated)")
@@ -109,6 +124,8 @@ def main() -> int:
                    help="skip the settings with a live target streamer (they load the 1.5B target)")
     p.add_argument("--no-held", dest="held", action="store_false",
                    help="skip the drafts held quantized (int8-held, nf4: --draft-quant)")
+    p.add_argument("--twin", action="store_true",
+                   help="also time the demo target's twin (--draft self, int8 and int4; loads the 1.5B target)")
     p.add_argument("--write-docs", action="store_true", help="replace the table's block (bench_draft) in its notes entry (NOTES)")
     args = p.parse_args()
     if args.sequences < 1:
@@ -119,12 +136,15 @@ def main() -> int:
     target_dir, draft_dir = ensure_demo_models()
 
     ckpt = Checkpoint(draft_dir)
-    quants = ("none", "int8", "int8-held", "nf4") if args.held else ("none", "int8")
+    quants = ("none", "int8", "int8-held", "nf4", "int4") if args.held else ("none", "int8")
     drafts = {quant: load_resident(ckpt, CPU, dtype, quant) for quant in quants}
     ckpt.close()
     settings = [("bf16", "none", None), ("int8", "int8", None)]
     if args.held:
-        settings += [("int8-held", "int8-held", None), ("nf4", "nf4", None)]
+        settings += [("int8-held", "int8-held", None), ("nf4", "nf4", None), ("int4", "int4", None)]
+    if args.twin:
+        drafts.update(twins(target_dir, dtype))
+        settings += [("self int8", "self int8", None), ("self int4", "self int4", None)]
     if args.streamer:
         settings += [("int8 +streamer", "int8", False), ("int8 +streamer +torch-copy", "int8", True),
                      ("bf16 +streamer +torch-copy", "none", True)]
@@ -138,6 +158,10 @@ def main() -> int:
     spec = ModelSpec.of(Checkpoint(draft_dir, headers_only=True))
     weight_mb = {quant: (draft_weights_nbytes(spec, dtype, quant)
                          + (int8_copy_nbytes(spec.cfg, dtype) if quant == "int8" else 0)) / 1e6 for quant in quants}
+    if args.twin:           # what the twin adds to the target's own bytes
+        twin = ModelSpec.of(Checkpoint(target_dir, headers_only=True)).as_twin()
+        weight_mb["self int8"] = int8_copy_nbytes(twin.cfg, dtype) / 1e6
+        weight_mb["self int4"] = draft_weights_nbytes(twin, dtype, "int4") / 1e6
     headers = ["draft setting", "weights MB", *[f"{r} row{'s' if r > 1 else ''}" for r in rows]]
     table_rows = [[label, f"{weight_mb[quant]:.0f}", *[_common.fmt(t) for t in results[label]]]
                   for label, quant, _ in settings]
@@ -146,12 +170,14 @@ def main() -> int:
         body = "\n".join([
             "## One draft call, by rows (`scripts/devtools/bench_draft.py`)",
             _common.run_header(CPU, started, load_at_start),
-            f"Seconds per call of the demo draft (Qwen2.5-Coder-0.5B, {args.dtype}), median of {args.calls}, "
+            f"Seconds per call of the demo draft (Qwen2.5-Coder-0.5B, {args.dtype})"
+            + (" and of the demo target's twin (Qwen2.5-Coder-1.5B, --draft self; its weights MB are what it adds "
+               "to the target's)" if args.twin else "") + f", median of {args.calls}, "
             f"after {args.context} cached tokens"
             + (f", each call's rows split among {args.sequences} sequences" if args.sequences > 1 else "")
             + ". A tree round makes one such call per depth.", "",
             _common.markdown_table(headers, table_rows)])
-        _common.write_doc_section(SECTION, body, path=NOTES)
+        _common.write_doc_section(SECTION, body, path=TWIN_NOTES if args.twin else NOTES)
     return 0
 
 

@@ -1,0 +1,72 @@
+"""int4.Int4Weight (--draft-quant int4): PyTorch's int4 matmul over the packed matrix equals the matmul over the
+reference dequantization (the module's formula, from the stored scales and zeros), for every shape edge the
+packing has; the plan's bytes are the built weight's; shapes and devices it cannot run are refused in one line.
+On CUDA (where present) the same checks run through the CUDA kernel."""
+import pytest
+import torch
+
+from offspec.errors import InputError
+from offspec.formats import int4
+
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+def reference(w: torch.Tensor) -> torch.Tensor:
+    """w (N, K) -> its int4 round trip (N, K) float32, through quantize_groups and dequantize_groups."""
+    G = int4.group_size(w.shape[1])
+    return int4.dequantize_groups(*int4.quantize_groups(w, G), G)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("shape", [(48, 128), (40, 96), (7, 64), (256, 320)])   # N padded; G 64 | 32
+@pytest.mark.parametrize("rows", [1, 5, 33])
+def test_kernel_equals_the_reference_dequantization(device, shape, rows):
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    gen = torch.Generator().manual_seed(shape[0] * 1000 + rows)
+    w = torch.randn(*shape, generator=gen).to(device, dtype)
+    x = torch.randn(2, rows, shape[1], generator=gen).to(device, dtype)
+    bias = torch.randn(shape[0], generator=gen).to(device, dtype)
+    got = int4.Int4Weight.quantize(w).matmul(x, bias)                                    # (2, rows, N)
+    want = x.float() @ reference(w).t() + bias.float()
+    assert got.shape == (2, rows, shape[0]) and got.dtype == dtype
+    tol = 1e-4 if dtype == torch.float32 else 3e-2
+    assert torch.allclose(got.float(), want, rtol=tol, atol=tol * float(want.abs().max()))
+
+
+def test_round_trip_error_is_within_half_a_step():
+    w = torch.randn(32, 256)
+    q, sz = int4.quantize_groups(w, 64)
+    assert q.min() >= 0 and q.max() <= 15
+    step = sz[..., 0].t().repeat_interleave(64, dim=1)                                    # (N, K)
+    assert ((int4.dequantize_groups(q, sz, 64) - w).abs() <= step / 2 + 1e-6).all()
+
+
+@pytest.mark.parametrize("shape", [(48, 128), (7, 64), (151, 96)])
+def test_planned_bytes_are_the_built_weights(shape):
+    for dtype in (torch.float32, torch.bfloat16):
+        assert int4.Int4Weight.quantize(torch.randn(*shape).to(dtype)).nbytes == int4.nbytes(shape, dtype)
+
+
+def test_shapes_and_devices_it_cannot_run_are_refused_in_one_line():
+    with pytest.raises(InputError, match="multiple of 32; this model has 80"):
+        int4.check_shapes([(64, 64), (64, 80)], "--draft-quant int4")
+    with pytest.raises(InputError, match="bfloat16 only"):
+        int4.check_device(torch.device("cuda"), torch.float16, "--draft-quant int4")
+    int4.check_device(torch.device("cpu"), torch.bfloat16, "--draft-quant int4")   # runs here
+
+
+def test_a_4bit_sources_own_groups_land_on_its_levels():
+    """A matrix on 16 levels a group of 32 (as a Q4_1 or AWQ g32 matrix dequantizes): int4 in the source's groups
+    gives it back (float32: to rounding), int4 in groups of 64 does not (int4.source_group)."""
+    gen = torch.Generator().manual_seed(3)
+    lo, step = torch.randn(48, 4, 1, generator=gen), torch.rand(48, 4, 1, generator=gen) / 10 + 0.01
+    levels = torch.randint(0, 16, (48, 4, 32), generator=gen)
+    levels[..., 0], levels[..., 1] = 0, 15                                            # each group spans its grid
+    w = (lo + levels * step).view(48, 128)                                            # (N, K) on the source's grid
+    assert int4.source_group("gguf:q4_1,q4_1") == 32 and int4.source_group("awq-g128") == 128
+    assert int4.source_group("gptq-b8-g128") is None and int4.source_group("none") is None
+    x = torch.randn(3, 128, generator=gen)
+    own = int4.Int4Weight.quantize(w, source=32)
+    assert own.group == 32 and own.nbytes == int4.nbytes((48, 128), torch.float32, source=32)
+    assert torch.allclose(own.matmul(x), x @ w.t(), atol=1e-4)
+    assert not torch.allclose(int4.Int4Weight.quantize(w).matmul(x), x @ w.t(), atol=1e-2)

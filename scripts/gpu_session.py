@@ -175,8 +175,7 @@ def twin_part(args, device: torch.device, results: Results) -> None:
     dense = [torch.randn(s, generator=gen, device=device, dtype=torch.bfloat16) * 0.02
              for s in layer_shapes(cfg).values() if len(s) == 2]
     x = torch.randn(3, dense[0].shape[1], generator=gen, device=device, dtype=torch.bfloat16)
-    q, sz = int4.quantize_groups(dense[0], int4.group_size(dense[0].shape[1]))
-    want = x.float() @ int4.dequantize_groups(q, sz, int4.group_size(dense[0].shape[1])).t()
+    want = x.float() @ int4.reference(dense[0]).t()
     got = int4.Int4Weight.quantize(dense[0]).matmul(x).float()
     results.update("twin", int4_max_rel_error=float((got - want).abs().max() / want.abs().max()), layers_per_70b=80)
     forms = {"bf16": lambda w: w, "int4": int4.Int4Weight.quantize, "nf4": lambda w: HeldWeight.quantize(w, "nf4")}

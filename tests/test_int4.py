@@ -11,12 +11,6 @@ from offspec.formats import int4
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
 
-def reference(w: torch.Tensor) -> torch.Tensor:
-    """w (N, K) -> its int4 round trip (N, K) float32, through quantize_groups and dequantize_groups."""
-    G = int4.group_size(w.shape[1])
-    return int4.dequantize_groups(*int4.quantize_groups(w, G), G)
-
-
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("shape", [(48, 128), (40, 96), (7, 64), (256, 320)])   # N padded; G 64 | 32
 @pytest.mark.parametrize("rows", [1, 5, 33])
@@ -27,7 +21,7 @@ def test_kernel_equals_the_reference_dequantization(device, shape, rows):
     x = torch.randn(2, rows, shape[1], generator=gen).to(device, dtype)
     bias = torch.randn(shape[0], generator=gen).to(device, dtype)
     got = int4.Int4Weight.quantize(w).matmul(x, bias)                                    # (2, rows, N)
-    want = x.float() @ reference(w).t() + bias.float()
+    want = x.float() @ int4.reference(w).t() + bias.float()
     assert got.shape == (2, rows, shape[0]) and got.dtype == dtype
     tol = 1e-4 if dtype == torch.float32 else 3e-2
     assert torch.allclose(got.float(), want, rtol=tol, atol=tol * float(want.abs().max()))

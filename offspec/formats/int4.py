@@ -48,9 +48,9 @@ def group_size(K: int, source: Optional[int] = None) -> int:
 def source_group(quant: str) -> Optional[int]:
     """The groups a 4-bit published or GGUF checkpoint (its ModelSpec.quant) quantized its matrices in, along K:
     a matrix dequantized from them lies on 16 levels a group, so min-max int4 in the SAME groups lands on those
-    levels again, up to the rounding of the scales and zeros to the compute dtype (a Q4_1 SmolLM2 matrix: 0.2%
-    mean error in groups of 32, against 7.5% in groups of 64; docs/notes/2026-11-28-int4-twin.md). GGUF: 32 (the
-    blocks and K-quant sub-blocks). None for anything else (8 bits, per channel, dense)."""
+    levels again, up to the rounding of the scales and zeros to the compute dtype (measured on a GGUF target:
+    docs/notes/2026-11-28-int4-twin.md). GGUF: 32 (the blocks and K-quant sub-blocks). None for anything else
+    (8 bits, per channel, dense)."""
     if quant.startswith("gguf:"):
         return 32
     found = re.fullmatch(r"(?:awq|gptq-b4|ct-b4)-g(\d+)(?:-.*)?", quant)
@@ -90,6 +90,13 @@ def dequantize_groups(q: torch.Tensor, sz: torch.Tensor, G: int) -> torch.Tensor
     N, K = q.shape
     s, z = sz.float().permute(1, 0, 2).unbind(-1)                                       # (N, K/G) each
     return ((q.float().view(N, K // G, G) - 8) * s[..., None] + z[..., None]).view(N, K)
+
+
+def reference(w: torch.Tensor, source: Optional[int] = None) -> torch.Tensor:
+    """w (N, K) -> what an Int4Weight of it holds, dequantized: (N, K) float32 (quantize_groups, then
+    dequantize_groups, in Int4Weight.quantize's groups). The kernels' output is checked against x @ this.T."""
+    G = group_size(w.shape[1], source)
+    return dequantize_groups(*quantize_groups(w, G), G)
 
 
 def _pack(q: torch.Tensor) -> torch.Tensor:
@@ -155,10 +162,10 @@ def check_device(device: torch.device, dtype: torch.dtype, option: str) -> None:
     try:
         got = Int4Weight.quantize(w).matmul(x).float()                                  # (3, 48)
     except Exception as err:   # no kernel for this device / build / GPU generation
-        raise InputError(f"{option}: PyTorch's int4 matmul cannot run here ({type(err).__name__}: "
-                         f"{str(err).splitlines()[0] if str(err) else ''}); use --draft-quant nf4 or int8-held") from None
-    q, sz = quantize_groups(w, group_size(128))
-    want = x.float() @ dequantize_groups(q, sz, group_size(128)).t()
+        first = str(err).splitlines()[0] if str(err) else ""
+        raise InputError(f"{option}: PyTorch's int4 matmul cannot run here ({type(err).__name__}: {first}); "
+                         f"use --draft-quant nf4 or int8-held") from None
+    want = x.float() @ reference(w).t()                                                  # (3, 48)
     if not torch.allclose(got, want, rtol=0.05, atol=0.05 * float(want.abs().max())):
         raise InputError(f"{option}: PyTorch's int4 matmul disagrees with its reference on this device "
                          f"(max error {float((got - want).abs().max()):.3g}); use --draft-quant nf4 or int8-held")

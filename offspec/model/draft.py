@@ -56,7 +56,8 @@ def load_twin(ckpt: Checkpoint, target: Model, quant: str, progress: bool = Fals
     if quant == "int8" and not resident:
         raise ValueError("an int8 twin reads the target's resident dense layers; this target has none")
     if resident:
-        layers = [with_quantized_matrices(w, quant, source_group(ckpt.quant)) for w in
+        source = source_group(ckpt.quant)
+        layers = [with_quantized_matrices(w, quant, source) for w in
                   tqdm(target.layers.layers, desc=f"twin layers ({quant})", unit="layer", disable=not progress,
                        leave=False)]                                     # int8: Int8Weight.full is the target's
     else:
@@ -86,11 +87,11 @@ def _layers(ckpt: Checkpoint, device: torch.device, dtype: torch.dtype, quant: s
     """Every decoder layer on `device`, as `quant` (QUANT_MODES) holds it; one dense layer in memory at a time."""
     if quant not in QUANT_MODES:
         raise ValueError(f"unknown quantization {quant!r}; expected one of {', '.join(QUANT_MODES)}")
-    layers = []
+    layers, source = [], source_group(ckpt.quant)
     for i in tqdm(range(ckpt.config.n_layers), desc=f"draft layers ({quant})", unit="layer", disable=not progress,
                   leave=False):
         w = ckpt.layer_weights(i, device, dtype)
-        layers.append(w if quant == "none" else with_quantized_matrices(w, quant, source_group(ckpt.quant)))
+        layers.append(w if quant == "none" else with_quantized_matrices(w, quant, source))
     return layers
 
 

@@ -67,7 +67,11 @@ def parse_args(argv=None):
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--device", default="auto", help="auto (the GPU when there is one), cpu or cuda[:N]")
     p.add_argument("--target", default=None, help="target model folder [default: the demo target]")
-    p.add_argument("--draft", default=None, help="draft model folder [default: the demo draft]")
+    p.add_argument("--draft", default=None, help="draft model folder, or self: the target's twin [default: the demo "
+                   "draft]")
+    p.add_argument("--draft-quant", default="auto", choices=("auto", "none", "int8", "int8-held", "nf4", "int4"),
+                   help="how the draft's matrices are held (offspec generate --draft-quant); each row records the "
+                        "one the plan held")
     p.add_argument("--rows", nargs="+", required=True,
                    help="the rows file to measure into (one), or the files to render (--report-only)")
     p.add_argument("--report-only", action="store_true", help="measure nothing: print (and write) the table")
@@ -114,6 +118,8 @@ def measure(args) -> None:
     settings = {"prompt_set": args.prompt_set, "new_tokens": args.new_tokens, "dtype": args.dtype,
                 "offload": args.offload, "device": args.device.type, "seed": args.seed,
                 "models": [Path(target_dir).name, Path(draft_dir).name]}
+    if args.draft_quant != "auto":              # rows measured before this option were all auto
+        settings["draft_quant"] = args.draft_quant
     models = Models.open(target_dir, draft_dir)
     prompts = peer_hf.encoded_prompts(args.prompt_set, args.prompts, 0, models.tokenizer)
     done = {bench.row_key(r) for r in bench.resumed_rows(args.rows[0], prompts, args.systems, args.temperatures,
@@ -123,9 +129,10 @@ def measure(args) -> None:
     trees = {name: bench.system_tree(name, TreeConfig()) for name in args.systems}
     limits = bench.bench_limits(trees.values(), max(len(ids) for _, ids in prompts) + args.new_tokens,
                                 sampling=any(t > 0 for t in args.temperatures))
-    loaded = models.load(OffloadConfig(mode=args.offload), runtime_config(args.device, parse_dtype(args.dtype)),
-                         limits)
-    extra = {"prompt_set": args.prompt_set, "settings": settings, "command": _common.command_line()}
+    runtime = runtime_config(args.device, parse_dtype(args.dtype), args.draft_quant, twin=models.twin)
+    loaded = models.load(OffloadConfig(mode=args.offload), runtime, limits)
+    extra = {"prompt_set": args.prompt_set, "settings": settings, "command": _common.command_line(),
+             "draft_quant": loaded.plan.draft_quant}
 
     def on_row(row):
         bench.append_row(args.rows[0], row)

@@ -7,7 +7,9 @@ import torch
 sys.path.insert(0, os.path.dirname(__file__))   # tests import tiny.py (model builders) directly
 if not torch.cuda.is_available():   # the Triton kernels' tests run them on the CPU, interpreted (test_kernels.py)
     os.environ.setdefault("TRITON_INTERPRET", "1")
-torch.set_num_threads(min(2, torch.get_num_threads()))
+# Under pytest-xdist (the README's test command: two workers, a file each) each worker computes on one thread: the
+# two share the machine's cores, and most tests are Python-bound tiny models.
+torch.set_num_threads(1 if os.environ.get("PYTEST_XDIST_WORKER") else min(2, torch.get_num_threads()))
 
 
 @pytest.fixture(autouse=True)

@@ -603,8 +603,8 @@ def test_auto_concurrency_refills_only_the_rows_the_costs_favour(engine, monkeyp
 
 def test_while_plain_decoding_wins_a_probe_grows_one_tree_the_least_behind(engine, monkeypatch):
     """Costs under which no tree pays (every token of a pass and of a draft call costs the same): the job's
-    first round prefills with no tree, the next grows one row's tree (the others' drafts never read their
-    prompts), the rows then decode plainly, and each probe that re-times trees grows the tree of one row only,
+    first round prefills with no tree, the next decodes plainly, the third grows one row's tree (the others'
+    drafts never read their prompts), the rows then decode plainly, and each probe that re-times trees grows the tree of one row only,
     the one whose draft has the least to read. The engine hands the planner each row's backlog and tokens left
     after the commits, and the catch-up's tokens; the outputs stay each request's own."""
     from offspec.engine.controller import Controller
@@ -626,12 +626,12 @@ def test_while_plain_decoding_wins_a_probe_grows_one_tree_the_least_behind(engin
     mine = rounds[:]                              # the runs alone below add theirs to the spy's list
     for i, request in enumerate(requests):
         assert tokens[i] == alone(engine, request)[0], i
-    # On a CPU the job's prefill round grows no tree and reads no prompt into the draft; the next round, one
-    # tree (the first probe below): only its row's prompt is read
-    assert mine[0][0] == set() and mine[0][3][0] == 0
+    # On a CPU the job's prefill round grows no tree and reads no prompt into the draft, nor does the plain round
+    # after it; the third round, one tree (the first probe below): only its row's prompt is read
+    assert mine[0][0] == mine[1][0] == set() and mine[0][3][0] == mine[1][3][0] == 0
     assert all(len(grew) <= 1 for grew, *_ in mine)          # no tree pays: never more than the probe's
     probes = [k for k, (grew, *_) in enumerate(mine) if k > 0 and grew and not mine[k - 1][0]]
-    assert probes[0] == 1 and len(probes) >= 2
+    assert probes[0] == 2 and len(probes) >= 2
     for k in probes:
         (grew,), behind = mine[k][0], mine[k - 1][1]
         assert behind[grew] == min(behind.values()) and mine[k][3][0] == behind[grew]   # its catch-up, alone
@@ -641,8 +641,9 @@ def test_while_plain_decoding_wins_a_probe_grows_one_tree_the_least_behind(engin
 
 @pytest.mark.parametrize("mode", ["none", "cpu"])
 def test_a_cpu_job_probes_first_only_where_the_target_is_resident(pair, mode):
-    """Resident on a CPU (a pass and a draft's prompt read are both compute) the job's first round grows no tree
-    and the next one row's (probe_first); where the target streams, a pass costs its read of every layer as on a
+    """Resident on a CPU (a pass and a draft's prompt read are both compute) the job's first round grows no tree,
+    nor does the next (a plain pass, timed, sizes the probe), and the third one row's (probe_first); where the
+    target streams, a pass costs its read of every layer as on a
     GPU, and every row grows its tree from the first round. Either way each row's tokens are its own."""
     from offspec.engine.controller import Controller
     offload = OffloadConfig(mode=mode, n_slots=2)
@@ -660,7 +661,7 @@ def test_a_cpu_job_probes_first_only_where_the_target_is_resident(pair, mode):
                         for p, n in zip(prompts(3), [12, 9, 14])]
             tokens, _, _ = batched(eng, requests, concurrency=3)
         if mode == "none":
-            assert grew[0] == set() and len(grew[1]) == 1, grew[:2]
+            assert grew[0] == grew[1] == set() and len(grew[2]) == 1, grew[:3]
         else:
             assert grew[0] == grew[1] == {0, 1, 2}, grew[:2]
         for i, request in enumerate(requests):

@@ -41,6 +41,7 @@ def test_every_policy_on_every_prompt_and_temperature_resumable(ba, checkpoints,
         ("mtbench/81", 0.0, None), ("mtbench/91", 0.0, None), ("mtbench/81", 0.8, 0), ("mtbench/91", 0.8, 0)]
     for r in rows:
         assert set(r["stamp"]) == {"commit", "time", "load_average", "machine"} and r["prompt_set"] == "chat"
+        assert r["draft_quant"] == "none"                                      # auto, on a CPU in float32
         assert list(r["systems"]) == ["dyspec-4", "sequoia-4", "chain-2", "chain-4"]
         for name, cell in r["systems"].items():
             budget = int(name.split("-")[1])
@@ -54,6 +55,8 @@ def test_every_policy_on_every_prompt_and_temperature_resumable(ba, checkpoints,
     assert "chat, T = 0.8" in capsys.readouterr().out.replace("MT-Bench first turns", "chat")
     with pytest.raises(InputError, match=r"other settings \(new_tokens\)"):
         run(ba, checkpoints, rows_file, "--new-tokens", "6")
+    with pytest.raises(InputError, match=r"other settings \(draft_quant\)"):
+        run(ba, checkpoints, rows_file, "--draft-quant", "int8-held")
 
 
 def cell(tpp, tree=4.0):

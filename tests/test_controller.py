@@ -1,7 +1,8 @@
 """The runtime controller: one node budget per pass, shared by node value among the rows in flight."""
 import torch
 
-from offspec.engine.controller import Controller, RoundRecord, RowView
+from offspec.engine.controller import Controller
+from offspec.engine.rounds import RoundRecord, RowView
 from offspec.spec.tree import TokenTree
 
 
@@ -426,7 +427,7 @@ def test_held_resident_layers_add_their_dequantization_to_the_predicted_pass():
     assert plain["pass_seconds"] == 2.0 and abs(held["pass_seconds"] - (1.0 + 0.05)) < 1e-12
 
 
-def probe_first_job(draft_seconds_a_node: float, rows: int = 16, untimed=(0,), p=None, names=None, rounds=8
+def probe_first_job(draft_seconds_a_node: float, rows: int = 16, untimed=(0,), p=None, names=None, rounds=9
                     ) -> tuple[Controller, list[dict]]:
     """A job of `rows` rows started with probe_first: a prefill round, then rounds in which each row grows the
     tree its budget allows (a chain of likely nodes: values 0.8, 0.64, ...), on a machine where a pass costs
@@ -452,23 +453,24 @@ def probe_first_job(draft_seconds_a_node: float, rows: int = 16, untimed=(0,), p
 
 def test_probe_first_times_one_rows_tree_before_any_other_draft_reads_its_prompt():
     """On a CPU the job's first round prefills its prompts with no tree (one grown there is not timed: its draft
-    work would buy its values alone); then one row's 32-node tree, the least behind, while the others' budgets
-    stay 0 (their drafts read nothing) and the probe is timed (32 nodes, then 8 for the pass's slope). Then the
-    rows without a tree are priced as copies of the probe's: where a pass is a fixed second and draft nodes are
-    cheap, trees pay, and they spread to the other rows doubling the rows with one each round (2, 4, 8, 16),
-    each step timed before the next, until every row grows a tree."""
+    work would buy its values alone), the next decodes plainly (its pass, timed, sizes the probe); then one row's
+    32-node tree, the least behind, while the others' budgets stay 0 (their drafts read nothing) and the probe is
+    timed (32 nodes, then 8 for the pass's slope). Then the rows without a tree are priced as copies of the
+    probe's: where a pass is a fixed second and draft nodes are cheap, trees pay, and they spread to the other
+    rows doubling the rows with one each round (2, 4, 8, 16), each step timed before the next, until every row
+    grows a tree."""
     p, history = probe_first_job(draft_seconds_a_node=1e-4)
-    assert all(b == 0 for b in history[0].values())
-    assert [h["r0"] for h in history[1:3]] == [32, 8]
-    assert all(b == 0 for h in history[:3] for r, b in h.items() if r != "r0")
-    assert [sum(b > 0 for b in h.values()) for h in history[3:]] == [2, 4, 8, 16, 16]
+    assert all(b == 0 for h in history[:2] for b in h.values())
+    assert [h["r0"] for h in history[2:4]] == [32, 8]
+    assert all(b == 0 for h in history[:4] for r, b in h.items() if r != "r0")
+    assert [sum(b > 0 for b in h.values()) for h in history[4:]] == [2, 4, 8, 16, 16]
     assert all(sum(h.values()) <= 256 + 16 for h in history)
 
 
 def test_trees_spread_to_more_rows_only_after_a_timed_round():
     """A round that prefilled a prompt is not timed: the step to twice the rows with a tree waits for one that is."""
-    _, history = probe_first_job(draft_seconds_a_node=1e-4, untimed=(0, 3, 4))
-    assert [sum(b > 0 for b in h.values()) for h in history[3:]] == [2, 2, 2, 4, 8]
+    _, history = probe_first_job(draft_seconds_a_node=1e-4, untimed=(0, 4, 5))
+    assert [sum(b > 0 for b in h.values()) for h in history[4:]] == [2, 2, 2, 4, 8]
 
 
 def test_a_fresh_wave_of_rows_is_decided_from_the_finished_rows_trees():
@@ -522,15 +524,27 @@ def test_a_rounding_residual_never_picks_the_draft_model(monkeypatch):
 
 
 def test_a_row_alone_on_a_cpu_with_the_target_resident_prefills_plainly_then_grows_its_tree():
-    """Its first token comes after the target's prefill alone: the first round grows no tree, the next one its
-    32-node tree. Where the pass streams or runs on a GPU, the first round grows the tree with the prefill (on a
-    CPU a fixed 16 nodes: the next test)."""
-    from offspec.engine.controller import RunStart
-    cpu = Controller.for_run(RunStart(gpu=False, streamed=False, rows=1, max_budget=1024))
-    assert budget(cpu, "r") == 0
-    cpu.observe(RoundRecord({"r": TokenTree(0, capacity=1)}, draft_seconds=0.0, target_seconds=0.5,
-                            pass_tokens=40, timed=False, catch_up=(0, 0.0)))
-    assert budget(cpu, "r") == 32
+    """Its first token comes after the target's prefill alone: the first round grows no tree, the next decodes
+    plainly (timed), the third grows its 32-node tree. Where a pass over many tokens is dear (compute: its cost
+    grows with every token, as on a CPU whose wide matmuls are slow), that first tree is cut to what costs at
+    most PROBE_PASSES plain passes. Where the pass streams or runs on a GPU, the first round grows the tree with
+    the prefill (on a CPU a fixed 16 nodes: the next test)."""
+    from offspec.engine.controller import PROBE_PASSES
+    from offspec.engine.rounds import RunStart
+    def first_tree(a: float, b: float) -> int:
+        """A pass costs a + b n over n tokens: the prefill's 40, then a plain pass's 1."""
+        cpu = Controller.for_run(RunStart(gpu=False, streamed=False, rows=1, max_budget=1024))
+        assert budget(cpu, "r") == 0
+        for tokens, timed in ((40, False), (1, True)):
+            cpu.observe(RoundRecord({"r": TokenTree(0, capacity=1)}, draft_seconds=0.0, target_seconds=a + b * tokens,
+                                    pass_tokens=tokens, timed=timed, catch_up=(0, 0.0)))
+            if not timed:
+                assert budget(cpu, "r") == 0
+        return budget(cpu, "r")
+    assert first_tree(0.4, 0.0025) == 32
+    a, b = 0.01, 0.0097
+    n = first_tree(a, b)
+    assert a + b * (1 + n) <= PROBE_PASSES * (a + b) < a + b * (2 + n) and n == 6
     for gpu, streamed, start in ((True, False, 128), (False, True, 16)):
         assert budget(Controller.for_run(RunStart(gpu=gpu, streamed=streamed, rows=1, max_budget=1024)), "r") == start
 
@@ -561,7 +575,7 @@ def test_a_tree_held_shallow_by_the_last_tokens_does_not_replace_the_rows_refere
 
 def test_one_row_on_a_cpu_whose_target_streams_grows_a_fixed_tree():
     """There every round's tree is 16 nodes, whatever the rounds measured; two rows, or a GPU, choose theirs."""
-    from offspec.engine.controller import RunStart
+    from offspec.engine.rounds import RunStart
 
     p = Controller.for_run(RunStart(gpu=False, streamed=True, rows=1, max_budget=1024))
     for n, seconds in ((17, 0.6), (9, 0.5), (33, 0.8), (5, 0.45)):

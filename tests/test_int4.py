@@ -27,6 +27,20 @@ def test_kernel_equals_the_reference_dequantization(device, shape, rows):
     assert torch.allclose(got.float(), want, rtol=tol, atol=tol * float(want.abs().max()))
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_chunks_packed_end_to_end_are_the_matrix_packed_whole(device):
+    """Int4Weight.quantize packs ROWS_AT_ONCE rows at a time (padding N to 16 in its last chunk), on the device
+    it is asked for: the same bytes as the padded matrix packed at once, from a matrix on the device or in host
+    memory (a twin's lm_head where the target's stays on the host)."""
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    N, K = 2 * int4.ROWS_AT_ONCE + 24, 128                                            # 3 chunks, N' = N + 8
+    w = torch.randn(N, K, generator=torch.Generator().manual_seed(1)).to(dtype)       # (N, K) on the host
+    q, sz = int4.quantize_groups(torch.cat([w, w.new_zeros(8, K)]), 64)
+    whole = int4._pack(q.to(device))
+    for held in (int4.Int4Weight.quantize(w.to(device)), int4.Int4Weight.quantize(w, device=torch.device(device))):
+        assert torch.equal(held.packed, whole) and torch.equal(held.scales_zeros, sz.to(device))
+
+
 def test_round_trip_error_is_within_half_a_step():
     w = torch.randn(32, 256)
     q, sz = int4.quantize_groups(w, 64)

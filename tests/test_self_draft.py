@@ -57,9 +57,20 @@ def test_twin_greedy_equals_the_targets_own_and_shares_its_weights(target, offlo
 
 
 @pytest.mark.parametrize("offload", ["none", "cpu"])
-def test_int4_twin_equals_the_targets_greedy_and_holds_the_bytes_the_plan_counts(target, offload):
+def test_int4_twin_equals_the_targets_greedy_and_holds_the_bytes_the_plan_counts(target, offload, monkeypatch):
     """--draft-quant int4 (the GPU's default): every matrix, lm_head too, in 4-bit groups read by PyTorch's int4
-    matmul; built from the resident target's layers, or from the checkpoint where the target streams."""
+    matmul; built from one pass over the target's own layers, resident or streamed (the checkpoint's layers are
+    not read a second time)."""
+    from offspec.model import draft
+
+    def second_read(*args):
+        raise AssertionError("the twin read the checkpoint's layers again")
+
+    def twin_without_layers(ckpt, *args, **kwargs):
+        ckpt.layer_weights = second_read
+        return load_twin(ckpt, *args, **kwargs)
+    load_twin = draft.load_twin
+    monkeypatch.setattr(draft, "load_twin", twin_without_layers)
     loaded = load_engine(target, SELF_DRAFT, OffloadConfig(mode=offload), replace(RUNTIME, draft_quant="int4"),
                          progress=False)
     engine = loaded.engine
@@ -90,6 +101,30 @@ def int4_twin_as_planned(loaded):
     planned = next(i for i in loaded.plan.items if i.what == "draft weights")
     assert planned.nbytes == sum(m.nbytes for m in held) + dense and "int4" in planned.note
     return twin
+
+
+def test_the_twin_of_a_split_ring_is_the_twin_of_its_layers():
+    """quantized_pass over a split ring (each streamed layer handed over in its parts, from slots reused after)
+    holds what quantizing each whole layer holds, bit for bit."""
+    from test_split_ring import TINY, random_layers, split_plan
+
+    from offspec.engine.load import open_target_layers
+    from offspec.formats.layout import LayerWeights
+    from offspec.formats.quant import with_quantized_matrices
+    from offspec.model.draft import quantized_pass
+
+    weights = random_layers(TINY)
+    with open_target_layers(weights.__getitem__, TINY, split_plan(TINY, "cpu", n_resident=2), torch.device("cpu"),
+                            torch.float32, progress=False) as source:
+        twin = quantized_pass(source, TINY.n_layers, "int4", group=32)
+    for i, mine in enumerate(twin):
+        whole = with_quantized_matrices(LayerWeights(**weights[i]), "int4", 32)
+        for name, t in vars(whole).items():
+            m = getattr(mine, name)
+            if isinstance(t, Int4Weight):
+                assert torch.equal(m.packed, t.packed) and torch.equal(m.scales_zeros, t.scales_zeros), (i, name)
+            elif isinstance(t, torch.Tensor):
+                assert torch.equal(m, t), (i, name)
 
 
 def test_twin_keeps_each_prompts_tokens_in_a_batch(target):

@@ -40,9 +40,10 @@ behind, and the first tree round after it feeds every row's backlog (at 8 rows, 
 tokens to read before any tree grows). So the switch back to trees is charged that backlog, spread over the tokens
 the rows have left, and the probes that re-time trees while plain decoding wins grow one row's tree only, the row
 whose draft is least behind; none at all once the backlog alone costs more a token than plain decoding (no tree
-could then pay for the switch). With probe_first (a CPU, the target resident, several rows) a job starts so:
-after the prefill round one row's tree, the other rows' drafts reading nothing, and rows without a tree priced as
-copies of the rows with one (their draft work per node where the rounds cannot tell a call's cost from a node's).
+could then pay for the switch). With probe_first (a CPU, the target resident) a job starts so: after the prefill
+and one timed plain round, one row's tree (_probe_size), the other rows' drafts reading nothing, and rows without a
+tree priced as copies of the rows with one (their draft work per node where the rounds cannot tell a call's cost
+from a node's).
 Such a copy is an extrapolation from few rows, so trees spread to rows without one at most doubling the rows with
 one after each timed round (1, 2, 4, 8 ...): every step is measured before the next, and a wrong guess costs a few
 rows' trees, not every row's catch-up. A finished row's last tree stays as the reference for rows joining after it
@@ -51,21 +52,12 @@ rows' trees, not every row's catch-up. A finished row's last tree stays as the r
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass, field
 from typing import Hashable, Optional, Sequence
 
 import torch
 
 from offspec.config import AUTO_MAX_TREE_BUDGET
-
-
-@dataclass
-class DraftWork:
-    """A round's draft work, for the controller's t_draft and e fits."""
-    calls: int = 0          # batched growth forwards (one per depth step, every row's frontier together)
-    nodes: int = 0          # working-tree nodes they ran on, all rows
-    catch_up: tuple[int, float] = (0, 0.0)   # the catch-up call: (tokens fed, seconds)
-
+from offspec.engine.rounds import RoundPlan, RoundRecord, RowView, RunStart, plain_first_round
 
 ROW_GAIN = 0.05     # auto concurrency: a row in flight must add at least 5% to the predicted tokens/s to be worth it
 YIELD_ROUNDS = 8     # the tree rounds whose measured / predicted seconds per token scale the trees' prediction
@@ -74,61 +66,9 @@ LAST_PROBE = 32
 PAST_TREES = 16      # finished rows' last trees kept as the reference for rows that join after them
 SWITCH_MARGIN = 0.1  # going back from plain decoding to trees wants them predicted 10% cheaper a token: near a tie
                      # the switches' backlog reads and probes cost more than the trees return
-
-
+PROBE_PASSES = 4     # the job's first tree (probe_first) is at most as wide as makes its pass cost 4 plain passes
 ONE_ROW_CPU_BUDGET = 16   # one row on a CPU whose target streams: this many dyspec nodes every round (for_run)
 MIN_JOIN_CHUNK = 64  # the fewest prompt tokens a pass feeds from a long prompt joining (auto; see join_chunk)
-
-
-@dataclass(frozen=True)
-class RunStart:
-    """What the controller knows of a run before anything is measured (Controller.for_run)."""
-    gpu: bool                          # the device is a GPU: a pass costs its transfer whatever it computes
-    streamed: bool                     # the target's layers stream: a pass reads every layer, on any device
-    rows: int                          # the most rows in flight (cache rows)
-    max_budget: int                    # tree nodes one pass may verify, all rows together (the plan's)
-    prefill_per_pass: Optional[int] = None   # prompt tokens a joining prompt feeds a pass; None: auto (join_chunk)
-    adapt_rows: bool = False           # auto concurrency: `rows` is the most, the costs may keep fewer
-
-
-@dataclass(frozen=True)
-class RowView:
-    """An auto-budget row as `plan` sees it."""
-    key: Hashable                      # the row's request key (stable while it is in flight)
-    max_depth: int = 0                 # its TreeConfig.max_depth: a tree that reaches it can only grow wider
-
-
-@dataclass(frozen=True)
-class RoundPlan:
-    """What `plan` decided for a round."""
-    budgets: dict                      # row key -> its tree budget this round (0: plain decoding)
-    join_chunk: Optional[int]          # the most prompt tokens a joining row feeds this pass; None: all of it
-
-
-@dataclass(frozen=True)
-class RoundRecord:
-    """What a round did, for `observe`. trees: this round's tree of each auto-budget row (root alone: none
-    grown); draft_seconds: the growth calls (the catch-up left out); target_seconds and pass_tokens: the target
-    pass (every row's tokens)."""
-    trees: dict
-    draft_seconds: float
-    target_seconds: float
-    pass_tokens: int
-    timed: bool = True                 # False: the round also prefilled a new prompt; its seconds are not a tree's
-    draft_calls: Optional[int] = None  # growth calls and the working-tree nodes they ran on, all rows (default:
-    draft_nodes: Optional[int] = None  # the kept trees' deepest draft call and their size)
-    catch_up: Optional[tuple[int, float]] = None   # (tokens fed, seconds) of the round's catch-up call
-    behind: dict = field(default_factory=dict)     # row -> tokens its draft has not read, after this round
-    left: dict = field(default_factory=dict)       # row -> tokens it may still generate
-    yielded: Optional[int] = None      # tokens the auto rows emitted (accepted + bonus, before any stop's cut)
-    finished: tuple = ()               # rows that finished this round: forgotten once the round is counted
-    capped: frozenset = frozenset()    # rows whose tree was held shallower by the few tokens they had left
-
-
-def plain_first_round(gpu: bool, streamed: bool) -> bool:
-    """A run starts with a plain prefill round, no tree and no draft call, on a CPU with the target resident
-    (Controller.for_run's probe_first); so there the draft may load beside that round (draft.DraftBeside)."""
-    return not gpu and not streamed
 
 
 class Controller:
@@ -150,6 +90,7 @@ class Controller:
                                               # plan counted logits for that many
         self.max_depth = max_depth            # TreeConfig.max_depth: trees that reach it can only grow wider
         self.passes: deque[tuple[int, float]] = deque(maxlen=32)   # (tokens in pass, seconds)
+        self.prefill: Optional[tuple[int, float]] = None   # the widest untimed pass: (tokens, seconds)
         # growth rounds: (calls, working-tree nodes run on, the kept trees' deepest draft call, nodes kept, seconds)
         self.drafts: deque[tuple[int, int, int, int, float]] = deque(maxlen=32)
         self.catch_ups: deque[tuple[int, float]] = deque(maxlen=32)    # catch-up calls (tokens fed, seconds)
@@ -177,16 +118,15 @@ class Controller:
         """The starting policy. First trees: 128 nodes a row on a GPU, where a pass costs its transfer whatever it
         computes, and on a CPU whose target streams (a pass reads every layer there too) 32 / B nodes a row, every
         row's tree from the first round. On a CPU with the target resident, a pass and a draft call are compute,
-        and every row's first tree costs its draft reading its prompt: the job starts decoding plainly, after its
-        first timed pass one row grows a tree (32 / B nodes but at least 8: enough to price a draft's nodes), and
-        the others grow theirs once that tree is timed and trees pay (probe_first); rows joining later while trees
-        pay share 32 nodes a pass. A row alone starts so too: its prefill round grows no tree, so its first token comes
-        after the target's prefill alone, and the next round grows its 32-node tree. Why each start:
-        docs/notes/2026-11-23-batch-host-ram-and-planner.md. One row on a CPU whose target streams grows a fixed
+        and every row's first tree costs its draft reading its prompt: the job (a row alone too) starts decoding
+        plainly, so its first token comes after the target's prefill alone; after the first timed plain pass one
+        row grows a tree (probe_first: 32 / B nodes but at least 8, enough to price a draft's nodes; fewer where
+        a wide pass is dear, _probe_size), and the others grow theirs once that tree is timed and trees pay; rows
+        joining later while trees pay share 32 nodes a pass. One row on a CPU whose target streams grows a fixed
         16-node tree every round instead (`fixed`): an answer of a few dozen tokens is over in a handful of rounds
-        there, before the fits have seen enough to choose better, and every mischosen round (a deep tree of a
-        draft that errs, plain decoding after unlucky trees) costs draft calls that are compute on a CPU; the
-        measurements behind the choice: docs/notes/2026-11-27-the-default-on-a-cpu.md."""
+        there, before the fits have seen enough to choose better, and every mischosen round costs draft calls that
+        are compute on a CPU. Why each start: docs/notes/2026-11-23-batch-host-ram-and-planner.md,
+        docs/notes/2026-11-27-the-default-on-a-cpu.md, docs/notes/2026-11-28-twin-from-the-stream.md."""
         B = run.rows
         if not run.gpu and run.streamed and B == 1:
             return cls(start=ONE_ROW_CPU_BUDGET, max_budget=run.max_budget, max_depth=0, fixed=True,
@@ -217,8 +157,8 @@ class Controller:
         """Row's tree budget for this round: a new row starts at `start` (or what the pass has left), or at 0
         while plain decoding wins (its draft need not read its prompt until trees pay again). With probe_first
         the job starts so: its first round prefills the prompts with no tree (one grown there is not timed, so
-        its draft work would buy its values alone), and the next grows the one tree that times them, the row
-        least behind's (_choose); later rows have the finished rows' trees."""
+        its draft work would buy its values alone), the next decodes plainly, and then the row least behind grows
+        the one tree that times them (_choose); later rows have the finished rows' trees."""
         if row not in self.alloc:
             self.alloc[row] = 0 if self.plain_wins else self._left(self.start)
         return self.alloc[row]
@@ -247,6 +187,8 @@ class Controller:
         rows are forgotten and, adapting rows, rows_wanted is set for the next refill."""
         if r.timed:
             self.passes.append((r.pass_tokens, r.target_seconds))
+        elif self.prefill is None or r.pass_tokens > self.prefill[0]:
+            self.prefill = (r.pass_tokens, r.target_seconds)
         grown = {row: t for row, t in r.trees.items() if t.size > 0}
         if grown and r.timed:
             deepest = max(int(t.draft_depths[1:].max()) for t in grown.values())   # 0: n-gram nodes only
@@ -427,10 +369,11 @@ class Controller:
             # Only rows that joined while plain decoding won (or the job's first rows, with probe_first), whose
             # drafts never read their prompts, and no tree seen: time one tree, of the row least behind, before
             # deciding for them all.
+            # With probe_first, after a timed plain pass: what it cost sizes the tree (_probe_size).
             self.plain_rounds = 0
             self.alloc = dict.fromkeys(self.alloc, 0)
-            if self.alloc:
-                self.alloc[self._least_behind(list(self.alloc))] = self._left(self.probe_first or self.start)
+            if self.alloc and (self.passes or self.probe_first is None):
+                self.alloc[self._least_behind(list(self.alloc))] = self._left(self._probe_size())
             return
         # Rows without a tree yet (their drafts have not read their prompts) are taken to be like the reference
         # trees: m = all rows / reference trees copies of their pooled nodes. The best k of those nodes then stand
@@ -490,6 +433,20 @@ class Controller:
                          key=lambda r: self.behind.get(r, 0))
         for r in waiting[:max(1, len(rows)) if self.timed else 0]:
             self.alloc[r] = self._left(share)
+
+    def _probe_size(self) -> int:
+        """The first tree's budget: probe_first (else start), or fewer nodes where a wide pass is dear: at most N
+        with a + b (n0 + N) <= PROBE_PASSES t0, (n0, t0) the last timed plain pass and b the slope from it to the
+        prefill's pass. Nothing prices that tree before it is grown, so its cost is bounded by plain decoding's."""
+        want = self.probe_first or self.start
+        if not self.passes or self.prefill is None:
+            return want
+        (n0, t0), (n, t) = self.passes[-1], self.prefill
+        if n <= n0 or t <= t0:
+            return want
+        b = (t - t0) / (n - n0)
+        a = max(t0 - b * n0, 0.0)
+        return max(1, min(want, int((PROBE_PASSES * t0 - a) / b) - n0))
 
     def _budget_of(self, tree, mine: int) -> int:
         """A row's next budget from its reference tree and its share `mine` of the best N nodes."""

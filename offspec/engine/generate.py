@@ -18,12 +18,13 @@ from typing import Iterator, Optional, Sequence, Union
 import torch
 
 from offspec.config import AUTO_MAX_TREE_BUDGET, DEFAULT_PREFILL_CHUNK, SamplingConfig
-from offspec.engine.controller import Controller, DraftWork, RoundRecord, RowView, RunStart
+from offspec.engine.controller import Controller
 from offspec.engine.feed import RequestFeed
 from offspec.engine.mask import PassMask
 from offspec.engine.metrics import Step, Timer
 from offspec.engine.rank_cache import RankCache
 from offspec.engine.request import GenerationRequest, RowLimits, check_request
+from offspec.engine.rounds import DraftWork, RoundRecord, RowView, RunStart
 from offspec.engine.rows import Batch, PassCost, Row, RowStep, StopChecker, StreamDelta
 from offspec.errors import InputError
 from offspec.model.forward import Model, RowSpan

@@ -23,11 +23,11 @@ import torch
 from tqdm import tqdm
 
 from offspec.config import ModelConfig, OffloadConfig, RunLimits, RuntimeConfig
-from offspec.engine.controller import plain_first_round
 from offspec.engine.generate import Engine
 from offspec.engine.metrics import StartTimes
 from offspec.engine.prompt import stop_token_ids
 from offspec.engine.rank_cache import pair_key
+from offspec.engine.rounds import plain_first_round
 from offspec.errors import BudgetError, InputError
 from offspec.formats import published
 from offspec.formats.checkpoint import Checkpoint

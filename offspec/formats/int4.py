@@ -116,16 +116,30 @@ class Int4Weight:
     shape: tuple[int, int]         # (N, K), before padding
 
     @staticmethod
-    def quantize(w: torch.Tensor, source: Optional[int] = None) -> "Int4Weight":
-        """w (N, K) in the compute dtype, on the device it will run on -> held in 4 bits there (w is not kept).
-        source: the groups its checkpoint was quantized in (source_group), used where the kernels take them."""
+    def quantize(w: torch.Tensor, source: Optional[int] = None,
+                 device: Optional[torch.device] = None) -> "Int4Weight":
+        """w (N, K) in the compute dtype -> held in 4 bits on `device` (default: w's), w not kept. source: the
+        groups its checkpoint was quantized in (source_group), used where the kernels take them. Quantized where
+        w lies, ROWS_AT_ONCE rows at a time, each chunk packed on `device`: both kernels pack rows in tiles that
+        divide ROWS_AT_ONCE (CUDA 8, CPU 32), so the chunks' packs laid end to end are the matrix's, and an
+        lm_head in host memory crosses only as 4 bits."""
         N, K = w.shape
-        pad = -N % N_MULTIPLE
-        if pad:
-            w = torch.cat([w, w.new_zeros(pad, K)])                                     # (N', K)
-        G = group_size(K, source)
-        q, sz = quantize_groups(w, G)
-        return Int4Weight(_pack(q), sz, G, (N, K))
+        device = w.device if device is None else torch.device(device)
+        G, n_pad = group_size(K, source), -(-N // N_MULTIPLE) * N_MULTIPLE
+        packed, sz = None, torch.empty(K // G, n_pad, 2, dtype=w.dtype, device=device)     # (K/G, N', 2)
+        for a in range(0, n_pad, ROWS_AT_ONCE):
+            b = min(a + ROWS_AT_ONCE, n_pad)
+            rows = w[a:b]
+            if rows.shape[0] < b - a:                                                   # the zero rows of N'
+                rows = torch.cat([rows, rows.new_zeros(b - a - rows.shape[0], K)])
+            q, chunk_sz = quantize_groups(rows, G)
+            chunk = _pack(q.to(device))                                                 # (rows * per_row, ...)
+            if packed is None:
+                per_row = chunk.shape[0] / (b - a)                                      # CPU 1, CUDA 1/8
+                packed = chunk.new_empty((round(n_pad * per_row), *chunk.shape[1:]))
+            packed[round(a * per_row):round(b * per_row)] = chunk
+            sz[:, a:b] = chunk_sz.to(device)
+        return Int4Weight(packed, sz, G, (N, K))
 
     @property
     def nbytes(self) -> int:

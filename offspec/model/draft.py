@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import threading
 import time
-from dataclasses import replace
+from dataclasses import fields, replace
 from typing import Optional
 
 import torch
@@ -15,7 +15,7 @@ from offspec.formats.draft_quant import QUANT_MODES, TWIN_QUANTS
 from offspec.formats.int4 import Int4Weight, source_group
 from offspec.formats.layout import GlobalWeights, LayerWeights
 from offspec.formats.quant import Int8Weight, with_quantized_matrices
-from offspec.model.forward import Model, ResidentLayers
+from offspec.model.forward import LayerSource, Model, ResidentLayers
 
 
 def load_resident(ckpt: Checkpoint, device: torch.device, dtype: torch.dtype, quant: str = "none",
@@ -46,32 +46,55 @@ def load_twin(ckpt: Checkpoint, target: Model, quant: str, progress: bool = Fals
                    where it has them: int4.source_group), lm_head too
       "int8-held"  every layer's matrices held per-row int8 | bitsandbytes nf4; lm_head the target's
       "nf4"
-    A held twin is built from the target's resident dense layers where it has them (no second read), else from
-    the checkpoint's dense layers (a published format's dequantized), one at a time.
+    A held twin is built from one pass over the target's own layers (resident, or streamed from its arena or
+    store: no second read of the checkpoint, and a published format's layers dequantized as the target's are);
+    only a target held quantized and all resident is read again from the checkpoint (its layers dequantize into
+    one shared scratch that the target's first round may be using while the twin loads beside it).
     Its distributions differ from the target's only by the quantization of its matrices."""
     if quant not in TWIN_QUANTS:
         raise ValueError(f"a twin holds the target's matrices quantized ({', '.join(TWIN_QUANTS)}), not {quant!r}")
-    resident = isinstance(target.layers, ResidentLayers) and all(
-        isinstance(w.q_proj, torch.Tensor) for w in target.layers.layers)
-    if quant == "int8" and not resident:
+    resident = isinstance(target.layers, ResidentLayers)
+    dense = resident and all(isinstance(w.q_proj, torch.Tensor) for w in target.layers.layers)
+    if quant == "int8" and not dense:
         raise ValueError("an int8 twin reads the target's resident dense layers; this target has none")
-    if resident:
-        source = source_group(ckpt.quant)
-        layers = [with_quantized_matrices(w, quant, source) for w in
-                  tqdm(target.layers.layers, desc=f"twin layers ({quant})", unit="layer", disable=not progress,
-                       leave=False)]                                     # int8: Int8Weight.full is the target's
-    else:
+    if resident and not dense:
         layers = _layers(ckpt, target.device, target.dtype, quant, progress)
+    else:
+        layers = quantized_pass(target.layers, ckpt.config.n_layers, quant, source_group(ckpt.quant), progress)
     return Model(ckpt.config, _own_lm_head(target.globals, quant), ResidentLayers(layers))
 
 
+def quantized_pass(source: LayerSource, n_layers: int, quant: str, group: Optional[int] = None,
+                   progress: bool = False) -> list[LayerWeights]:
+    """Every layer of `source` with its matrices as `quant` holds them (quant.with_quantized_matrices; group:
+    int4's source group), from one pass. A streamed slot is reused once the next piece is asked for: each
+    piece's matrices are quantized and its vectors copied before then (int8 keeps the matrix itself: resident
+    dense layers only). A split ring hands a layer over in parts (LAYER_PARTS), merged here."""
+    streamed = not isinstance(source, ResidentLayers)
+    pieces: list[dict] = [{} for _ in range(n_layers)]
+    bar = tqdm(total=n_layers, desc=f"twin layers ({quant})", unit="layer", disable=not progress, leave=False)
+    for layer, w in source.pass_layers():
+        held = with_quantized_matrices(w, quant, group)
+        for f in fields(held):
+            t = getattr(held, f.name)
+            if f.name != "part" and t is not None:
+                pieces[layer][f.name] = t.clone() if streamed and isinstance(t, torch.Tensor) else t
+        bar.update(layer + 1 - bar.n)
+    bar.close()
+    return [LayerWeights(**p) for p in pieces]
+
+
 def _own_lm_head(globals_: GlobalWeights, quant: str) -> GlobalWeights:
-    """The draft's globals: lm_head beside its int8 copy (int8) or held in 4 bits (int4); as they are otherwise,
-    and where lm_head stays in host memory (the plan's lm_head_on_host: Model.forward streams it in chunks)."""
-    make = {"int8": Int8Weight.quantize, "int4": Int4Weight.quantize}.get(quant)
-    if make is None or globals_.lm_head.device != globals_.final_norm.device:
+    """The draft's globals: lm_head beside its int8 copy (int8), or held in 4 bits on the compute device (int4:
+    also where the target's lm_head stays in host memory, the plan's lm_head_on_host, so that a draft call reads
+    0.28x of it on the device instead of crossing all of it); as they are otherwise (Model.forward streams a
+    host lm_head in chunks)."""
+    device = globals_.final_norm.device
+    if quant == "int4":
+        return replace(globals_, lm_head=Int4Weight.quantize(globals_.lm_head, device=device))
+    if quant != "int8" or globals_.lm_head.device != device:
         return globals_
-    return replace(globals_, lm_head=make(globals_.lm_head))
+    return replace(globals_, lm_head=Int8Weight.quantize(globals_.lm_head))
 
 
 def load_draft(ckpt: Checkpoint, device: torch.device, dtype: torch.dtype, quant: str,

@@ -176,8 +176,12 @@ def twin_part(args, device: torch.device, results: Results) -> None:
              for s in layer_shapes(cfg).values() if len(s) == 2]
     x = torch.randn(3, dense[0].shape[1], generator=gen, device=device, dtype=torch.bfloat16)
     want = x.float() @ int4.reference(dense[0]).t()
-    got = int4.Int4Weight.quantize(dense[0]).matmul(x).float()
-    results.update("twin", int4_max_rel_error=float((got - want).abs().max() / want.abs().max()), layers_per_70b=80)
+    held = int4.Int4Weight.quantize(dense[0])              # 8192 rows: packed 512 at a time, laid end to end
+    got = held.matmul(x).float()
+    from_host = int4.Int4Weight.quantize(dense[0].cpu(), device=device)   # a twin's lm_head kept on the host
+    rel = lambda out: float((out.float() - want).abs().max() / want.abs().max())     # noqa: E731
+    results.update("twin", int4_max_rel_error=rel(got), int4_from_host_max_rel_error=rel(from_host.matmul(x)),
+                   layers_per_70b=80)
     forms = {"bf16": lambda w: w, "int4": int4.Int4Weight.quantize, "nf4": lambda w: HeldWeight.quantize(w, "nf4")}
     for form, make in forms.items():
         try:

@@ -47,6 +47,7 @@ import _common  # noqa: E402
 import peer_hf  # noqa: E402
 
 from offspec.bench import runner as bench  # noqa: E402
+from offspec.cli.options import DRAFT_QUANT_CHOICES  # noqa: E402
 from offspec.config import OffloadConfig, SamplingConfig, TreeConfig  # noqa: E402
 from offspec.errors import InputError  # noqa: E402
 
@@ -69,7 +70,7 @@ def parse_args(argv=None):
     p.add_argument("--target", default=None, help="target model folder [default: the demo target]")
     p.add_argument("--draft", default=None, help="draft model folder, or self: the target's twin [default: the demo "
                    "draft]")
-    p.add_argument("--draft-quant", default="auto", choices=("auto", "none", "int8", "int8-held", "nf4", "int4"),
+    p.add_argument("--draft-quant", default="auto", choices=DRAFT_QUANT_CHOICES,
                    help="how the draft's matrices are held (offspec generate --draft-quant); each row records the "
                         "one the plan held")
     p.add_argument("--rows", nargs="+", required=True,

@@ -133,11 +133,11 @@ class Int4Weight:
             if rows.shape[0] < b - a:                                                   # the zero rows of N'
                 rows = torch.cat([rows, rows.new_zeros(b - a - rows.shape[0], K)])
             q, chunk_sz = quantize_groups(rows, G)
-            chunk = _pack(q.to(device))                                                 # (rows * per_row, ...)
+            chunk = _pack(q.to(device))                                                 # ((b - a) / r, ...)
             if packed is None:
-                per_row = chunk.shape[0] / (b - a)                                      # CPU 1, CUDA 1/8
-                packed = chunk.new_empty((round(n_pad * per_row), *chunk.shape[1:]))
-            packed[round(a * per_row):round(b * per_row)] = chunk
+                r = (b - a) // chunk.shape[0]                   # rows an entry of the pack holds: CPU 1, CUDA 8
+                packed = chunk.new_empty((n_pad // r, *chunk.shape[1:]))
+            packed[a // r:b // r] = chunk
             sz[:, a:b] = chunk_sz.to(device)
         return Int4Weight(packed, sz, G, (N, K))
 

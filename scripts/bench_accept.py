@@ -73,6 +73,8 @@ def parse_args(argv=None):
     p.add_argument("--draft-quant", default="auto", choices=DRAFT_QUANT_CHOICES,
                    help="how the draft's matrices are held (offspec generate --draft-quant); each row records the "
                         "one the plan held")
+    p.add_argument("--calibrate", default="off", choices=("on", "off"),
+                   help="every system's node values from the acceptance it observes (offspec generate --calibrate)")
     p.add_argument("--rows", nargs="+", required=True,
                    help="the rows file to measure into (one), or the files to render (--report-only)")
     p.add_argument("--report-only", action="store_true", help="measure nothing: print (and write) the table")
@@ -121,13 +123,16 @@ def measure(args) -> None:
                 "models": [Path(target_dir).name, Path(draft_dir).name]}
     if args.draft_quant != "auto":              # rows measured before this option were all auto
         settings["draft_quant"] = args.draft_quant
+    if args.calibrate == "on":                  # likewise: rows measured before it were all off
+        settings["calibrate"] = True
     models = Models.open(target_dir, draft_dir)
     prompts = peer_hf.encoded_prompts(args.prompt_set, args.prompts, 0, models.tokenizer)
     done = {bench.row_key(r) for r in bench.resumed_rows(args.rows[0], prompts, args.systems, args.temperatures,
                                                             args.seed, settings)}
     if len(done) == len(prompts) * len(args.temperatures):
         return
-    trees = {name: bench.system_tree(name, TreeConfig()) for name in args.systems}
+    tree = TreeConfig(calibrate=args.calibrate == "on")
+    trees = {name: bench.system_tree(name, tree) for name in args.systems}
     limits = bench.bench_limits(trees.values(), max(len(ids) for _, ids in prompts) + args.new_tokens,
                                 sampling=any(t > 0 for t in args.temperatures))
     runtime = runtime_config(args.device, parse_dtype(args.dtype), args.draft_quant, twin=models.twin)

@@ -20,3 +20,15 @@ def nan_filled_caches(monkeypatch):
     from offspec.model import kv_cache
     monkeypatch.setattr(kv_cache, "uninitialized",
                         lambda shape, dtype, device: torch.full(shape, float("nan"), dtype=dtype, device=device))
+
+
+@pytest.fixture(autouse=True)
+def own_caches(monkeypatch, tmp_path_factory):
+    """Engines loaded by tests keep what they keep across runs (sequoia's acceptance by rank, draft records, twins) in
+    folders of the test's own, never the user's $OFFSPEC_HOME (which the demo models are read from)."""
+    from offspec.engine import draft_records, rank_cache
+    from offspec.model import twin_store
+    drafts, home, twins = (tmp_path_factory.mktemp(name) for name in ("drafts", "home", "twins"))
+    monkeypatch.setattr(draft_records, "records_dir", lambda: drafts)
+    monkeypatch.setattr(rank_cache, "default_home", lambda: home)
+    monkeypatch.setattr(twin_store, "twins_dir", lambda: twins)

@@ -269,4 +269,43 @@ def test_cli_target_without_draft_uses_its_twin_where_it_streams(target):
     alone = ok(cli("generate", "--target", target, "--device", "cpu", "--dtype", "float32", "--max-new-tokens", "8",
                    "--raw", "hello"))
     assert "draft self (" not in alone.stderr and alone.stdout == out.stdout
-    assert "plan note: no --draft: the target runs alone, since every target layer stays resident" in alone.stderr
+    assert "plan note: the target runs alone: every target layer stays resident" in alone.stderr
+
+
+def test_an_int4_twin_built_on_a_cpu_is_kept_and_read_back_bit_for_bit(target, monkeypatch, capsys):
+    """twin_store: the first load quantizes and keeps the twin's int4 matrices on disk; the next reads them (no
+    quantization) into the same bytes beside the new target's own vectors; a file that does not load is rebuilt."""
+    from offspec.model import draft, twin_store
+
+    def matrices(loaded):
+        twin = int4_twin_as_planned(loaded)
+        return twin, [(m.packed, m.scales_zeros, m.group, m.shape) for m in
+                      [twin.globals.lm_head] + [w.q_proj for w in twin.layers.layers] +
+                      [w.down_proj for w in twin.layers.layers]]
+
+    def load():
+        return load_engine(target, SELF_DRAFT, OffloadConfig(), replace(RUNTIME, draft_quant="int4"), progress=False)
+
+    first = load()
+    built = matrices(first)[1]
+    greedy_equals_plain(first.engine, at_least=1.5)
+    first.engine.close()
+    (kept,) = twin_store.twins_dir().iterdir()
+    assert "are kept in" in capsys.readouterr().err
+
+    def no_quantizing(*args, **kwargs):
+        raise AssertionError("the kept twin was quantized again")
+    with monkeypatch.context() as m:
+        m.setattr(draft, "quantized_pass", no_quantizing)
+        again = load()
+        twin, read = matrices(again)
+        assert all(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) and a[2:] == b[2:] for a, b in zip(built, read))
+        assert twin.layers.layers[0].input_norm is again.engine.target.layers.layers[0].input_norm
+        greedy_equals_plain(again.engine, at_least=1.5)
+        again.engine.close()
+    kept.write_bytes(kept.read_bytes()[:1000])                              # truncated: rebuilt, with a warning
+    rebuilt = load()
+    assert all(torch.equal(a[0], b[0]) for a, b in zip(built, matrices(rebuilt)[1]))
+    rebuilt.engine.close()
+    err = capsys.readouterr().err
+    assert "rebuilding the twin" in err and "are kept in" in err and len(kept.read_bytes()) > 1000

@@ -84,15 +84,19 @@ def model_options(f):
                           "as Qwen/Qwen2.5-7B-Instruct, "
                           "read from the local Hugging Face cache (downloaded there unless HF_HUB_OFFLINE=1). "
                           "Default: the embedded Qwen2.5-Coder-1.5B-Instruct."),
-        click.option("--draft", type=click.Path(), default=None,
+        click.option("--draft", type=click.Path(), multiple=True,
                      help="Draft model: a folder, a GGUF file or a hub id, like --target; same tokenizer as the target "
                           "(embedding rows may differ). 'self' = the target's own layers held quantized on the device "
                           "(--draft-quant auto: int4 in bfloat16, on a GPU and a CPU) beside the target's embedding, "
                           "built at load from the target's weights: no second model to find, and it accepts more "
-                          "tokens a pass than a small draft (a folder named self: ./self). Default: the embedded Qwen2.5-Coder-0.5B-Instruct when --target is not "
-                          "given; else self where the memory plan streams target layers and fits the twin beside "
-                          "them, the target alone where not (all resident: a twin's round costs about what it "
-                          "saves; offspec bench takes self)."),
+                          "tokens a pass than a small draft (a folder named self: ./self). Given more than once "
+                          "(--draft self --draft DIR): offspec takes, of those that fit, each in turn until each has "
+                          "been measured on this machine, then the fastest (seconds a token, recorded per model pair "
+                          "and device under $OFFSPEC_HOME/drafts; the report's plan note says which and why). "
+                          "Default: the embedded Qwen2.5-Coder-0.5B-Instruct when --target is not given (and the "
+                          "demo target's twin beside it where the target streams); else self where the memory plan "
+                          "streams target layers and fits the twin beside them, the target alone where not (all "
+                          "resident: a twin's round costs about what it saves; offspec bench takes self)."),
         click.option("--draft-quant", type=click.Choice(DRAFT_QUANT_CHOICES), default="auto", show_default=True,
                      help="How the draft's matrices are held. int8 = beside each its int8 copy (one scale per row, "
                           "+50% draft memory), which a prompt's tokens in a draft call read when the call covers at "
@@ -210,7 +214,7 @@ def build_configs(o: dict, check_device: bool = True):
 
     runtime = runtime_config(parse_device(o["device"], check_available=check_device), parse_dtype(o["dtype"]),
                              o["draft_quant"], o["target_quant"], o["resident_quant"],
-                             twin=draft_of(o) == SELF_DRAFT)   # before any model is read
+                             twin=SELF_DRAFT in draft_of(o))   # before any model is read
     if check_device and runtime.device.type == "cpu" and runtime.dtype == torch.float16:   # (a worker's: its own)
         warn("--dtype float16 on a CPU: CPUs have no fast float16 matmuls, so this runs far slower than "
              "--dtype bfloat16 (or float32); use bfloat16")
@@ -239,23 +243,27 @@ def build_configs(o: dict, check_device: bool = True):
     return runtime, offload, tree, sampling
 
 
-def draft_of(o: dict) -> Optional[str]:
-    """The run's draft as given: --draft; with --tree none, none; with a --target and no --draft, the target's
-    twin (SELF_DRAFT: optional, dropped by the plan where it does not fit); with neither, the demo draft (None
-    here: resolve_models finds it)."""
+def draft_of(o: dict) -> tuple[str, ...]:
+    """The run's drafts as given: --draft (each); with --tree none, none; with a --target and no --draft, the
+    target's twin (SELF_DRAFT: optional, dropped by the plan where it does not fit); with neither, the demo draft
+    (resolve_models adds it)."""
     if o["policy"] == "none":
-        return None
-    if o["draft"] is None and o["target"] is not None:
-        return SELF_DRAFT
-    return o["draft"]
+        return ()
+    if not o["draft"] and o["target"] is not None:
+        return (SELF_DRAFT,)
+    return tuple(o["draft"])
 
 
-def resolve_models(o: dict) -> tuple[str, Optional[str]]:
+def resolve_models(o: dict) -> tuple[str, tuple[str, ...]]:
+    """(target, drafts): the embedded demo pair where no --target is given (with the demo target's twin beside
+    its draft, optional: Models.plan keeps it where the target streams and the records say it is faster)."""
     if o["target"] is None:
         from offspec.formats.demo import ensure_demo_models
         target, draft = ensure_demo_models()
-        return str(target), (o["draft"] or str(draft)) if o["policy"] != "none" else None
-    if o["draft"] is None and o["policy"] != "none":
+        if o["policy"] == "none":
+            return str(target), ()
+        return str(target), tuple(o["draft"]) or (str(draft), SELF_DRAFT)
+    if not o["draft"] and o["policy"] != "none":
         click.echo("note: no --draft given: the target drafts for itself (--draft self) where its layers stream and "
                    "its twin fits beside them, else it runs alone (the report says which ran)", err=True)
     return o["target"], draft_of(o)
@@ -268,8 +276,9 @@ def open_from_options(o: dict, check_device: bool = True, need_draft: bool = Fal
     from offspec.engine.load import Models
 
     configs = build_configs(o, check_device)
-    target, draft = resolve_models(o)
-    return Models.open(target, draft, optional_twin=o["draft"] is None and not need_draft), configs
+    target, drafts = resolve_models(o)
+    optional = not o["draft"] and not (need_draft and o["target"] is not None)
+    return Models.open(target, drafts, optional_twin=optional, draft_quant=o["draft_quant"]), configs
 
 
 def run_limits(o: dict, tree: TreeConfig, sampling: bool, longest: int, concurrency: Optional[int] = 1,

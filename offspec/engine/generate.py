@@ -19,9 +19,10 @@ import torch
 
 from offspec.config import AUTO_MAX_TREE_BUDGET, DEFAULT_PREFILL_CHUNK, SamplingConfig
 from offspec.engine.controller import Controller
+from offspec.engine.draft_records import DraftLog
 from offspec.engine.feed import RequestFeed
 from offspec.engine.mask import PassMask
-from offspec.engine.metrics import Step, Timer
+from offspec.engine.metrics import Step, Timer, weights_source
 from offspec.engine.rank_cache import RankCache
 from offspec.engine.request import GenerationRequest, RowLimits, check_request
 from offspec.engine.rounds import DraftWork, RoundRecord, RowView, RunStart
@@ -51,7 +52,8 @@ class Engine:
                  n_shared: Optional[int] = None, context: Optional[int] = None,
                  max_tree_budget: int = AUTO_MAX_TREE_BUDGET, prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
                  max_concurrency: Optional[int] = None, plan=None, target_quant: str = "none",
-                 draft_quant: str = "none", twin: bool = False, sequoia_key: Optional[str] = None):
+                 draft_quant: str = "none", twin: bool = False, sequoia_key: Optional[str] = None,
+                 draft_log: Optional[DraftLog] = None):
         self.target = target
         self.draft = draft
         self.draft_waited = 0.0         # seconds runs waited for a draft loading beside the first round
@@ -77,22 +79,16 @@ class Engine:
         self.draft_quant = draft_quant if draft is not None else "none"   # how the draft is held (draft_quant.QUANT_MODES)
         self.twin = twin and draft is not None     # the draft is the target's twin (--draft self: draft.load_twin)
         self.ranks = RankCache(sequoia_key)   # sequoia's acceptance by rank; the key names the pair (rank_cache.py)
+        self.draft_log = draft_log if draft is not None else None   # its decoding rounds, kept (draft_records.py)
 
     # ------------------------------------------------------------ the loop
     def weights_source(self) -> str:
-        """Where the target's streamed layers come from, for the report (pinned or not, and why)."""
-        from offspec.formats.layout import format_bytes
-        host = getattr(self.target.layers, "host", None)
-        if host is None:
-            return "resident"
-        pinned = ("pinned" if host.pinned else
-                  f"{format_bytes(host.pinned_nbytes)} pinned, the rest pageable" if host.pinned_nbytes else
-                  f"pageable: {host.reason}")
-        return f"{host.kind}, {pinned}" + (f"; reads: {host.io}" if host.io else "")
+        return weights_source(self.target.layers)
 
     def close(self) -> None:
-        """Stop the streamer's threads, wait for a draft still loading, save what sequoia rows learned."""
-        for close in (getattr(self.target.layers, "close", None), getattr(self.draft, "close", None), self.ranks.save):
+        """Stop the streamer's threads, wait for a draft still loading, save what rows and rounds measured."""
+        for close in (getattr(self.target.layers, "close", None), getattr(self.draft, "close", None), self.ranks.save,
+                      getattr(self.draft_log, "save", None)):
             if close is not None:
                 close()
 
@@ -208,7 +204,7 @@ class Engine:
             row.start_round(plan.budgets.get(row.index, row.budget), self.max_context, self.device)
         self._ration_prefill(rows, batch.t_cache, plan.join_chunk)
         trees, q_logits, fed, cost, growth = self._pass(batch)
-        finished, yielded = [], 0
+        finished, yielded, made = [], 0, 0
         for row, tree, q, n_fed in zip(rows, trees, q_logits, fed):
             if row.round_feed is not None:                      # joining: a chunk of its prompt, no tokens yet
                 yield RowStep(row.index, cost.step(n_fed, tokens=[], accepted=0, tree_size=0, tree_depth=0))
@@ -216,6 +212,7 @@ class Engine:
             verdict, judged = self._accept(tree, q, row.request.sampling, row.generator)
             step = row.commit(batch, tree, verdict, judged, cost, n_fed)
             yielded += (step.accepted + 1) if row.auto else 0
+            made += len(step.tokens)
             yield RowStep(row.index, step)
             if step.finish_reason is not None:
                 finished.append(row)
@@ -223,10 +220,13 @@ class Engine:
         # back to trees pays it). A round that prefilled a new prompt (target and draft) says little about the
         # cost of trees.
         going = [row for row in rows if row.auto and row not in finished]
+        timed = all(n == tree.n_nodes for n, tree in zip(fed, trees))
+        if self.draft_log is not None and timed and all(row.speculative for row in rows):
+            self.draft_log.add(cost.draft_seconds + cost.target_seconds, made)
         controller.observe(RoundRecord(
             trees={row.index: tree for row, tree in zip(rows, trees) if row.auto}, pass_tokens=sum(fed),
             draft_seconds=cost.draft_seconds - growth.catch_up[1], target_seconds=cost.target_seconds,
-            timed=all(n == tree.n_nodes for n, tree in zip(fed, trees)), draft_calls=growth.calls,
+            timed=timed, draft_calls=growth.calls,
             draft_nodes=growth.nodes, catch_up=growth.catch_up,
             behind={row.index: len(row.seq) - batch.d_cache.lengths[row.cache_row] for row in going},
             left={row.index: row.tokens_left() for row in going}, yielded=yielded,

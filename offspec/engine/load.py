@@ -17,12 +17,13 @@ import sys
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Iterator, Optional, Union
+from typing import Iterator, Optional, Sequence, Union
 
 import torch
 from tqdm import tqdm
 
 from offspec.config import ModelConfig, OffloadConfig, RunLimits, RuntimeConfig
+from offspec.engine.draft_records import DraftLog, choose, read_record, record_key
 from offspec.engine.generate import Engine
 from offspec.engine.metrics import StartTimes
 from offspec.engine.prompt import stop_token_ids
@@ -144,81 +145,137 @@ class Loaded:
 
 
 @dataclass
+class DraftCandidate:
+    """A draft the run may take: a model of its own, or the target's twin (a second handle on its checkpoint)."""
+    ckpt: Checkpoint
+    twin: bool
+    n_shared: Optional[int]         # token ids both tokenizers know: the rows the draft may propose (vocab.py)
+    given: str                      # as the user gave it (a folder, a hub id, SELF_DRAFT)
+
+    @property
+    def label(self) -> str:
+        return SELF_DRAFT if self.twin else self.ckpt.path.name
+
+
+@dataclass
 class Models:
     """The checkpoints of one run, opened cheaply: configs and safetensors headers checked, the shared
-    tokenizer loaded, no weight read. Plan, then load."""
+    tokenizer loaded, no weight read. Plan, then load. With several drafts given, the plan keeps one (plan())."""
     target: Checkpoint
-    draft: Optional[Checkpoint]
+    drafts: list[DraftCandidate]    # the drafts the run may take; one after plan() (none: the target alone)
     tokenizer: object
     eos_ids: list[int]              # EOS and chat end tokens, from the tokenizer and generation_config
-    n_shared: Optional[int]         # token ids both tokenizers know: the rows the draft may propose (vocab.py)
     open_seconds: float
-    twin: bool = False              # --draft self: `draft` is a second handle on the target's checkpoint
     optional_twin: bool = False     # the twin was not asked for: where it does not fit, the target runs alone
+    draft_quant: str = "auto"       # --draft-quant as given: with several drafts, "auto" is each one's own
+    device_name: str = ""           # the device the plan was made for (draft records are kept per device)
 
     @staticmethod
-    def open(target_dir: str | Path, draft_dir: Optional[str | Path], optional_twin: bool = False) -> "Models":
+    def open(target_dir: str | Path, draft_dir: Union[None, str, Path, Sequence[str | Path]],
+             optional_twin: bool = False, draft_quant: str = "auto") -> "Models":
         """target_dir / draft_dir: a model folder, or a hub id (hub.resolve_model); draft_dir SELF_DRAFT: the
-        target's twin (its own layers held quantized, model.draft.load_twin), read through a second handle.
-        optional_twin: the twin is the default draft, not asked for: the plan drops it where it does not fit."""
+        target's twin (its own layers held quantized, model.draft.load_twin), read through a second handle. Several
+        drafts (a sequence): the plan takes one (plan()), each held as draft_quant says (auto: as it would be
+        alone). optional_twin: the twin is a default, not asked for: the plan drops it where the target would not
+        stream or it does not fit."""
         start = time.perf_counter()
         target_dir = resolve_model(target_dir)
         target = open_checkpoint(target_dir)
         tokenizer = load_tokenizer(target_dir)
         check_rows_cover_tokenizer(target.config.vocab_size, token_id_count(tokenizer), f"target {target_dir}")
-        draft, n_shared, twin = None, None, draft_dir == SELF_DRAFT
-        if twin:
-            draft = open_checkpoint(target_dir)
-        elif draft_dir is not None:
-            draft_dir = resolve_model(draft_dir)
-            draft = open_checkpoint(draft_dir)
-            draft_tokenizer = tokenizer if same_tokenizer_files(target_dir, draft_dir) else load_tokenizer(draft_dir)
-            # Embedding rows may differ (padded vocabularies); the tokenizers may not (vocab.py).
-            n_shared = check_same_tokenizer(tokenizer, draft_tokenizer)
-            check_rows_cover_tokenizer(draft.config.vocab_size, token_id_count(draft_tokenizer), f"draft {draft_dir}")
+        given = [] if draft_dir is None else [draft_dir] if isinstance(draft_dir, (str, Path)) else list(draft_dir)
+        drafts = [_open_draft(target_dir, tokenizer, d) for d in given]
         eos = stop_token_ids(tokenizer, generation_eos(target_dir))
-        return Models(target, draft, tokenizer, eos, n_shared, time.perf_counter() - start, twin, twin and optional_twin)
+        return Models(target, drafts, tokenizer, eos, time.perf_counter() - start,
+                      optional_twin and any(d.twin for d in drafts), draft_quant)
 
-    def draft_spec(self) -> Optional[ModelSpec]:
-        if self.draft is None:
+    @property
+    def draft(self) -> Optional[Checkpoint]:
+        """The draft's checkpoint (the first given, until plan() has chosen), None without one."""
+        return self.drafts[0].ckpt if self.drafts else None
+
+    @property
+    def twin(self) -> bool:
+        return bool(self.drafts) and self.drafts[0].twin
+
+    @property
+    def n_shared(self) -> Optional[int]:
+        return self.drafts[0].n_shared if self.drafts else None
+
+    def draft_spec(self, draft: Optional[DraftCandidate] = None) -> Optional[ModelSpec]:
+        draft = draft or (self.drafts[0] if self.drafts else None)
+        if draft is None:
             return None
-        return ModelSpec.of(self.draft).as_twin() if self.twin else ModelSpec.of(self.draft)
+        return ModelSpec.of(draft.ckpt).as_twin() if draft.twin else ModelSpec.of(draft.ckpt)
 
-    def runtime(self, runtime: RuntimeConfig) -> RuntimeConfig:
-        """The run's RuntimeConfig for these models: a twin reads the target's layers quantized (a --draft-quant
-        that would not becomes quant.auto_twin_quant; the CLI refuses it earlier, in runtime_config)."""
-        if self.twin and runtime.draft_quant not in TWIN_QUANTS:
+    def runtime(self, runtime: RuntimeConfig, draft: Optional[DraftCandidate] = None) -> RuntimeConfig:
+        """The run's RuntimeConfig for these models with `draft` (default the first): of several drafts, each
+        one's own auto quantization; a twin reads the target's layers quantized (a --draft-quant that would not
+        becomes quant.auto_twin_quant; the CLI refuses it earlier, in runtime_config)."""
+        draft = draft or (self.drafts[0] if self.drafts else None)
+        if draft is not None and len(self.drafts) > 1 and self.draft_quant == "auto":
+            own = runtime_config(runtime.device, runtime.dtype, "auto", twin=draft.twin).draft_quant
+            runtime = replace(runtime, draft_quant=own)
+        if draft is not None and draft.twin and runtime.draft_quant not in TWIN_QUANTS:
             return replace(runtime, draft_quant=auto_twin_quant(runtime.device.type, runtime.dtype))
         return runtime
 
     def plan(self, offload: OffloadConfig, runtime: RuntimeConfig, limits: RunLimits = RunLimits(),
              machine: Optional[Machine] = None) -> MemoryPlan:
         """The memory plan for this machine now (or `machine`), before anything is allocated: every "auto"
-        resolved (plan.make_plan).
+        resolved (plan.make_plan), and of several drafts the one the run takes; the others are closed, for good.
 
         A twin that was not asked for (optional_twin) is kept only where the target, planned alone, streams some
         of its layers (a pass then costs copies, against which a twin's round is cheap) and the twin fits beside
-        it. Otherwise it is dropped here, for good, the plan's notes say why, and the target runs alone: with
-        every layer resident a pass costs about what a twin's round does (docs/notes/2026-11-28-int4-twin.md)."""
+        it: with every layer resident a pass costs about what a twin's round does
+        (docs/notes/2026-11-28-int4-twin.md). Of several drafts that fit, the plan takes the one its draft records
+        say (draft_records.choose: each measured once, then the fastest). Without one, the target runs alone;
+        the plan's notes say why."""
         from offspec.formats.demo import offspec_home
-        runtime = self.runtime(runtime)
-        quant = published_runtime(ModelSpec.of(self.target), runtime).target_quant
-        store_dir = str(store_dir_for(self.target, runtime.dtype, offspec_home(), quant))
         machine = machine or Machine.measure(runtime.device)
+        self.device_name = machine.name
+        quant = published_runtime(ModelSpec.of(self.target), self.runtime(runtime)).target_quant
+        store_dir = str(store_dir_for(self.target, runtime.dtype, offspec_home(), quant))
         target = ModelSpec.of(self.target)
-        if not self.optional_twin:
-            return make_plan(target, self.draft_spec(), offload, runtime, limits, machine, store_dir=store_dir)
-        alone = make_plan(target, None, offload, runtime, limits, machine, store_dir=store_dir)
-        why = "every target layer stays resident, where a twin's round costs about what it saves"
-        if alone.placement.streamed:
+
+        def planned(draft: Optional[DraftCandidate]) -> MemoryPlan:
+            return make_plan(target, self.draft_spec(draft) if draft else None, offload, self.runtime(runtime, draft),
+                             limits, machine, store_dir=store_dir)
+
+        if len(self.drafts) <= 1 and not self.optional_twin:
+            return planned(self.drafts[0] if self.drafts else None)
+        notes, plans, resident = [], {}, None
+        alone = planned(None) if self.optional_twin else None
+        for draft in self.drafts:
+            if draft.twin and self.optional_twin and not alone.placement.streamed:
+                resident = ("every target layer stays resident, where a twin's round costs about what it saves "
+                            "(--draft self drafts with it anyway)")
+                continue
             try:
-                return make_plan(target, self.draft_spec(), offload, runtime, limits, machine, store_dir=store_dir)
+                plans[id(draft)] = planned(draft)
             except BudgetError as err:
-                why = f"the twin does not fit beside the target ({err})"
-        self.draft.close()
-        self.draft, self.twin, self.optional_twin = None, False, False
-        return replace(alone, notes=alone.notes + (f"no --draft: the target runs alone, since {why}; --draft self "
-                                                   f"drafts with its twin anyway",))
+                notes.append(f"draft {draft.label} does not fit beside the target ({err})")
+        fitting = [d for d in self.drafts if id(d) in plans]
+        if len(fitting) > 1:
+            i, why = choose([d.label for d in fitting], [read_record(self._record_key(d, plans[id(d)], runtime))
+                                                         for d in fitting])
+            fitting, notes = [fitting[i]], notes + [why]
+        for draft in self.drafts:
+            if draft not in fitting:
+                draft.ckpt.close()
+        self.drafts, self.optional_twin = fitting, False
+        if not fitting and alone is None:
+            raise BudgetError(f"no draft fits beside the target: {'; '.join(notes)}")
+        if not fitting:
+            why = "; ".join(notes + [resident] if resident else notes)
+            return replace(alone, notes=alone.notes + (f"the target runs alone: {why}",))
+        plan = plans[id(fitting[0])]
+        return replace(plan, notes=plan.notes + tuple(notes))
+
+    def _record_key(self, draft: DraftCandidate, plan: MemoryPlan, runtime: RuntimeConfig) -> str:
+        """The draft records' key of `draft` as `plan` holds it (draft_records.record_key)."""
+        return record_key(self.target, draft.ckpt, twin=draft.twin, target_quant=plan.target_quant,
+                          draft_quant=plan.draft_quant, dtype=runtime.dtype, device=self.device_name)
 
     def load(self, offload: OffloadConfig, runtime: RuntimeConfig, limits: RunLimits = RunLimits(),
              progress: bool = True, machine: Optional[Machine] = None) -> Loaded:
@@ -253,16 +310,36 @@ class Models:
                         max_concurrency=plan.concurrency, plan=plan, target_quant=runtime.target_quant,
                         draft_quant=runtime.draft_quant, twin=self.twin,
                         sequoia_key=pair_key(self.target, self.draft, target_quant=runtime.target_quant,
-                                             draft_quant=runtime.draft_quant, dtype=runtime.dtype, twin=self.twin))
+                                             draft_quant=runtime.draft_quant, dtype=runtime.dtype, twin=self.twin),
+                        draft_log=self._draft_log(plan, runtime))
         t4 = time.perf_counter()
         start = StartTimes(open=self.open_seconds, plan=t1 - t0, draft=t2 - t1 + t4 - t3, target=t3 - t2)
         return Loaded(engine, self.target, self.draft, self.tokenizer, start, plan)
+
+    def _draft_log(self, plan: MemoryPlan, runtime: RuntimeConfig) -> Optional[DraftLog]:
+        """Where the engine keeps what its draft's rounds measured (draft_records.py); None without a draft."""
+        if not self.drafts:
+            return None
+        return DraftLog(self._record_key(self.drafts[0], plan, runtime), self.drafts[0].label)
 
     def _load_draft(self, runtime: RuntimeConfig, twin_of, progress: bool) -> Model:
         """The draft, now, on the compute device: a model of its own, or (twin_of: the target) its twin."""
         draft = load_draft(self.draft, runtime.device, runtime.dtype, runtime.draft_quant, twin_of, progress)
         self.draft.close()
         return draft
+
+
+def _open_draft(target_dir: Path, tokenizer, draft_dir: str | Path) -> DraftCandidate:
+    """A draft given to Models.open, its tokenizer checked against the target's: SELF_DRAFT, the target's twin."""
+    if draft_dir == SELF_DRAFT:
+        return DraftCandidate(open_checkpoint(target_dir), twin=True, n_shared=None, given=SELF_DRAFT)
+    given, draft_dir = str(draft_dir), resolve_model(draft_dir)
+    draft = open_checkpoint(draft_dir)
+    draft_tokenizer = tokenizer if same_tokenizer_files(target_dir, draft_dir) else load_tokenizer(draft_dir)
+    # Embedding rows may differ (padded vocabularies); the tokenizers may not (vocab.py).
+    n_shared = check_same_tokenizer(tokenizer, draft_tokenizer)
+    check_rows_cover_tokenizer(draft.config.vocab_size, token_id_count(draft_tokenizer), f"draft {draft_dir}")
+    return DraftCandidate(draft, twin=False, n_shared=n_shared, given=given)
 
 
 def load_engine(target_dir: str | Path, draft_dir: Optional[str | Path], offload: OffloadConfig,

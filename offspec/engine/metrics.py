@@ -276,6 +276,19 @@ def peak_device_gb(device: torch.device) -> Optional[float]:
     return None
 
 
+def weights_source(layers) -> str:
+    """Where a target's streamed layers come from (its layer source's `host`, stream.staged.StoreInfo), for the
+    report: pinned or not, and why; "resident" where nothing streams."""
+    from offspec.formats.layout import format_bytes
+    host = getattr(layers, "host", None)
+    if host is None:
+        return "resident"
+    pinned = ("pinned" if host.pinned else
+              f"{format_bytes(host.pinned_nbytes)} pinned, the rest pageable" if host.pinned_nbytes else
+              f"pageable: {host.reason}")
+    return f"{host.kind}, {pinned}" + (f"; reads: {host.io}" if host.io else "")
+
+
 @dataclass(frozen=True)
 class RunSetup:
     """What a report says of how the run was set up (RunReport's fields of the same names)."""

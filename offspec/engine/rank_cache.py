@@ -68,8 +68,7 @@ class RankCache:
     def _mode(self, name: str) -> _Mode:
         if name not in self._modes:
             if self.home is None:
-                from offspec.formats.demo import offspec_home
-                self.home = offspec_home()
+                self.home = default_home()
             key = hashlib.sha1(f"{self.key}|{name}".encode()).hexdigest()[:16]
             path = self.home / "sequoia" / f"{key}.json"
             start = _read(path, warn=True)
@@ -89,6 +88,12 @@ class RankCache:
             tmp.write_text(json.dumps({"version": VERSION, **merged.to_dict()}))
             os.replace(tmp, mode.path)
             mode.written = RankCounts(mode.new.tried.copy(), mode.new.hits.copy())
+
+
+def default_home() -> Path:
+    """Where a RankCache made without a home keeps its files (under sequoia/): $OFFSPEC_HOME."""
+    from offspec.formats.demo import offspec_home
+    return offspec_home()
 
 
 def _read(path: Path, warn: bool) -> RankCounts:

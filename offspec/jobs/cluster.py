@@ -76,7 +76,7 @@ class RaySetup:
                                   # GPUs, else cpu
     draft_quant: str              # as given: "auto" is resolved for the workers' device (load.runtime_config)
     target: Optional[str]         # target folder or hub id as given; None = the embedded demo pair
-    draft: Optional[str]          # draft folder or hub id as given (whether a draft runs: BatchRun.models.draft)
+    draft: tuple[str, ...]        # draft folders or hub ids as given (the one that runs: BatchRun.models.drafts)
 
 
 @dataclass(frozen=True)
@@ -474,11 +474,11 @@ def engines_on_ray(run: BatchRun, setup: RaySetup, ray, notify: Callable[[str], 
         plan = run.models.plan(run.offload, runtime, run.limits, machine)    # what a worker cannot hold stops here
         host_bytes = plan_host_bytes(plan)
         cluster.check_memory(host_bytes)
-        demo = setup.target is None
-        draft = SELF_DRAFT if run.models.twin else "demo" if demo else absolute(setup.draft)
-        draft = None if run.models.draft is None else draft
+        demo, chosen = setup.target is None, run.models.drafts       # chosen: the plan's draft, of those given
+        draft = None if not chosen else SELF_DRAFT if chosen[0].twin else "demo" if demo else absolute(chosen[0].given)
         # Each worker plans again when it loads, on its own node: never more rows than Ray was told the memory of.
-        spec = WorkerSpec(target=absolute(setup.target), draft=draft, demo=demo, offload=run.offload, runtime=runtime,
+        spec = WorkerSpec(target=absolute(setup.target), draft=draft, demo=demo, offload=run.offload,
+                          runtime=replace(runtime, draft_quant=plan.draft_quant),
                           limits=replace(run.limits, concurrency_cap=plan.concurrency),
                           prefill_per_pass=run.prefill_per_pass, cpus=setup.worker_cpus)
         cluster.start(spec, setup.workers, host_bytes)

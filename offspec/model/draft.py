@@ -16,6 +16,7 @@ from offspec.formats.int4 import Int4Weight, source_group
 from offspec.formats.layout import GlobalWeights, LayerWeights
 from offspec.formats.quant import Int8Weight, with_quantized_matrices
 from offspec.model.forward import LayerSource, Model, ResidentLayers
+from offspec.model.twin_store import cached_twin
 
 
 def load_resident(ckpt: Checkpoint, device: torch.device, dtype: torch.dtype, quant: str = "none",
@@ -50,18 +51,25 @@ def load_twin(ckpt: Checkpoint, target: Model, quant: str, progress: bool = Fals
     store: no second read of the checkpoint, and a published format's layers dequantized as the target's are);
     only a target held quantized and all resident is read again from the checkpoint (its layers dequantize into
     one shared scratch that the target's first round may be using while the twin loads beside it).
-    Its distributions differ from the target's only by the quantization of its matrices."""
+    An int4 twin of a resident dense target on a CPU is kept on disk once built, and read from there by later
+    runs (twin_store.py). Its distributions differ from the target's only by the quantization of its matrices."""
     if quant not in TWIN_QUANTS:
         raise ValueError(f"a twin holds the target's matrices quantized ({', '.join(TWIN_QUANTS)}), not {quant!r}")
     resident = isinstance(target.layers, ResidentLayers)
     dense = resident and all(isinstance(w.q_proj, torch.Tensor) for w in target.layers.layers)
     if quant == "int8" and not dense:
         raise ValueError("an int8 twin reads the target's resident dense layers; this target has none")
-    if resident and not dense:
-        layers = _layers(ckpt, target.device, target.dtype, quant, progress)
-    else:
-        layers = quantized_pass(target.layers, ckpt.config.n_layers, quant, source_group(ckpt.quant), progress)
-    return Model(ckpt.config, _own_lm_head(target.globals, quant), ResidentLayers(layers))
+
+    def build() -> Model:
+        if resident and not dense:
+            layers = _layers(ckpt, target.device, target.dtype, quant, progress)
+        else:
+            layers = quantized_pass(target.layers, ckpt.config.n_layers, quant, source_group(ckpt.quant), progress)
+        return Model(ckpt.config, _own_lm_head(target.globals, quant), ResidentLayers(layers))
+
+    if quant == "int4" and dense and target.device.type == "cpu":     # kept on disk once built (twin_store.py)
+        return cached_twin(ckpt, target, build)
+    return build()
 
 
 def quantized_pass(source: LayerSource, n_layers: int, quant: str, group: Optional[int] = None,

@@ -1,0 +1,116 @@
+"""A twin's 4-bit matrices kept on disk once built, like a prepared store:
+$OFFSPEC_HOME/twins/<target folder>-int4-<key>.safetensors.
+
+Only where building it costs: an int4 twin quantized on a CPU from the target's resident dense layers (on this
+2-core CPU the demo 1.5B target's takes ~11 s, a 70B's would take ~9 min; reading its file back takes about what
+the drive needs for 0.28x of the target's bf16 bytes). On a GPU the twin is quantized on the device as the target's
+layers pass, faster than the file could be read, so nothing is kept.
+
+The file holds every Int4Weight of the twin (int4.Int4Weight: its packed values in the CPU kernel's layout and its
+(K/G, N', 2) scales and zeros), named "<layer>.<field>.packed" / ".scales_zeros" and "lm_head.*", and in its
+metadata the key and each matrix's (G, N, K). The key hashes what the bytes depend on: the target's weights
+(Checkpoint.fingerprint), the compute dtype, the groups (a published format's own: int4.source_group) and torch's
+version (the packed layout is the kernel's). A file of another key is never read (another name); one that does not
+load (truncated, edited) is rebuilt with one warning line. Written to a temporary name, then renamed, so a run
+stopped while writing leaves no file that looks whole. A drive without room for it is skipped with one line.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import sys
+from dataclasses import fields, replace
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from offspec.formats.checkpoint import Checkpoint
+from offspec.formats.int4 import Int4Weight, source_group
+from offspec.formats.layout import format_bytes
+from offspec.model.forward import Model, ResidentLayers
+
+FREE_MARGIN = 1 << 30       # bytes the drive keeps free beyond the file
+
+
+def twins_dir() -> Path:
+    from offspec.formats.demo import offspec_home
+    return offspec_home() / "twins"
+
+
+def twin_path(ckpt: Checkpoint, dtype: torch.dtype) -> Path:
+    """Where the int4 twin of `ckpt` in `dtype` is kept (module docstring: the key)."""
+    text = f"{ckpt.fingerprint()}|int4|{source_group(ckpt.quant)}|{dtype}|torch {torch.__version__}|cpu"
+    key = hashlib.sha1(text.encode()).hexdigest()[:16]
+    return twins_dir() / f"{ckpt.path.name}-int4-{key}.safetensors"
+
+
+def cached_twin(ckpt: Checkpoint, target: Model, build: Callable[[], Model]) -> Model:
+    """The int4 twin of `target` (its layers resident and dense, on the CPU): read from its file where one is
+    kept, else build() and kept. The twin's vectors (norms, biases) and its other globals are the target's own."""
+    path = twin_path(ckpt, target.dtype)
+    if path.is_file():
+        try:
+            return _read(path, target)
+        except Exception as err:       # a file that does not load is rebuilt: noted, never fatal
+            print(f"offspec: warning: rebuilding the twin: {path} does not load ({' '.join(str(err).split())})",
+                  file=sys.stderr)
+    twin = build()
+    _write(path, twin)
+    return twin
+
+
+def _weights(twin: Model) -> dict[str, Int4Weight]:
+    """Every Int4Weight of a twin, by its name in the file."""
+    named = {f"{i}.{f.name}": getattr(w, f.name) for i, w in enumerate(twin.layers.layers) for f in fields(w)}
+    named["lm_head"] = twin.globals.lm_head
+    return {name: w for name, w in named.items() if isinstance(w, Int4Weight)}
+
+
+def _write(path: Path, twin: Model) -> None:
+    from safetensors.torch import save_file
+
+    weights = _weights(twin)
+    tensors = {f"{name}.{part}": getattr(w, part).contiguous() for name, w in weights.items()
+               for part in ("packed", "scales_zeros")}
+    size = sum(t.numel() * t.element_size() for t in tensors.values())
+    path.parent.mkdir(parents=True, exist_ok=True)
+    free = shutil.disk_usage(path.parent).free
+    if free < size + FREE_MARGIN:
+        print(f"offspec: note: the twin is not kept on disk ({format_bytes(size)} needed, {format_bytes(free)} free "
+              f"in {path.parent}); it is built again next run", file=sys.stderr)
+        return
+    meta = {"shapes": json.dumps({name: [w.group, *w.shape] for name, w in weights.items()})}
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+    try:
+        save_file(tensors, str(tmp), metadata=meta)
+        os.replace(tmp, path)
+    except OSError as err:
+        tmp.unlink(missing_ok=True)
+        print(f"offspec: warning: could not keep the twin in {path} ({err})", file=sys.stderr)
+        return
+    print(f"offspec: the twin's int4 matrices are kept in {path} ({format_bytes(size)}); later runs read them "
+          f"instead of quantizing the target again", file=sys.stderr)
+
+
+def _read(path: Path, target: Model) -> Model:
+    """The twin from its file, beside the target's own vectors and globals."""
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="pt") as f:
+        shapes = json.loads(f.metadata()["shapes"])
+        weights = {name: Int4Weight(f.get_tensor(f"{name}.packed"), f.get_tensor(f"{name}.scales_zeros"), group,
+                                    (n, k)) for name, (group, n, k) in shapes.items()}
+    layers = []
+    for i, w in enumerate(target.layers.layers):
+        held = {f.name: weights.pop(f"{i}.{f.name}") for f in fields(w) if f"{i}.{f.name}" in weights}
+        if len(held) != sum(isinstance(getattr(w, f.name), torch.Tensor) and getattr(w, f.name).dim() == 2
+                            for f in fields(w)):
+            raise ValueError(f"layer {i}'s matrices are not all in the file")
+        layers.append(replace(w, **held))
+    lm_head = weights.pop("lm_head")
+    if weights:
+        raise ValueError(f"{len(weights)} matrices of layers the target does not have")
+    return Model(target.cfg, replace(target.globals, lm_head=lm_head), ResidentLayers(layers))

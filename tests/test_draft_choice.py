@@ -118,3 +118,19 @@ def test_cli_takes_each_draft_in_turn_with_the_same_output(pair, tmp_path):
     first_twin = twins.index(True)
     assert 0 < first_twin < 4 and not any(twins[:first_twin])
     assert "to measure it" in notes[0] and "the fastest measured" in notes[-1]
+
+
+def test_the_demo_defaults_offer_the_twin_beside_the_draft_only_where_the_target_streams(pair):
+    """No --target and no --draft: the demo draft and the demo target's twin, optional (cli.options.resolve_models):
+    the twin is a candidate only where the target, planned alone, streams."""
+    target, draft = pair
+    roomy = Machine("cpu", 8 << 30, 8 << 30, "given")
+    for offload, candidates in (("none", 1), ("cpu", 2)):
+        models = Models.open(target, [draft, SELF_DRAFT], optional_twin=True)
+        plan = models.plan(OffloadConfig(mode=offload), RUNTIME, machine=roomy)
+        (kept,) = models.drafts
+        assert not kept.twin                                      # the first given is measured first
+        assert any("to measure it" in n for n in plan.notes) == (candidates == 2)
+        assert not any("stays resident" in n for n in plan.notes)    # said only where the target runs alone
+        models.target.close()
+        kept.ckpt.close()

@@ -69,7 +69,8 @@ def nbytes(shape: tuple[int, int], dtype: torch.dtype, source: Optional[int] = N
 
 def quantize_groups(w: torch.Tensor, G: int) -> tuple[torch.Tensor, torch.Tensor]:
     """w (N, K) floating -> q (N, K) int32 in 0..15, scales_zeros (K / G, N, 2) in w's dtype, with
-    w ~= (q - 8) * s + z per group (the module's formula)."""
+    w ~= (q - 8) * s + z per group (the module's formula). Twins kept on disk hold its output: a change to it
+    bumps model.twin_store.VERSION."""
     N, K = w.shape
     q = torch.empty(N, K, dtype=torch.int32, device=w.device)                           # (N, K)
     sz = torch.empty(K // G, N, 2, dtype=w.dtype, device=w.device)                      # (K/G, N, 2)

@@ -9,8 +9,8 @@ layers pass, faster than the file could be read, so nothing is kept.
 The file holds every Int4Weight of the twin (int4.Int4Weight: its packed values in the CPU kernel's layout and its
 (K/G, N', 2) scales and zeros), named "<layer>.<field>.packed" / ".scales_zeros" and "lm_head.*", and in its
 metadata the key and each matrix's (G, N, K). The key hashes what the bytes depend on: the target's weights
-(Checkpoint.fingerprint), the compute dtype, the groups (a published format's own: int4.source_group) and torch's
-version (the packed layout is the kernel's). A file of another key is never read (another name); one that does not
+(Checkpoint.fingerprint), the compute dtype, the groups (a published format's own: int4.source_group), torch's
+version (the packed layout is the kernel's) and VERSION (bumped when int4's quantization changes). A file of another key is never read (another name); one that does not
 load (truncated, edited) is rebuilt with one warning line. Written to a temporary name, then renamed, so a run
 stopped while writing leaves no file that looks whole. A drive without room for it is skipped with one line.
 """
@@ -33,6 +33,7 @@ from offspec.formats.layout import format_bytes
 from offspec.model.forward import Model, ResidentLayers
 
 FREE_MARGIN = 1 << 30       # bytes the drive keeps free beyond the file
+VERSION = 1                 # of int4's quantization (quantize_groups, group_size): a change makes new files
 
 
 def twins_dir() -> Path:
@@ -42,7 +43,7 @@ def twins_dir() -> Path:
 
 def twin_path(ckpt: Checkpoint, dtype: torch.dtype) -> Path:
     """Where the int4 twin of `ckpt` in `dtype` is kept (module docstring: the key)."""
-    text = f"{ckpt.fingerprint()}|int4|{source_group(ckpt.quant)}|{dtype}|torch {torch.__version__}|cpu"
+    text = f"{ckpt.fingerprint()}|int4 v{VERSION}|{source_group(ckpt.quant)}|{dtype}|torch {torch.__version__}|cpu"
     key = hashlib.sha1(text.encode()).hexdigest()[:16]
     return twins_dir() / f"{ckpt.path.name}-int4-{key}.safetensors"
 

@@ -31,6 +31,9 @@ def test_choose_measures_each_draft_in_turn_then_takes_the_fastest():
     assert index == 1 and "to measure it" in why
     index, why = choose(["a", "b"], [slow, fast])
     assert index == 1 and "b: the fastest measured" in why and "0.05 s/token over 40 tokens" in why
+    index, why = choose(["a", "b"], [Measured(40.0, 401, 90), slow])     # b looked slow once; a has > 10x its tokens
+    assert index == 1 and "to measure it again" in why
+    assert choose(["a", "b"], [Measured(20.0, 390, 90), slow])[0] == 0
 
 
 def test_logs_add_up_in_one_file_and_a_bad_file_counts_as_none(capsys):

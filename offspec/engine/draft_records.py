@@ -11,8 +11,10 @@ then, so engines sharing the file add up; written atomically: a temporary file, 
     measured seconds a token  s = seconds / tokens, over every round the file holds
 
 choose() takes, among the drafts that fit beside the target, the first with fewer than MIN_TOKENS measured
-tokens (so each candidate gets measured once, in the order given), else the one with the least s. An unreadable
-or malformed file counts as none, with one warning line.
+tokens (so each candidate gets measured once, in the order given); else the least measured one where it holds
+fewer than KEEP_MEASURED of the most measured one's tokens (so a draft that one early run made look slow is tried
+again now and then, about one token in ten); else the one with the least s. An unreadable or malformed file counts
+as none, with one warning line.
 """
 from __future__ import annotations
 
@@ -25,6 +27,7 @@ from pathlib import Path
 from typing import Sequence
 
 MIN_TOKENS = 32         # a draft with fewer measured tokens than this is measured (chosen) before any comparison
+KEEP_MEASURED = 0.1     # ... and one with fewer than this share of the most measured draft's tokens, again
 VERSION = 1
 
 
@@ -103,6 +106,11 @@ def choose(labels: Sequence[str], measured: Sequence[Measured]) -> tuple[int, st
         if m.tokens < MIN_TOKENS:
             return i, (f"draft {labels[i]}, to measure it (drafts given: {', '.join(labels)}): once each has been "
                        f"measured on this machine, runs take the fastest")
+    most = max(m.tokens for m in measured)
+    least = min(range(len(labels)), key=lambda i: measured[i].tokens)
+    if measured[least].tokens < KEEP_MEASURED * most:
+        return least, (f"draft {labels[least]}, to measure it again ({measured[least].tokens} tokens on record "
+                       f"against {most}): each draft keeps at least {KEEP_MEASURED:.0%} of the most measured one's")
     best = min(range(len(labels)), key=lambda i: measured[i].per_token)
     figures = ", ".join(f"{label} {m.per_token:.3g} s/token over {m.tokens} tokens"
                         for label, m in zip(labels, measured))

@@ -71,6 +71,7 @@ def test_the_plan_takes_each_draft_in_turn_then_the_fastest(pair):
         models = Models.open(target, [draft, SELF_DRAFT])
         plan = models.plan(OffloadConfig(), RUNTIME)
         (kept,) = models.drafts
+        assert models.plan(OffloadConfig(), RUNTIME).draft_quant == plan.draft_quant     # planned again: the same
         key = models._record_key(kept, plan, RUNTIME)
         models.target.close()
         kept.ckpt.close()

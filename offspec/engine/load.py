@@ -167,7 +167,7 @@ class Models:
     eos_ids: list[int]              # EOS and chat end tokens, from the tokenizer and generation_config
     open_seconds: float
     optional_twin: bool = False     # the twin was not asked for: where it does not fit, the target runs alone
-    draft_quant: str = "auto"       # --draft-quant as given: with several drafts, "auto" is each one's own
+    own_quants: bool = False        # several drafts with --draft-quant auto: each held as it would be alone
     device_name: str = ""           # the device the plan was made for (draft records are kept per device)
 
     @staticmethod
@@ -187,7 +187,7 @@ class Models:
         drafts = [_open_draft(target_dir, tokenizer, d) for d in given]
         eos = stop_token_ids(tokenizer, generation_eos(target_dir))
         return Models(target, drafts, tokenizer, eos, time.perf_counter() - start,
-                      optional_twin and any(d.twin for d in drafts), draft_quant)
+                      optional_twin and any(d.twin for d in drafts), len(drafts) > 1 and draft_quant == "auto")
 
     @property
     def draft(self) -> Optional[Checkpoint]:
@@ -213,7 +213,7 @@ class Models:
         one's own auto quantization; a twin reads the target's layers quantized (a --draft-quant that would not
         becomes quant.auto_twin_quant; the CLI refuses it earlier, in runtime_config)."""
         draft = draft or (self.drafts[0] if self.drafts else None)
-        if draft is not None and len(self.drafts) > 1 and self.draft_quant == "auto":
+        if draft is not None and self.own_quants:
             own = runtime_config(runtime.device, runtime.dtype, "auto", twin=draft.twin).draft_quant
             runtime = replace(runtime, draft_quant=own)
         if draft is not None and draft.twin and runtime.draft_quant not in TWIN_QUANTS:

@@ -2,8 +2,8 @@
 $OFFSPEC_HOME/drafts/<key>.json.
 
 A file holds {"version": 1, "label", "seconds", "tokens", "rounds"} of one key: a hash of the pair as it runs
-(record_key: both models' weights, whether the draft is the target's twin, how each is held, the dtype, the device
-by name). An engine loaded with a DraftLog adds every decoding round to it (DraftLog.add): the round's seconds
+(record_key: rank_cache.pair_key's hash of both models' weights, whether the draft is the target's twin, how each is
+held and the dtype, with the device by name). An engine loaded with a DraftLog adds every decoding round to it (DraftLog.add): the round's seconds
 (draft and target pass) and the tokens it made, over every row in the pass. A round that fed prompt tokens is
 left out: it measures a prefill, not the draft. The engine adds what it saw to the file when it closes (re-read
 then, so engines sharing the file add up; written atomically: a temporary file, os.replace).
@@ -31,10 +31,9 @@ KEEP_MEASURED = 0.1     # ... and one with fewer than this share of the most mea
 VERSION = 1
 
 
-def record_key(target, draft, *, twin: bool, target_quant: str, draft_quant: str, dtype, device: str) -> str:
-    """The file name of a pair on a device: target and draft are anything with fingerprint()."""
-    text = f"{target.fingerprint()}|{draft.fingerprint()}|twin={twin}|{target_quant}|{draft_quant}|{dtype}|{device}"
-    return hashlib.sha1(text.encode()).hexdigest()[:16]
+def record_key(pair: str, device: str) -> str:
+    """The file name of a pair on a device: pair is rank_cache.pair_key's (weights, twin, how held, dtype)."""
+    return hashlib.sha1(f"{pair}|{device}".encode()).hexdigest()[:16]
 
 
 @dataclass(frozen=True)

@@ -261,7 +261,7 @@ class Models:
                                                          for d in fitting])
             fitting, notes = [fitting[i]], notes + [why]
         for draft in self.drafts:
-            if draft not in fitting:
+            if all(draft is not kept for kept in fitting):
                 draft.ckpt.close()
         self.drafts, self.optional_twin = fitting, False
         if not fitting and alone is None:
@@ -272,10 +272,14 @@ class Models:
         plan = plans[id(fitting[0])]
         return replace(plan, notes=plan.notes + tuple(notes))
 
+    def _pair_key(self, draft: DraftCandidate, plan: MemoryPlan, runtime: RuntimeConfig) -> str:
+        """The pair's key (rank_cache.pair_key) with `draft` as `plan` holds it: sequoia's cache and, with the
+        device, the draft records (draft_records.record_key) are named by it."""
+        return pair_key(self.target, draft.ckpt, target_quant=plan.target_quant, draft_quant=plan.draft_quant,
+                        dtype=runtime.dtype, twin=draft.twin)
+
     def _record_key(self, draft: DraftCandidate, plan: MemoryPlan, runtime: RuntimeConfig) -> str:
-        """The draft records' key of `draft` as `plan` holds it (draft_records.record_key)."""
-        return record_key(self.target, draft.ckpt, twin=draft.twin, target_quant=plan.target_quant,
-                          draft_quant=plan.draft_quant, dtype=runtime.dtype, device=self.device_name)
+        return record_key(self._pair_key(draft, plan, runtime), self.device_name)
 
     def load(self, offload: OffloadConfig, runtime: RuntimeConfig, limits: RunLimits = RunLimits(),
              progress: bool = True, machine: Optional[Machine] = None) -> Loaded:
@@ -305,22 +309,15 @@ class Models:
             draft = DraftBeside(self.draft, runtime.device, runtime.dtype, runtime.draft_quant, twin_of=twin_of)
         elif self.twin:
             draft = self._load_draft(runtime, twin_of, progress)
+        pair = self._pair_key(self.drafts[0], plan, runtime) if self.drafts else None   # sequoia's, draft records'
         engine = Engine(target, draft, self.tokenizer, self.eos_ids, n_shared=self.n_shared, context=plan.context,
                         max_tree_budget=plan.tree_budget, prefill_chunk=plan.prefill_chunk,
                         max_concurrency=plan.concurrency, plan=plan, target_quant=runtime.target_quant,
-                        draft_quant=runtime.draft_quant, twin=self.twin,
-                        sequoia_key=pair_key(self.target, self.draft, target_quant=runtime.target_quant,
-                                             draft_quant=runtime.draft_quant, dtype=runtime.dtype, twin=self.twin),
-                        draft_log=self._draft_log(plan, runtime))
+                        draft_quant=runtime.draft_quant, twin=self.twin, sequoia_key=pair,
+                        draft_log=DraftLog(record_key(pair, self.device_name), self.drafts[0].label) if pair else None)
         t4 = time.perf_counter()
         start = StartTimes(open=self.open_seconds, plan=t1 - t0, draft=t2 - t1 + t4 - t3, target=t3 - t2)
         return Loaded(engine, self.target, self.draft, self.tokenizer, start, plan)
-
-    def _draft_log(self, plan: MemoryPlan, runtime: RuntimeConfig) -> Optional[DraftLog]:
-        """Where the engine keeps what its draft's rounds measured (draft_records.py); None without a draft."""
-        if not self.drafts:
-            return None
-        return DraftLog(self._record_key(self.drafts[0], plan, runtime), self.drafts[0].label)
 
     def _load_draft(self, runtime: RuntimeConfig, twin_of, progress: bool) -> Model:
         """The draft, now, on the compute device: a model of its own, or (twin_of: the target) its twin."""

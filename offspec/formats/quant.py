@@ -165,12 +165,17 @@ def _int8_matmul(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias: to
     return out if bias is None else out + bias
 
 
+def matrix_names(weights) -> list[str]:
+    """The fields of a weights dataclass (LayerWeights, ...) that hold a dense 2-D matrix."""
+    return [f.name for f in fields(weights)
+            if isinstance(getattr(weights, f.name), torch.Tensor) and getattr(weights, f.name).dim() == 2]
+
+
 def with_quantized_matrices(weights, draft_quant: str, source_group: Optional[int] = None):
     """A copy of the weights dataclass with every 2-D matrix as --draft-quant says: "int8" an Int8Weight (the
     weight plus its int8 copy), "int8-held" | "nf4" a HeldWeight, "int4" an int4.Int4Weight (quantized only);
     norms and biases as they are. source_group: int4's groups where they can be the checkpoint's (int4.source_group)."""
-    matrices = [f.name for f in fields(weights)
-                if isinstance(getattr(weights, f.name), torch.Tensor) and getattr(weights, f.name).dim() == 2]
+    matrices = matrix_names(weights)
     make = (Int8Weight.quantize if draft_quant == "int8" else
             functools.partial(int4.Int4Weight.quantize, source=source_group) if draft_quant == "int4" else
             functools.partial(HeldWeight.quantize, quant=HELD_DRAFT_QUANTS[draft_quant]))

@@ -1,10 +1,10 @@
 """A twin's 4-bit matrices kept on disk once built, like a prepared store:
 $OFFSPEC_HOME/twins/<target folder>-int4-<key>.safetensors.
 
-Only where building it costs: an int4 twin quantized on a CPU from the target's resident dense layers (on this
-2-core CPU the demo 1.5B target's takes ~11 s, a 70B's would take ~9 min; reading its file back takes about what
-the drive needs for 0.28x of the target's bf16 bytes). On a GPU the twin is quantized on the device as the target's
-layers pass, faster than the file could be read, so nothing is kept.
+Only where building it costs: an int4 twin quantized on a CPU from the target's resident dense layers (reading
+its file back costs what the drive needs for 0.28x of the target's bf16 bytes; build and read times:
+docs/notes/2026-11-29-choosing-the-draft.md). On a GPU the twin is quantized on the device as the target's layers
+pass, faster than the file could be read, so nothing is kept.
 
 The file holds every Int4Weight of the twin (int4.Int4Weight: its packed values in the CPU kernel's layout and its
 (K/G, N', 2) scales and zeros), named "<layer>.<field>.packed" / ".scales_zeros" and "lm_head.*", and in its
@@ -30,6 +30,7 @@ import torch
 from offspec.formats.checkpoint import Checkpoint
 from offspec.formats.int4 import Int4Weight, source_group
 from offspec.formats.layout import format_bytes
+from offspec.formats.quant import matrix_names
 from offspec.model.forward import Model, ResidentLayers
 
 FREE_MARGIN = 1 << 30       # bytes the drive keeps free beyond the file
@@ -106,11 +107,10 @@ def _read(path: Path, target: Model) -> Model:
                                     (n, k)) for name, (group, n, k) in shapes.items()}
     layers = []
     for i, w in enumerate(target.layers.layers):
-        held = {f.name: weights.pop(f"{i}.{f.name}") for f in fields(w) if f"{i}.{f.name}" in weights}
-        if len(held) != sum(isinstance(getattr(w, f.name), torch.Tensor) and getattr(w, f.name).dim() == 2
-                            for f in fields(w)):
+        names = matrix_names(w)
+        if any(f"{i}.{name}" not in weights for name in names):
             raise ValueError(f"layer {i}'s matrices are not all in the file")
-        layers.append(replace(w, **held))
+        layers.append(replace(w, **{name: weights.pop(f"{i}.{name}") for name in names}))
     lm_head = weights.pop("lm_head")
     if weights:
         raise ValueError(f"{len(weights)} matrices of layers the target does not have")

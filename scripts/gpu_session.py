@@ -14,7 +14,8 @@ Parts, in order, each in its own process with its own time limit (a hang or a cr
            same widths, after the same prefix
   twin     one 70B-shaped layer's seven matrices as a twin (--draft self) holds them: bf16, int4 (PyTorch's int4
            matmul, formats/int4.py) and nf4 (bitsandbytes: dequantized per call), at 1, 4, 16 and 64 tree rows;
-           and int4's error against its reference dequantization (the CUDA kernel's first check)
+           and int4's error against its reference dequantization (the CUDA kernel's first check); and a 70B
+           lm_head read by those rows, the target's bf16 one (a GPU twin shares it) against an int4 copy
   kernels  the Triton dequantization kernels' tests on the GPU (tests/test_kernels.py: every format and shape
            edge, bit for bit against the torch transcriptions; OUT/kernels.log, OUT/kernels_junit.xml)
   dequant  the dequantization of one 70B layer on the GPU, for every layer format offspec streams: int8 and nf4
@@ -203,6 +204,28 @@ def twin_part(args, device: torch.device, results: Results) -> None:
         del held
         if device.type == "cuda":
             torch.cuda.empty_cache()
+    twin_head_rows(cfg, device, gen, args.passes, results)
+
+
+def twin_head_rows(cfg: ModelConfig, device: torch.device, gen: torch.Generator, passes: int,
+                   results: Results) -> None:
+    """The twin's lm_head read at tree rows: the target's own bf16 one (what draft_quant.draft_lm_head shares on a
+    GPU) against an int4 copy (what it holds where the target's stays in host memory)."""
+    from offspec.formats import int4
+    from offspec.formats.quant import linear
+
+    dense = torch.randn(cfg.vocab_size, cfg.hidden_size, generator=gen, device=device, dtype=torch.bfloat16) * 0.02
+    for form, w in (("lm_head bf16 (shared)", dense), ("lm_head int4", int4.Int4Weight.quantize(dense))):
+        nbytes = w.numel() * w.element_size() if isinstance(w, torch.Tensor) else w.nbytes
+        for T in TWIN_ROWS:
+            x = torch.randn(T, cfg.hidden_size, generator=gen, device=device, dtype=torch.bfloat16)
+            linear(x, w)                                                                # warm-up
+            with Timer(device) as timer:
+                for _ in range(passes):
+                    linear(x, w)
+            results.add_row("twin", {"form": form, "tokens": T, "layer_s": timer.seconds / passes,
+                                     "layer_bytes": nbytes, "head": True})
+    del dense
 
 
 def dequant_quants(cfg: ModelConfig) -> tuple[str, ...]:
@@ -484,9 +507,10 @@ def render(data: dict) -> str:
                             "yes" if r["logits_equal"] else "**no**"] for r in p["rows"]]), ""]
     for part, heads, cells in (
             ("drafts", ["draft", "tokens", "call ms"], lambda r: [r["draft"], r["tokens"], f(r["call_s"] * 1e3, 2)]),
-            ("twin", ["form", "tree rows", "ms per 70B layer", "x 80 layers, ms", "layer GB"],
+            ("twin", ["form", "tree rows", "ms per 70B layer (or lm_head)", "x 80 layers, ms", "GB"],
              lambda r: [r["form"], r.get("tokens", "–"), r.get("skipped") or f(r["layer_s"] * 1e3, 3),
-                        f(r["layer_s"] * 80e3, 1) if "layer_s" in r else "–", f(r.get("layer_bytes", 0) / 1e9, 3)]),
+                        f(r["layer_s"] * 80e3, 1) if "layer_s" in r and not r.get("head") else "–",
+                        f(r.get("layer_bytes", 0) / 1e9, 3)]),
             ("dequant", ["quant", "path", "tile (rows, cols, warps)", "ms per layer", "ms to issue",
                          "== torch path", "block GB", "dense GB"],
              lambda r: [r["quant"], r.get("path", "–"), r.get("tile", "–"),

@@ -498,6 +498,28 @@ def test_the_goals_for_small_gpus_and_long_contexts(specs):
     assert roomy.mode == "none" and not roomy.layers.embed_on_host
 
 
+def test_a_gpu_twin_reads_the_targets_lm_head_where_the_plan_keeps_it_on_the_device(specs):
+    """draft_quant.draft_lm_head in the plan: on a GPU, an int4 twin of Llama-3.1-8B holds its layers only where
+    the target's lm_head is on the device (it reads that one, no bytes of its own), and an int4 copy of it on the
+    device where the lm_head stays in host memory."""
+    from offspec.formats import int4
+    from offspec.plan import search
+    from offspec.plan.sizes import draft_weights_nbytes
+    target = specs["Llama-3.1-8B-Instruct"]
+    args = (target, target.as_twin(), OffloadConfig(mode="auto"), replace(BF16, draft_quant="int4"),
+            RunLimits(context=4096, concurrency=1))
+    layers_only = draft_weights_nbytes(target.as_twin(), torch.bfloat16, "int4", "as is")
+    head_int4 = int4.nbytes((target.cfg.vocab_size, target.cfg.hidden_size), torch.bfloat16)
+    shared = "the target's lm_head shared"
+    for on_host, device_gb, head, nbytes, words in (((), 24, "as is", layers_only, shared),
+                                                    (("embed",), 8, "as is", layers_only, shared),
+                                                    (("embed", "lm_head"), 8, "int4", layers_only + head_int4,
+                                                     "lm_head held int4")):
+        plan = search._plan_with(*args, Machine.given(device_gb * GB, 64 * GB), None, on_host=on_host)
+        item = next(i for i in plan.items if i.what == "draft weights")
+        assert plan.draft_head == head and item.nbytes == nbytes and words in item.note
+
+
 def test_a_refusal_names_what_would_fit(specs):
     import re
 

@@ -58,8 +58,8 @@ def test_twin_greedy_equals_the_targets_own_and_shares_its_weights(target, offlo
 
 @pytest.mark.parametrize("offload", ["none", "cpu"])
 def test_int4_twin_equals_the_targets_greedy_and_holds_the_bytes_the_plan_counts(target, offload, monkeypatch):
-    """--draft-quant int4 (the GPU's default): every matrix, lm_head too, in 4-bit groups read by PyTorch's int4
-    matmul; built from one pass over the target's own layers, resident or streamed (the checkpoint's layers are
+    """--draft-quant int4 (the GPU's default): every layer's matrix in 4-bit groups read by PyTorch's int4 matmul
+    (the lm_head: int4_twin_as_planned); built from one pass over the target's own layers, resident or streamed (the checkpoint's layers are
     not read a second time)."""
     from offspec.model import draft
 
@@ -90,17 +90,35 @@ def greedy_equals_plain(engine, at_least: float) -> None:
 
 
 def int4_twin_as_planned(loaded):
-    """The loaded engine's twin, its matrices and lm_head all int4, the plan's draft bytes theirs plus its norms and
-    biases."""
+    """The loaded engine's twin: its layers' matrices int4; its lm_head the target's own, read as a dense draft's
+    is on a CPU (draft_quant.draft_lm_head): beside an int8 copy in bfloat16, as it is in float32. The plan's
+    draft bytes are theirs plus its norms and biases."""
     twin = loaded.engine.draft.model() if hasattr(loaded.engine.draft, "model") else loaded.engine.draft
-    held = [twin.globals.lm_head] + [getattr(w, f) for w in twin.layers.layers for f in
-                                     ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")]
+    held = [getattr(w, f) for w in twin.layers.layers for f in
+            ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")]
     assert all(isinstance(m, Int4Weight) for m in held)
+    head, its = twin.globals.lm_head, loaded.engine.target.globals.lm_head
+    copy = 0
+    if loaded.engine.target.dtype == torch.bfloat16:
+        assert loaded.plan.draft_head == "int8" and isinstance(head, Int8Weight) and head.full is its
+        copy = sum(t.numel() * t.element_size() for t in (head.q, head.scale))
+    else:
+        assert loaded.plan.draft_head == "as is" and head is its
     dense = sum(t.numel() * t.element_size() for w in twin.layers.layers for t in vars(w).values()
                 if isinstance(t, torch.Tensor))                                         # norms and biases
     planned = next(i for i in loaded.plan.items if i.what == "draft weights")
-    assert planned.nbytes == sum(m.nbytes for m in held) + dense and "int4" in planned.note
+    assert planned.nbytes == sum(m.nbytes for m in held) + copy + dense and "layers held int4" in planned.note
     return twin
+
+
+def test_an_int4_twin_in_bfloat16_on_a_cpu_reads_an_int8_copy_of_the_targets_lm_head(target):
+    loaded = load_engine(target, SELF_DRAFT, OffloadConfig(), RuntimeConfig(device=torch.device("cpu"),
+                         dtype=torch.bfloat16, draft_quant="int4"), progress=False)
+    try:
+        int4_twin_as_planned(loaded)
+        assert tokens(loaded.engine, PROMPTS[0], TREE, n=8).tokens_per_pass > 1
+    finally:
+        loaded.engine.close()
 
 
 def test_the_twin_of_a_split_ring_is_the_twin_of_its_layers():
@@ -215,7 +233,7 @@ def test_the_plan_counts_the_twins_own_bytes_only(target):
         for quant in ("int8-held", "nf4"):
             plan = models.plan(OffloadConfig(), replace(RUNTIME, draft_quant=quant))
             item = next(i for i in plan.items if i.what == "draft weights")
-            own = draft_weights_nbytes(spec, torch.float32, quant)            # its layers + globals of its own
+            own = draft_weights_nbytes(spec, torch.float32, quant, "as is")  # its layers + globals of its own
             assert item.nbytes == own - globals_nbytes(spec, torch.float32)
             assert "--draft self" in item.note and quant in item.note
     finally:
@@ -280,8 +298,7 @@ def test_an_int4_twin_built_on_a_cpu_is_kept_and_read_back_bit_for_bit(target, m
     def matrices(loaded):
         twin = int4_twin_as_planned(loaded)
         return twin, [(m.packed, m.scales_zeros, m.group, m.shape) for m in
-                      [twin.globals.lm_head] + [w.q_proj for w in twin.layers.layers] +
-                      [w.down_proj for w in twin.layers.layers]]
+                      [w.q_proj for w in twin.layers.layers] + [w.down_proj for w in twin.layers.layers]]
 
     def load():
         return load_engine(target, SELF_DRAFT, OffloadConfig(), replace(RUNTIME, draft_quant="int4"), progress=False)

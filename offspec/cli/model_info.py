@@ -152,9 +152,9 @@ def twin_words(plan: MemoryPlan) -> str:
     """What a plan with --draft self holds for the twin, in words."""
     own = sum(i.nbytes for i in plan.items if i.what in ("draft weights", "draft int8 copy"))
     held = ("int8 copies of the target's resident matrices" if plan.draft_quant == "int8" else
-            "the target's layers and lm_head held int4" if plan.draft_quant == "int4" else
-            f"the target's layers held {plan.draft_quant}")
-    shared = "embedding" if plan.draft_quant == "int4" else "embedding and lm_head"
+            f"the target's layers held {plan.draft_quant}" + {"int8": ", its lm_head beside an int8 copy",
+                                                              "int4": ", its lm_head held int4"}.get(plan.draft_head, ""))
+    shared = "embedding" if plan.draft_head == "int4" else "embedding and lm_head"
     return f"{held}, {own / 1e9:.2f} GB on the device, the target's {shared} shared"
 
 

@@ -32,6 +32,30 @@ def auto_twin_quant(device_kind: str, dtype: torch.dtype = torch.bfloat16) -> st
     return "nf4" if device_kind == "cuda" else "int8"
 
 
+HEAD_WORDS = {"as is": "the target's lm_head shared", "int8": "lm_head beside an int8 copy",
+              "int4": "lm_head held int4"}      # draft_lm_head's forms, in the plan's words (an int4 draft's)
+
+
+def draft_lm_head(quant: str, device_kind: str, dtype: torch.dtype, twin: bool = False,
+                  head_on_host: bool = False) -> str:
+    """How a draft whose matrices `quant` holds keeps its lm_head, on a device of this kind ("cpu" or "cuda") in
+    this compute dtype:
+      "as is"  its own dense one (a draft of its own), or the target's, shared (a twin: no bytes of its own; a
+               host one crosses in chunks each call, as the target's does)
+      "int8"   beside a per-row int8 copy (quant.Int8Weight), which calls over a few rows read instead
+      "int4"   in 4-bit groups on the compute device (int4.Int4Weight), wherever the dense one is
+    A twin held int4 reads the target's lm_head where the plan keeps that on the device (head_on_host False) as a
+    dense draft's would be read there (auto_draft_quant): shared on a GPU, beside an int8 copy on a CPU in
+    bfloat16. It costs no device bytes, and the twin's top token is the target's more often than with an int4
+    copy (docs/notes/2026-11-29-the-twins-lm-head.md). Where the target's stays in host memory, an int4 copy on
+    the device, so a call reads 0.28x of it there instead of crossing all of it."""
+    if quant == "int4" and twin and not head_on_host:
+        return "int8" if auto_draft_quant(device_kind, dtype) == "int8" else "as is"
+    if quant == "int4":
+        return "int4"
+    return "int8" if quant == "int8" and not head_on_host else "as is"
+
+
 def resolve_draft_quant(draft_quant: str, device_kind: str, dtype: torch.dtype, twin: bool = False) -> str:
     """--draft-quant as asked -> as the run holds it: "auto" resolved (auto_draft_quant; for a twin, --draft self,
     auto_twin_quant); a twin's refused in one line where it would be dense (check_twin_quant)."""

@@ -11,12 +11,12 @@ import torch
 from tqdm import tqdm
 
 from offspec.formats.checkpoint import Checkpoint
-from offspec.formats.draft_quant import QUANT_MODES, TWIN_QUANTS
+from offspec.formats.draft_quant import QUANT_MODES, TWIN_QUANTS, draft_lm_head
 from offspec.formats.int4 import Int4Weight, source_group
 from offspec.formats.layout import GlobalWeights, LayerWeights
 from offspec.formats.quant import Int8Weight, with_quantized_matrices
 from offspec.model.forward import LayerSource, Model, ResidentLayers
-from offspec.model.twin_store import cached_twin
+from offspec.model.twin_store import cached_layers
 
 
 def load_resident(ckpt: Checkpoint, device: torch.device, dtype: torch.dtype, quant: str = "none",
@@ -31,10 +31,10 @@ def load_resident(ckpt: Checkpoint, device: torch.device, dtype: torch.dtype, qu
       "int8-held"  the layers' matrices held only as per-row int8 (0.50x of bf16), lm_head dense
       "nf4"        the layers' matrices held only as bitsandbytes nf4 (0.28x of bf16), lm_head dense
       "int4"       the layers' matrices and lm_head held only in 4-bit groups (0.28x), read in 4 bits
-    A held layer is quantized right after it is read, so loading needs one dense layer more, not a model."""
+    (the lm_head's form: draft_quant.draft_lm_head). A held layer is quantized right after it is read, so loading needs one dense layer more, not a model."""
     layers = _layers(ckpt, device, dtype, quant)
     globals_ = ckpt.global_weights(device, dtype, embed_device, lm_head_device)
-    return Model(ckpt.config, _own_lm_head(globals_, quant), ResidentLayers(layers))
+    return Model(ckpt.config, _held_lm_head(globals_, quant, twin=False), ResidentLayers(layers))
 
 
 def load_twin(ckpt: Checkpoint, target: Model, quant: str, progress: bool = False) -> Model:
@@ -44,7 +44,8 @@ def load_twin(ckpt: Checkpoint, target: Model, quant: str, progress: bool = Fals
                    (quant.Int8Weight): calls over a few rows read the copies, wider ones the target's matrices;
                    only for a target whose layers are all resident and dense (search.make_plan sees to it)
       "int4"       every layer's matrices held in 4-bit groups (int4.Int4Weight; a 4-bit checkpoint's own groups,
-                   where it has them: int4.source_group), lm_head too
+                   where it has them: int4.source_group); lm_head the target's on a GPU, beside an int8 copy on a
+                   CPU, an int4 copy where the target's stays in host memory (draft_quant.draft_lm_head)
       "int8-held"  every layer's matrices held per-row int8 | bitsandbytes nf4; lm_head the target's
       "nf4"
     A held twin is built from one pass over the target's own layers (resident, or streamed from its arena or
@@ -60,16 +61,16 @@ def load_twin(ckpt: Checkpoint, target: Model, quant: str, progress: bool = Fals
     if quant == "int8" and not dense:
         raise ValueError("an int8 twin reads the target's resident dense layers; this target has none")
 
-    def build() -> Model:
+    def build() -> list[LayerWeights]:
         if resident and not dense:
-            layers = _layers(ckpt, target.device, target.dtype, quant, progress)
-        else:
-            layers = quantized_pass(target.layers, ckpt.config.n_layers, quant, source_group(ckpt.quant), progress)
-        return Model(ckpt.config, _own_lm_head(target.globals, quant), ResidentLayers(layers))
+            return _layers(ckpt, target.device, target.dtype, quant, progress)
+        return quantized_pass(target.layers, ckpt.config.n_layers, quant, source_group(ckpt.quant), progress)
 
     if quant == "int4" and dense and target.device.type == "cpu":     # kept on disk once built (twin_store.py)
-        return cached_twin(ckpt, target, build)
-    return build()
+        layers = cached_layers(ckpt, target, build)
+    else:
+        layers = build()
+    return Model(ckpt.config, _held_lm_head(target.globals, quant, twin=True), ResidentLayers(layers))
 
 
 def quantized_pass(source: LayerSource, n_layers: int, quant: str, group: Optional[int] = None,
@@ -92,17 +93,16 @@ def quantized_pass(source: LayerSource, n_layers: int, quant: str, group: Option
     return [LayerWeights(**p) for p in pieces]
 
 
-def _own_lm_head(globals_: GlobalWeights, quant: str) -> GlobalWeights:
-    """The draft's globals: lm_head beside its int8 copy (int8), or held in 4 bits on the compute device (int4:
-    also where the target's lm_head stays in host memory, the plan's lm_head_on_host, so that a draft call reads
-    0.28x of it on the device instead of crossing all of it); as they are otherwise (Model.forward streams a
-    host lm_head in chunks)."""
+def _held_lm_head(globals_: GlobalWeights, quant: str, twin: bool) -> GlobalWeights:
+    """The draft's globals, its lm_head as draft_quant.draft_lm_head says for a draft held `quant` on the compute
+    device (final_norm's), the dense lm_head on it or in host memory (the plan's lm_head_on_host)."""
     device = globals_.final_norm.device
-    if quant == "int4":
+    form = draft_lm_head(quant, device.type, globals_.final_norm.dtype, twin, globals_.lm_head.device != device)
+    if form == "int4":
         return replace(globals_, lm_head=Int4Weight.quantize(globals_.lm_head, device=device))
-    if quant != "int8" or globals_.lm_head.device != device:
-        return globals_
-    return replace(globals_, lm_head=Int8Weight.quantize(globals_.lm_head))
+    if form == "int8":
+        return replace(globals_, lm_head=Int8Weight.quantize(globals_.lm_head))
+    return globals_
 
 
 def load_draft(ckpt: Checkpoint, device: torch.device, dtype: torch.dtype, quant: str,

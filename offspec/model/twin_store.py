@@ -1,4 +1,4 @@
-"""A twin's 4-bit matrices kept on disk once built, like a prepared store:
+"""A twin's 4-bit layers kept on disk once built, like a prepared store:
 $OFFSPEC_HOME/twins/<target folder>-int4-<key>.safetensors.
 
 Only where building it costs: an int4 twin quantized on a CPU from the target's resident dense layers (reading
@@ -6,12 +6,13 @@ its file back costs what the drive needs for 0.28x of the target's bf16 bytes; b
 docs/notes/2026-11-29-choosing-the-draft.md). On a GPU the twin is quantized on the device as the target's layers
 pass, faster than the file could be read, so nothing is kept.
 
-The file holds every Int4Weight of the twin (int4.Int4Weight: its packed values in the CPU kernel's layout and its
-(K/G, N', 2) scales and zeros), named "<layer>.<field>.packed" / ".scales_zeros" and "lm_head.*", and in its
-metadata the key and each matrix's (G, N, K). The key hashes what the bytes depend on: the target's weights
-(Checkpoint.fingerprint), the compute dtype, the groups (a published format's own: int4.source_group), torch's
-version (the packed layout is the kernel's) and VERSION (bumped when int4's quantization changes). A file of another key is never read (another name); one that does not
-load (truncated, edited) is rebuilt with one warning line. Written to a temporary name, then renamed, so a run
+The file holds every Int4Weight of the twin's layers (int4.Int4Weight: its packed values in the CPU kernel's layout
+and its (K/G, N', 2) scales and zeros), named "<layer>.<field>.packed" / ".scales_zeros", and in its metadata each
+matrix's (G, N, K); the lm_head is not in it (draft_quant.draft_lm_head: on a CPU, an int8 copy made at load). The
+key hashes what the bytes depend on: the target's weights (Checkpoint.fingerprint), the compute dtype, the groups (a
+published format's own: int4.source_group), torch's version (the packed layout is the kernel's) and VERSION (bumped
+when int4's quantization or what the file holds changes). A file of another key is never read (another name); one
+that does not load (truncated, edited) is rebuilt with one warning line. Written to a temporary name, then renamed, so a run
 stopped while writing leaves no file that looks whole. A drive without room for it is skipped with one line.
 """
 from __future__ import annotations
@@ -29,12 +30,12 @@ import torch
 
 from offspec.formats.checkpoint import Checkpoint
 from offspec.formats.int4 import Int4Weight, source_group
-from offspec.formats.layout import format_bytes
+from offspec.formats.layout import LayerWeights, format_bytes
 from offspec.formats.quant import matrix_names
-from offspec.model.forward import Model, ResidentLayers
+from offspec.model.forward import Model
 
 FREE_MARGIN = 1 << 30       # bytes the drive keeps free beyond the file
-VERSION = 1                 # of int4's quantization (quantize_groups, group_size): a change makes new files
+VERSION = 2                 # of int4's quantization (quantize_groups, group_size) and of what the file holds
 
 
 def twins_dir() -> Path:
@@ -49,9 +50,9 @@ def twin_path(ckpt: Checkpoint, dtype: torch.dtype) -> Path:
     return twins_dir() / f"{ckpt.path.name}-int4-{key}.safetensors"
 
 
-def cached_twin(ckpt: Checkpoint, target: Model, build: Callable[[], Model]) -> Model:
-    """The int4 twin of `target` (its layers resident and dense, on the CPU): read from its file where one is
-    kept, else build() and kept. The twin's vectors (norms, biases) and its other globals are the target's own."""
+def cached_layers(ckpt: Checkpoint, target: Model, build: Callable[[], list[LayerWeights]]) -> list[LayerWeights]:
+    """The int4 twin's layers of `target` (its layers resident and dense, on the CPU): read from their file where
+    one is kept, else build() and kept. Their vectors (norms, biases) are the target's own tensors."""
     path = twin_path(ckpt, target.dtype)
     if path.is_file():
         try:
@@ -59,22 +60,21 @@ def cached_twin(ckpt: Checkpoint, target: Model, build: Callable[[], Model]) -> 
         except Exception as err:       # a file that does not load is rebuilt: noted, never fatal
             print(f"offspec: warning: rebuilding the twin: {path} does not load ({' '.join(str(err).split())})",
                   file=sys.stderr)
-    twin = build()
-    _write(path, twin)
-    return twin
+    layers = build()
+    _write(path, layers)
+    return layers
 
 
-def _weights(twin: Model) -> dict[str, Int4Weight]:
-    """Every Int4Weight of a twin, by its name in the file."""
-    named = {f"{i}.{f.name}": getattr(w, f.name) for i, w in enumerate(twin.layers.layers) for f in fields(w)}
-    named["lm_head"] = twin.globals.lm_head
+def _weights(layers: list[LayerWeights]) -> dict[str, Int4Weight]:
+    """Every Int4Weight of a twin's layers, by its name in the file."""
+    named = {f"{i}.{f.name}": getattr(w, f.name) for i, w in enumerate(layers) for f in fields(w)}
     return {name: w for name, w in named.items() if isinstance(w, Int4Weight)}
 
 
-def _write(path: Path, twin: Model) -> None:
+def _write(path: Path, layers: list[LayerWeights]) -> None:
     from safetensors.torch import save_file
 
-    weights = _weights(twin)
+    weights = _weights(layers)
     tensors = {f"{name}.{part}": getattr(w, part).contiguous() for name, w in weights.items()
                for part in ("packed", "scales_zeros")}
     size = sum(t.numel() * t.element_size() for t in tensors.values())
@@ -97,8 +97,8 @@ def _write(path: Path, twin: Model) -> None:
           f"instead of quantizing the target again", file=sys.stderr)
 
 
-def _read(path: Path, target: Model) -> Model:
-    """The twin from its file, beside the target's own vectors and globals."""
+def _read(path: Path, target: Model) -> list[LayerWeights]:
+    """The twin's layers from their file, beside the target's own vectors."""
     from safetensors import safe_open
 
     with safe_open(str(path), framework="pt") as f:
@@ -111,7 +111,6 @@ def _read(path: Path, target: Model) -> Model:
         if any(f"{i}.{name}" not in weights for name in names):
             raise ValueError(f"layer {i}'s matrices are not all in the file")
         layers.append(replace(w, **{name: weights.pop(f"{i}.{name}") for name in names}))
-    lm_head = weights.pop("lm_head")
     if weights:
         raise ValueError(f"{len(weights)} matrices of layers the target does not have")
-    return Model(target.cfg, replace(target.globals, lm_head=lm_head), ResidentLayers(layers))
+    return layers

@@ -42,6 +42,7 @@ class MemoryPlan:
     layer_moved: tuple[int, ...] = ()   # TargetLayerSizes.moved: bytes each layer's load copies, where they differ
     draft_quant: str = "none"       # how the draft's matrices are held (RuntimeConfig.draft_quant; a twin's may
                                     # differ from the one asked: search.make_plan)
+    draft_head: str = "as is"       # how the draft keeps its lm_head (draft_quant.draft_lm_head)
 
     def moved_by(self, layers) -> int:
         """Bytes the loads of these target layers copy (block_nbytes each, unless layer_moved says otherwise)."""

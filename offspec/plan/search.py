@@ -35,6 +35,7 @@ import torch
 
 from offspec.config import AUTO_MAX_TREE_BUDGET, LM_HEAD_CHUNK_BYTES, OffloadConfig, RunLimits, RuntimeConfig
 from offspec.errors import BudgetError, InputError
+from offspec.formats.draft_quant import HEAD_WORDS, draft_lm_head
 from offspec.formats.layout import format_bytes as fmt
 from offspec.formats.published import describe as describe_quant
 from offspec.formats.published import weight_dtype
@@ -221,7 +222,7 @@ def _plan_with(target: ModelSpec, draft: Optional[ModelSpec], offload: OffloadCo
                   _split_extra(target, runtime, limits, context, machine, offload), store_dir)
     notes: list[str] = []
     tree_budget, fixed = _tree_budget(run, draft, on_host, notes)
-    plan = place(run, tree_budget, fixed, notes)
+    plan = replace(place(run, tree_budget, fixed, notes), draft_head=_draft_head(run, draft, on_host))
     if not on_host:
         return plan
     matrix = embed_nbytes(target, runtime.dtype)
@@ -263,14 +264,22 @@ def _split_extra(target: ModelSpec, runtime: RuntimeConfig, limits: RunLimits, c
     return split_activation_nbytes(target.cfg, runtime.dtype, limits.concurrency * context)
 
 
-def _draft_weight_items(draft: ModelSpec, runtime: RuntimeConfig) -> list[PlanItem]:
-    """The draft's weights on the device: dense or held quantized, and its int8 copy or dequantization temporary."""
+def _draft_head(run: PlanRun, draft: Optional[ModelSpec], on_host: tuple[str, ...]) -> str:
+    """How the draft keeps its lm_head in this plan (draft_quant.draft_lm_head)."""
+    if draft is None:
+        return "as is"
+    return draft_lm_head(run.runtime.draft_quant, run.machine.kind, run.runtime.dtype, draft.twin, "lm_head" in on_host)
+
+
+def _draft_weight_items(draft: ModelSpec, runtime: RuntimeConfig, head: str) -> list[PlanItem]:
+    """The draft's weights on the device: dense or held quantized, with its lm_head as `head` says
+    (_draft_head), and its int8 copy or dequantization temporary."""
     dtype = runtime.dtype
     held = runtime.draft_quant in HELD_DRAFT_QUANTS
     name = "--draft self: the target's own" if draft.twin else Path(draft.name).name
-    items = [PlanItem("device", "draft weights", draft_weights_nbytes(draft, dtype, runtime.draft_quant),
+    items = [PlanItem("device", "draft weights", draft_weights_nbytes(draft, dtype, runtime.draft_quant, head),
                       name + (f", layers held {runtime.draft_quant}" if held else
-                              ", layers and lm_head held int4" if runtime.draft_quant == "int4" else ""))]
+                              f", layers held int4, {HEAD_WORDS[head]}" if runtime.draft_quant == "int4" else ""))]
     if runtime.draft_quant == "int8":
         items.append(PlanItem("device", "draft int8 copy", int8_copy_nbytes(draft.cfg, dtype), "--draft-quant int8"))
     if held:
@@ -285,7 +294,7 @@ def _fixed_device_items(run: PlanRun, draft: Optional[ModelSpec], tree_budget: i
     host items: on_host names them, "embed" and "lm_head")."""
     target, runtime, limits, machine, context = run.target, run.runtime, run.limits, run.machine, run.context
     dtype = runtime.dtype
-    fixed = _draft_weight_items(draft, runtime) if draft is not None else []
+    fixed = _draft_weight_items(draft, runtime, _draft_head(run, draft, on_host)) if draft is not None else []
     matrix = embed_nbytes(target, dtype)
     if "lm_head" in on_host:
         fixed.append(PlanItem("device", "target norm", target.cfg.hidden_size * itemsize(dtype)))

@@ -123,20 +123,23 @@ def int8_copy_nbytes(cfg: ModelConfig, dtype: torch.dtype) -> int:
     return cfg.n_layers * layer + cfg.vocab_size * (cfg.hidden_size + s)
 
 
-def draft_weights_nbytes(spec: ModelSpec, dtype: torch.dtype, draft_quant: str = "none") -> int:
+def draft_weights_nbytes(spec: ModelSpec, dtype: torch.dtype, draft_quant: str, head: str) -> int:
     """The draft's weights on the device: dense, or its layers' matrices held quantized (--draft-quant int8-held |
-    nf4: quant.HeldWeight; int4: int4.Int4Weight, lm_head too) beside dense norms, biases, embedding (and lm_head).
-    A twin (--draft self) holds only its layers (and an int4 lm_head): the embedding, final norm and lm_head are
-    the target's, counted with the target; with --draft-quant int8 not even those (the target's resident layers,
-    beside their int8 copies)."""
+    nf4: quant.HeldWeight; int4: int4.Int4Weight) beside dense norms, biases, embedding and lm_head, an int4 draft's
+    lm_head as `head` says (draft_quant.draft_lm_head: "int4" in place of a dense one of its own, "int8" a copy
+    beside it). A twin (--draft self) holds only its layers (and its lm_head's copy, if any): the embedding, final
+    norm and lm_head are the target's, counted with the target; with --draft-quant int8 not even those (the
+    target's resident layers, beside their int8 copies: int8_copy_nbytes)."""
     cfg = spec.cfg
     own_globals = 0 if spec.twin else globals_nbytes(spec, dtype)
     if draft_quant == "int4":
         int4.check_shapes([s for s in layer_shapes(cfg).values() if len(s) == 2], "--draft-quant int4")
-        head = int4.nbytes((cfg.vocab_size, cfg.hidden_size), dtype)
+        V, D = cfg.vocab_size, cfg.hidden_size
         dense_head = 0 if spec.twin or not spec.lm_head_stored else embed_nbytes(spec, dtype)
+        head_nbytes = {"int4": int4.nbytes((V, D), dtype) - dense_head, "int8": V * (D + itemsize(dtype)),
+                       "as is": 0}[head]
         held = functools.partial(int4.nbytes, source=int4.source_group(spec.quant))
-        return cfg.n_layers * _held_layer_nbytes(cfg, dtype, held) + head + own_globals - dense_head
+        return cfg.n_layers * _held_layer_nbytes(cfg, dtype, held) + head_nbytes + own_globals
     if draft_quant not in HELD_DRAFT_QUANTS:
         if spec.twin:
             return 0      # the target's resident layers themselves (int8: its int8 copies, int8_copy_nbytes)

@@ -44,6 +44,7 @@ from offspec.config import OffloadConfig, RuntimeConfig  # noqa: E402
 from offspec.engine.load import load_target, parse_dtype  # noqa: E402
 from offspec.formats.checkpoint import Checkpoint  # noqa: E402
 from offspec.formats.demo import ensure_demo_models  # noqa: E402
+from offspec.formats.draft_quant import draft_lm_head  # noqa: E402
 from offspec.model.draft import load_resident, load_twin  # noqa: E402
 from offspec.model.forward import RowSpan  # noqa: E402
 from offspec.model.kv_cache import KVCache  # noqa: E402
@@ -156,12 +157,13 @@ def main() -> int:
         print(f"{label:28s} " + "  ".join(f"{r}:{t:.3f}" for r, t in zip(rows, results[label])), file=sys.stderr)
 
     spec = ModelSpec.of(Checkpoint(draft_dir, headers_only=True))
-    weight_mb = {quant: (draft_weights_nbytes(spec, dtype, quant)
+    weight_mb = {quant: (draft_weights_nbytes(spec, dtype, quant, draft_lm_head(quant, CPU.type, dtype))
                          + (int8_copy_nbytes(spec.cfg, dtype) if quant == "int8" else 0)) / 1e6 for quant in quants}
     if args.twin:           # what the twin adds to the target's own bytes
         twin = ModelSpec.of(Checkpoint(target_dir, headers_only=True)).as_twin()
         weight_mb["self int8"] = int8_copy_nbytes(twin.cfg, dtype) / 1e6
-        weight_mb["self int4"] = draft_weights_nbytes(twin, dtype, "int4") / 1e6
+        head = draft_lm_head("int4", CPU.type, dtype, twin=True)
+        weight_mb["self int4"] = draft_weights_nbytes(twin, dtype, "int4", head) / 1e6
     headers = ["draft setting", "weights MB", *[f"{r} row{'s' if r > 1 else ''}" for r in rows]]
     table_rows = [[label, f"{weight_mb[quant]:.0f}", *[_common.fmt(t) for t in results[label]]]
                   for label, quant, _ in settings]

@@ -105,7 +105,8 @@ def test_a_repeat_measured_on_another_machine_does_not_count_here(fake_cells, tm
     settings = {"prompts": 2, "new_tokens": 64, "tree_budget": "auto", "dtype": "bfloat16", "disk_io": "direct",
                 "prompt_set": "code", "cell_process": "shared", "device": "cpu"}
     elsewhere = {**row("offspec", 1, 2.0, 0, regime="cpu", machine="Intel Xeon"), "settings": settings}
-    monkeypatch.setattr(bench._common, "cpu_model", lambda: "AMD EPYC")
+    from offspec.bench import runner
+    monkeypatch.setattr(runner, "cpu_model", lambda: "AMD EPYC")           # this machine's, and its rows' stamps
     rows = bench.measure_set(SimpleNamespace(tokenizer=None), "target", "code", args, [elsewhere], str(tmp_path))
     assert fake_cells == [("cpu", "offspec", 1)]
     assert [bench.machine_of(r) for r in rows] == ["Intel Xeon", "AMD EPYC"]

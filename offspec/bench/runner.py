@@ -128,8 +128,8 @@ CPUINFO = "/proc/cpuinfo"
 def cpu_model() -> str:
     """The CPU's model name with its family and model numbers and the widest of its vector and bfloat16
     instructions, so that two machines sold under one name are told apart, and a row says whether its CPU
-    computes bf16 natively: "AMD EPYC (family 23, model 49; avx2)". The platform's name where /proc/cpuinfo
-    has none."""
+    computes bf16 natively: "AMD EPYC (family 23 model 49; avx2)", no comma in it (a stamp's machine is what
+    comes before its first comma). The platform's name where /proc/cpuinfo has none."""
     info: dict[str, str] = {}
     try:
         with open(CPUINFO) as f:
@@ -145,9 +145,9 @@ def cpu_model() -> str:
         return platform.processor() or platform.machine()
     flags = set(info.get("flags", "").split())
     isa = [f for f in ("avx512f", "avx512_bf16", "amx_bf16") if f in flags] or [f for f in ("avx2",) if f in flags]
-    ids = ", ".join(f"{label} {info[key]}" for key, label in (("cpu family", "family"), ("model", "model"))
-                    if key in info)
-    detail = "; ".join(part for part in (ids, ", ".join(isa)) if part)
+    ids = " ".join(f"{label} {info[key]}" for key, label in (("cpu family", "family"), ("model", "model"))
+                   if key in info)
+    detail = "; ".join(part for part in (ids, " ".join(isa)) if part)
     return f"{info['model name']} ({detail})" if detail else info["model name"]
 
 

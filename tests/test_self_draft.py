@@ -59,8 +59,8 @@ def test_twin_greedy_equals_the_targets_own_and_shares_its_weights(target, offlo
 @pytest.mark.parametrize("offload", ["none", "cpu"])
 def test_int4_twin_equals_the_targets_greedy_and_holds_the_bytes_the_plan_counts(target, offload, monkeypatch):
     """--draft-quant int4 (the GPU's default): every layer's matrix in 4-bit groups read by PyTorch's int4 matmul
-    (the lm_head: int4_twin_as_planned); built from one pass over the target's own layers, resident or streamed (the checkpoint's layers are
-    not read a second time)."""
+    (the lm_head: int4_twin_as_planned); built from one pass over the target's own layers, resident or streamed
+    (the checkpoint's layers are not read a second time)."""
     from offspec.model import draft
 
     def second_read(*args):

@@ -151,9 +151,9 @@ def draft_vocab_mismatch(target, draft) -> Optional[str]:
 def twin_words(plan: MemoryPlan) -> str:
     """What a plan with --draft self holds for the twin, in words."""
     own = sum(i.nbytes for i in plan.items if i.what in ("draft weights", "draft int8 copy"))
+    head = {"int8": ", its lm_head beside an int8 copy", "int4": ", its lm_head held int4"}.get(plan.draft_head, "")
     held = ("int8 copies of the target's resident matrices" if plan.draft_quant == "int8" else
-            f"the target's layers held {plan.draft_quant}" + {"int8": ", its lm_head beside an int8 copy",
-                                                              "int4": ", its lm_head held int4"}.get(plan.draft_head, ""))
+            f"the target's layers held {plan.draft_quant}{head}")
     shared = "embedding" if plan.draft_head == "int4" else "embedding and lm_head"
     return f"{held}, {own / 1e9:.2f} GB on the device, the target's {shared} shared"
 

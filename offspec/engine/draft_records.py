@@ -2,11 +2,12 @@
 $OFFSPEC_HOME/drafts/<key>.json.
 
 A file holds {"version": 1, "label", "seconds", "tokens", "rounds"} of one key: a hash of the pair as it runs
-(record_key: rank_cache.pair_key's hash of both models' weights, whether the draft is the target's twin, how each is
-held and the dtype, with the device by name). An engine loaded with a DraftLog adds every decoding round to it (DraftLog.add): the round's seconds
-(draft and target pass) and the tokens it made, over every row in the pass. A round that fed prompt tokens is
-left out: it measures a prefill, not the draft. The engine adds what it saw to the file when it closes (re-read
-then, so engines sharing the file add up; written atomically: a temporary file, os.replace).
+(record_key: rank_cache.pair_key's hash of both models' weights, whether the draft is the target's twin, how each
+is held and the dtype, with the device by name). An engine loaded with a DraftLog adds every decoding round to it
+(DraftLog.add): the round's seconds (draft and target pass) and the tokens it made, over every row in the pass. A
+round that fed prompt tokens is left out: it measures a prefill, not the draft. The engine adds what it saw to the
+file when it closes (re-read then, so engines sharing the file add up; written atomically: a temporary file,
+os.replace).
 
     measured seconds a token  s = seconds / tokens, over every round the file holds
 

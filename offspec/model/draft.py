@@ -31,7 +31,8 @@ def load_resident(ckpt: Checkpoint, device: torch.device, dtype: torch.dtype, qu
       "int8-held"  the layers' matrices held only as per-row int8 (0.50x of bf16), lm_head dense
       "nf4"        the layers' matrices held only as bitsandbytes nf4 (0.28x of bf16), lm_head dense
       "int4"       the layers' matrices and lm_head held only in 4-bit groups (0.28x), read in 4 bits
-    (the lm_head's form: draft_quant.draft_lm_head). A held layer is quantized right after it is read, so loading needs one dense layer more, not a model."""
+    (the lm_head's form: draft_quant.draft_lm_head). A held layer is quantized right after it is read, so loading
+    needs one dense layer more, not a model."""
     layers = _layers(ckpt, device, dtype, quant)
     globals_ = ckpt.global_weights(device, dtype, embed_device, lm_head_device)
     return Model(ckpt.config, _held_lm_head(globals_, quant, twin=False), ResidentLayers(layers))

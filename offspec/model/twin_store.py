@@ -12,8 +12,8 @@ matrix's (G, N, K); the lm_head is not in it (draft_quant.draft_lm_head: on a CP
 key hashes what the bytes depend on: the target's weights (Checkpoint.fingerprint), the compute dtype, the groups (a
 published format's own: int4.source_group), torch's version (the packed layout is the kernel's) and VERSION (bumped
 when int4's quantization or what the file holds changes). A file of another key is never read (another name); one
-that does not load (truncated, edited) is rebuilt with one warning line. Written to a temporary name, then renamed, so a run
-stopped while writing leaves no file that looks whole. A drive without room for it is skipped with one line.
+that does not load (truncated, edited) is rebuilt with one warning line. Written to a temporary name, then renamed,
+so a run stopped while writing leaves no file that looks whole. A drive without room for it is skipped with one line.
 """
 from __future__ import annotations
 

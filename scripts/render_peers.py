@@ -183,6 +183,7 @@ def render(rows_by_file: list[list[dict]], files: list[str], sweep_files: Sequen
     checks = group_checks(rows_by_file)
     table, notes, headline = [HEADER], [], []
     shown = headline_groups(groups)
+    several_machines = len({machine_of(groups[k]) for k in shown}) > 1
     for key, group in groups.items():
         lines, facts = group_table(key, group, checks.get(key, {}))
         table += lines
@@ -199,7 +200,8 @@ def render(rows_by_file: list[list[dict]], files: list[str], sweep_files: Sequen
         notes.append(f"- {group_title(key)} ({facts['n']} prompts): tokens {identity_text(facts['identity'], facts['n'])}."
                      f"{placed} hf-assisted ran {facts['peer']}.{judged}")
         if facts["vs_peer"] is not None and key in shown:
-            headline.append(f"| {group_title(key)} | {_stats.fmt_ci(facts['default']['seconds_per_token'])} | "
+            where = f" {machine_of(group)} |" if several_machines else ""
+            headline.append(f"| {group_title(key)} |{where} {_stats.fmt_ci(facts['default']['seconds_per_token'])} | "
                             f"{_stats.fmt_ci(facts['vs_peer']['speedup'], 2, 'ratio', 'x')} | "
                             f"{_stats.fmt_ci(facts['default']['speedup'], 2, 'ratio', 'x')} |")
     s0 = next(iter(groups.values()))[0]["settings"]
@@ -220,15 +222,22 @@ def render(rows_by_file: list[list[dict]], files: list[str], sweep_files: Sequen
         *sorted({_common.relative_command(r["command"]) for g in groups.values() for r in g if "command" in r}), "```",
         f"Rendered by `{command}`. " + _common.measured_line([r for g in groups.values() for r in g]), "",
         *table, "", *notes])
-    machines = sorted({r["stamp"]["machine"] for g in groups.values() for r in g if "stamp" in r})
+    machines = sorted({machine_of(g) for g in groups.values()})
     counts = sorted({len(g) for g in groups.values()})
     readme = "\n".join([
         f"Measured on {'; '.join(machines)}, models {' and '.join(s0.get('models', ['?']))}, greedy, up to "
         f"{s0['new_tokens']} new tokens, {' or '.join(map(str, counts))} prompts per group; medians with bootstrap "
         "95% intervals ([docs/benchmarks.md](docs/benchmarks.md)):", "",
-        "| group | offspec s/token | speedup over transformers assisted | speedup over plain decoding |",
-        "|---|---|---|---|", *headline, "", *headline_note(groups, shown), f"Command: `{command}`"])
+        "| group |" + " measured on |" * several_machines
+        + " offspec s/token | speedup over transformers assisted | speedup over plain decoding |",
+        "|---|" + "---|" * several_machines + "---|---|---|", *headline, "", *headline_note(groups, shown),
+        f"Command: `{command}`"])
     return section, readme
+
+
+def machine_of(rows: list[dict]) -> str:
+    """The machine(s) a group's rows were measured on, as their stamps name them."""
+    return "; ".join(sorted({r["stamp"]["machine"] for r in rows if "stamp" in r})) or "?"
 
 
 def headline_note(groups: dict, shown: list[tuple]) -> list[str]:

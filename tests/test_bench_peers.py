@@ -89,7 +89,13 @@ def test_offload_auto_is_the_cpu_users_run_and_the_headline(bp, render, checkpoi
     assert "| host RAM, chat | default |" in section and "--offload auto ran none" in section
     assert "| host RAM, chat, streamed emulation (--offload cpu) | default |" in section
     assert "| host RAM, chat |" in readme and "streamed emulation (--offload cpu) |" not in readme
-    assert "as a CPU user runs it" in readme
+    assert "as a CPU user runs it" in readme and "measured on" not in readme
+    # Groups measured on two machines: the headline says which machine each ran on.
+    other = "Other CPU (family 6 model 143; avx512f avx512_bf16 amx_bf16), 2 torch threads"
+    code = [{**r, "prompt_set": "code", "stamp": {**r["stamp"], "machine": other}} for r in rows]
+    _, readme = render.render([rows, code], ["auto.jsonl", "code.jsonl"])
+    assert "| group | measured on | offspec s/token |" in readme
+    assert f"| host RAM, code | {other} |" in readme and f"| host RAM, chat | {rows[0]['stamp']['machine']} |" in readme
 
 
 def test_offload_auto_needs_the_host_ram_regime(bp, checkpoints, tmp_path):

@@ -9,7 +9,7 @@ from tiny import hf_config, make_model, perturbed_copy, save_checkpoint
 from offspec.config import OffloadConfig, RuntimeConfig, TreeConfig
 from offspec.engine.generate import GenerationRequest, run
 from offspec.engine.load import load_engine
-from offspec.formats.quant import FUSED_MAX_ROWS, Int8Weight, linear, narrow_rows
+from offspec.formats.quant import FUSED_MAX_ROWS, Int8Weight, RowKernels, linear, narrow_rows
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -34,16 +34,17 @@ def test_narrow_sequences_read_the_int8_copy_whatever_shares_the_call(dtype):
     x = torch.randn(sum(widths), 64, dtype=dtype)
     narrow = narrow_rows(widths, cpu)
     assert narrow.tolist() == [True] * 3 + [False] * (FUSED_MAX_ROWS + 1) + [True]
-    got = linear(x, qw, bias, narrow)
+    got = linear(x, qw, bias, RowKernels(narrow))
     ref = F.linear(x[narrow].float(), qw.dequantize().float(), bias.float())
     assert (got[narrow].float() - ref).norm() / ref.norm() < 0.01
     assert not torch.equal(got[narrow], F.linear(x[narrow], w, bias))     # it really took the int8 path
     assert torch.equal(got[~narrow], F.linear(x[~narrow], w, bias))
     at = 0
     for width in widths:
-        assert torch.equal(linear(x[at:at + width], qw, bias, narrow_rows([width], cpu)), got[at:at + width]), width
+        alone = linear(x[at:at + width], qw, bias, RowKernels(narrow_rows([width], cpu)))
+        assert torch.equal(alone, got[at:at + width]), width
         at += width
-    assert torch.equal(linear(x, w, bias, narrow), F.linear(x, w, bias))     # plain weights: plain F.linear
+    assert torch.equal(linear(x, w, bias, RowKernels(narrow)), F.linear(x, w, bias))   # plain weights: F.linear
     assert torch.equal(linear(x, qw, bias), F.linear(x, w, bias))              # no narrow rows: the weight
     assert narrow_rows([FUSED_MAX_ROWS + 1], cpu) is None
     assert narrow_rows(widths, torch.device("cuda")) is None                   # the fused kernel is a CPU one
@@ -103,7 +104,7 @@ def test_a_held_weight_is_the_dequantized_matrix_and_keeps_no_dense_copy(quant, 
     assert all(p.dtype in (torch.int8, torch.uint8, torch.float32) and p.data_ptr() != w.data_ptr()
                for p in held.pieces.values())
     x = torch.randn(rows, 64)
-    got = linear(x, held, bias, narrow_rows([rows], torch.device("cpu")))
+    got = linear(x, held, bias, RowKernels(narrow_rows([rows], torch.device("cpu"))))
     assert torch.allclose(got, F.linear(x, held.dequantize(), bias), atol=1e-4)
     assert not torch.allclose(got, F.linear(x, w, bias), atol=1e-4)   # it really is quantized ...
     exact = F.linear(x, w, bias)

@@ -37,6 +37,7 @@ import numpy as np
 from offspec.config import AUTO_MAX_TREE_BUDGET, RunLimits, SamplingConfig, TreeConfig
 from offspec.engine.generate import Engine, GenerationRequest, run
 from offspec.errors import InputError
+from offspec.formats import cpu_bf16
 
 DEFAULT = "default"
 PLAIN = "none"
@@ -130,20 +131,11 @@ def cpu_model() -> str:
     instructions, so that two machines sold under one name are told apart, and a row says whether its CPU
     computes bf16 natively: "AMD EPYC (family 23 model 49; avx2)", no comma in it (a stamp's machine is what
     comes before its first comma). The platform's name where /proc/cpuinfo has none."""
-    info: dict[str, str] = {}
-    try:
-        with open(CPUINFO) as f:
-            for line in f:
-                if not line.strip() and info:
-                    break                                                   # the first processor's block
-                key, _, value = line.partition(":")
-                info.setdefault(key.strip(), value.strip())
-    except OSError:
-        pass
+    info = cpu_bf16.cpu_info(CPUINFO)
     if not info.get("model name"):
         import platform
         return platform.processor() or platform.machine()
-    flags = set(info.get("flags", "").split())
+    flags = cpu_bf16.cpu_flags(info)
     isa = [f for f in ("avx512f", "avx512_bf16", "amx_bf16") if f in flags] or [f for f in ("avx2",) if f in flags]
     ids = " ".join(f"{label} {info[key]}" for key, label in (("cpu family", "family"), ("model", "model"))
                    if key in info)

@@ -53,7 +53,7 @@ import torch.nn.functional as F
 
 from offspec.config import ModelConfig
 from offspec.errors import InputError
-from offspec.formats import int4, kernels, published
+from offspec.formats import cpu_bf16, int4, kernels, published
 from offspec.formats.layout import TENSOR_ALIGN, LayerLayout, LayerWeights, PartLayout, round_up, split_entries
 
 HELD_DRAFT_QUANTS = {"int8-held": "int8", "nf4": "nf4"}  # --draft-quant held quantized -> the matrices' quantization
@@ -135,28 +135,63 @@ def narrow_rows(widths: Sequence[int], device: torch.device) -> Optional[torch.T
     return torch.cat([torch.full((w,), w <= FUSED_MAX_ROWS, dtype=torch.bool) for w in widths])
 
 
-def linear(x: torch.Tensor, w, bias: torch.Tensor | None = None, narrow: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear for a plain weight, an Int8Weight or a HeldWeight. x (..., K) -> (..., N).
-    narrow (rows of x,) bool, from narrow_rows: the rows that read an int8 matrix straight; the others read the
-    full-precision weight (an Int8Weight's own, a HeldWeight's dequantized). Each row's result is the same
-    whatever the other rows are. A plain weight, an nf4 one, or narrow None: every row reads the dense weight."""
-    if isinstance(w, torch.Tensor):
-        return F.linear(x, w, bias)
+@dataclass(frozen=True)
+class RowKernels:
+    """Which kernel each row of a packed call reads (linear), chosen by its sequence's rows in the pass, never by
+    the call's, so a sequence's numbers do not depend on what shares its calls. None: no row."""
+    narrow: Optional[torch.Tensor] = None    # (N,) bool: int8 matrices read straight (narrow_rows)
+    wide: Optional[torch.Tensor] = None      # (N,) bool: bfloat16 dense matmuls in float32 (cpu_bf16.wide_rows)
+
+    @staticmethod
+    def of(widths: Sequence[int], device: torch.device, dtype: torch.dtype) -> "RowKernels":
+        widths = list(widths)
+        return RowKernels(narrow_rows(widths, device), cpu_bf16.wide_rows(widths, device, dtype))
+
+    def cut(self, a: int, b: int) -> "RowKernels":
+        """The rows [a, b) of the call."""
+        return RowKernels(*(None if m is None else m[a:b] for m in (self.narrow, self.wide)))
+
+    def take(self, rows: torch.Tensor) -> "RowKernels":
+        """The rows `rows` (R,) of the call, in that order."""
+        return RowKernels(*(None if m is None else m[rows.cpu()] for m in (self.narrow, self.wide)))
+
+
+def linear(x: torch.Tensor, w, bias: torch.Tensor | None = None, kernels: RowKernels = RowKernels()) -> torch.Tensor:
+    """F.linear for a plain weight, an Int8Weight or a HeldWeight. x (..., K) -> (..., N), each row by the kernel
+    `kernels` gives it: narrow rows read an int8 matrix straight (an Int8Weight's copy, a held int8 matrix); the
+    others read the full-precision weight (an Int8Weight's own, a HeldWeight's dequantized), in float32 where they
+    are wide (cpu_bf16.float32_linear). Each row's result is the same whatever the other rows are. An int4 weight
+    reads its own kernel."""
     if isinstance(w, int4.Int4Weight):
         return w.matmul(x, bias)
+    rows = x.reshape(-1, x.shape[-1])                                                  # (M, K)
+    if isinstance(w, torch.Tensor):
+        return _dense(rows, w, bias, kernels.wide).view(*x.shape[:-1], -1)
     int8 = ((w.q, w.scale) if isinstance(w, Int8Weight) else
             (w.pieces["int8"], w.pieces["scale"]) if w.quant == "int8" else None)
     dense = (lambda: w.full) if isinstance(w, Int8Weight) else w.dequantize   # a HeldWeight's only when needed
+    narrow = kernels.narrow
     if narrow is None or int8 is None or not bool(narrow.any()):
-        return F.linear(x, dense(), bias)
-    rows = x.reshape(-1, x.shape[-1])                                                  # (M, K)
-    if bool(narrow.all()):
+        out = _dense(rows, dense(), bias, kernels.wide)
+    elif bool(narrow.all()):
         out = _int8_matmul(rows, *int8, bias)
     else:
         out = rows.new_empty(rows.shape[0], int8[0].shape[0])                           # (M, N)
         out[narrow] = _int8_matmul(rows[narrow], *int8, bias)
-        out[~narrow] = F.linear(rows[~narrow], dense(), bias)
+        out[~narrow] = _dense(rows[~narrow], dense(), bias, None if kernels.wide is None else kernels.wide[~narrow])
     return out.view(*x.shape[:-1], -1)
+
+
+def _dense(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, wide: Optional[torch.Tensor]) -> torch.Tensor:
+    """x (M, K) @ w.T (+ bias) -> (M, N): the rows `wide` (M,) marks in float32, the others by F.linear."""
+    if wide is None or not bool(wide.any()):
+        return F.linear(x, w, bias)
+    if bool(wide.all()):
+        return cpu_bf16.float32_linear(x, w, bias)
+    out = x.new_empty(x.shape[0], w.shape[0])                                             # (M, N)
+    out[wide] = cpu_bf16.float32_linear(x[wide], w, bias)
+    out[~wide] = F.linear(x[~wide], w, bias)
+    return out
 
 
 def _int8_matmul(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

@@ -35,7 +35,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from offspec.config import LM_HEAD_CHUNK_BYTES, ModelConfig, attention_rows
 from offspec.formats.layout import WHOLE, GlobalWeights, LayerWeights
-from offspec.formats.quant import QuantizedResident, layer_weights, linear, narrow_rows
+from offspec.formats.quant import QuantizedResident, RowKernels, layer_weights, linear
 from offspec.model.kv_cache import KVCache
 
 MaskRows = Callable[[int, int], torch.Tensor]   # (a, b) -> rows a..b-1 of a sequence's mask, (b - a, S) bool
@@ -146,12 +146,12 @@ class PassRows:
     pieces: list[tuple[int, int, list[RowSpan]]]   # (a, b, the spans cut to packed rows [a, b), renumbered from 0)
     cos: torch.Tensor                               # (N, hd)
     sin: torch.Tensor                               # (N, hd)
-    narrow: Optional[torch.Tensor]                  # (N,) bool: rows that read int8 matrices straight, or None
+    kernels: RowKernels                             # which kernel each row reads (quant.linear)
     h: Optional[torch.Tensor] = None                # (N, D) a split layer's post-attention norm, between its parts
     act: Optional[torch.Tensor] = None              # (N, F) silu(gate(h)), then times up(h), between its parts
 
-    def cut(self, a: int, b: int) -> Optional[torch.Tensor]:
-        return None if self.narrow is None else self.narrow[a:b]
+    def cut(self, a: int, b: int) -> RowKernels:
+        return self.kernels.cut(a, b)
 
 
 def run_layer(x: torch.Tensor, w: LayerWeights, layer: int, p: PassRows) -> None:
@@ -180,13 +180,13 @@ def run_layer(x: torch.Tensor, w: LayerWeights, layer: int, p: PassRows) -> None
 
 def write_keys(x: torch.Tensor, w: LayerWeights, cfg: ModelConfig, cache: KVCache, layer: int,
                rows: Sequence[RowSpan], cos: torch.Tensor, sin: torch.Tensor,
-               narrow: Optional[torch.Tensor] = None) -> None:
+               kernels: RowKernels = RowKernels()) -> None:
     """A layer's first step (run_layer): x's keys and values, written to each sequence's cache slots."""
     N, H_kv, hd = x.shape[0], cfg.n_kv_heads, cfg.head_dim
     h = rms_norm(x, w.input_norm, cfg.rms_norm_eps)
-    k = linear(h, w.k_proj, w.k_bias, narrow).view(N, H_kv, hd)
+    k = linear(h, w.k_proj, w.k_bias, kernels).view(N, H_kv, hd)
     k = head_norm(k, w.k_norm, cfg).transpose(0, 1)                               # (H_kv, N, hd)
-    v = linear(h, w.v_proj, w.v_bias, narrow).view(N, H_kv, hd).transpose(0, 1)         # (H_kv, N, hd)
+    v = linear(h, w.v_proj, w.v_bias, kernels).view(N, H_kv, hd).transpose(0, 1)         # (H_kv, N, hd)
     k = apply_rope(k, cos, sin)
     for r in rows:
         cache.write(layer, r.cache_row, r.slots, k[:, r.start:r.end], v[:, r.start:r.end])
@@ -194,17 +194,17 @@ def write_keys(x: torch.Tensor, w: LayerWeights, cfg: ModelConfig, cache: KVCach
 
 def attend(x: torch.Tensor, w: LayerWeights, cfg: ModelConfig, cache: KVCache, layer: int,
            rows: Sequence[RowSpan], cos: torch.Tensor, sin: torch.Tensor,
-           narrow: Optional[torch.Tensor] = None) -> torch.Tensor:
+           kernels: RowKernels = RowKernels()) -> torch.Tensor:
     """Attention, after write_keys: x's queries attend to each sequence's cache row (every slot its mask
     covers already written). -> x + o_proj(attention) (N, D)."""
     N, H, H_kv, hd = x.shape[0], cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
     h = rms_norm(x, w.input_norm, cfg.rms_norm_eps)      # again: cheaper to recompute than to keep for a pass
-    q = head_norm(linear(h, w.q_proj, w.q_bias, narrow).view(N, H, hd), w.q_norm, cfg).transpose(0, 1)     # (H, N, hd)
+    q = head_norm(linear(h, w.q_proj, w.q_bias, kernels).view(N, H, hd), w.q_norm, cfg).transpose(0, 1)     # (H, N, hd)
     q = apply_rope(q, cos, sin)
     attn = torch.empty_like(q)                                                    # (H, N, hd)
     with sdpa_kernel(SDPA_BACKENDS):
         _attend_rows(q, attn, cache, layer, rows, H, H_kv)
-    return x + linear(attn.transpose(0, 1).reshape(N, H * hd), w.o_proj, narrow=narrow)         # (N, D)
+    return x + linear(attn.transpose(0, 1).reshape(N, H * hd), w.o_proj, kernels=kernels)         # (N, D)
 
 
 # Every backend but cuDNN's: it plans each new query and key length anew, and a tree pass brings new lengths on
@@ -231,27 +231,27 @@ def _attend_rows(q: torch.Tensor, attn: torch.Tensor, cache: KVCache, layer: int
 # The MLP in the three steps a split ring's parts take (gate, up, down), composed by mlp for a whole layer:
 #   x + down(silu(gate(h)) * up(h)),  h = rms_norm(x)
 def mlp_gate(x: torch.Tensor, w: LayerWeights, cfg: ModelConfig,
-             narrow: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+             kernels: RowKernels = RowKernels()) -> tuple[torch.Tensor, torch.Tensor]:
     """x (N, D) -> h (N, D) its post-attention norm, silu(gate(h)) (N, F)."""
     h = rms_norm(x, w.post_norm, cfg.rms_norm_eps)
-    return h, F.silu(linear(h, w.gate_proj, narrow=narrow))
+    return h, F.silu(linear(h, w.gate_proj, kernels=kernels))
 
 
-def mlp_up(h: torch.Tensor, act: torch.Tensor, w: LayerWeights, narrow: Optional[torch.Tensor] = None) -> torch.Tensor:
+def mlp_up(h: torch.Tensor, act: torch.Tensor, w: LayerWeights, kernels: RowKernels = RowKernels()) -> torch.Tensor:
     """h (N, D), act = silu(gate(h)) (N, F) -> act * up(h) (N, F)."""
-    return act * linear(h, w.up_proj, narrow=narrow)
+    return act * linear(h, w.up_proj, kernels=kernels)
 
 
 def mlp_down(x: torch.Tensor, act: torch.Tensor, w: LayerWeights,
-             narrow: Optional[torch.Tensor] = None) -> torch.Tensor:
+             kernels: RowKernels = RowKernels()) -> torch.Tensor:
     """x (N, D), act (N, F) -> x + down(act) (N, D)."""
-    return x + linear(act, w.down_proj, narrow=narrow)
+    return x + linear(act, w.down_proj, kernels=kernels)
 
 
-def mlp(x: torch.Tensor, w: LayerWeights, cfg: ModelConfig, narrow: Optional[torch.Tensor] = None) -> torch.Tensor:
+def mlp(x: torch.Tensor, w: LayerWeights, cfg: ModelConfig, kernels: RowKernels = RowKernels()) -> torch.Tensor:
     """The MLP block with its residual: (N, D) -> (N, D)."""
-    h, act = mlp_gate(x, w, cfg, narrow)
-    return mlp_down(x, mlp_up(h, act, w, narrow), w, narrow)
+    h, act = mlp_gate(x, w, cfg, kernels)
+    return mlp_down(x, mlp_up(h, act, w, kernels), w, kernels)
 
 
 def chunked_logits(x: torch.Tensor, head: torch.Tensor) -> torch.Tensor:
@@ -308,15 +308,15 @@ class Model:
                               for r in rows if (c := r.clip(a, b)) is not None]) for a, b in bounds]
         x = self.embed(tokens)                                                       # (N, D)
         cos, sin = rope_cos_sin(self.inv_freq, positions, self.dtype)                # (N, hd) each
-        narrow = narrow_rows([r.end - r.start for r in rows], self.device)           # (N,) bool, or None
-        pass_rows = PassRows(self.cfg, cache, pieces, cos, sin, narrow)
+        kernels = RowKernels.of([r.end - r.start for r in rows], self.device, self.dtype)
+        pass_rows = PassRows(self.cfg, cache, pieces, cos, sin, kernels)
         for i, w in self.layers.pass_layers():
             run_layer(x, w, i, pass_rows)
         if logit_rows is not None:
             x = x[logit_rows]
-            narrow = None if narrow is None else narrow[logit_rows.cpu()]
+            kernels = kernels.take(logit_rows)
         x = rms_norm(x, self.globals.final_norm, self.cfg.rms_norm_eps)
         head = self.globals.lm_head
         if isinstance(head, torch.Tensor) and head.device != self.device:
             return chunked_logits(x, head)                                          # (R, V)
-        return linear(x, head, narrow=narrow).float()                               # (R, V)
+        return linear(x, head, kernels=kernels).float()                             # (R, V)

@@ -35,6 +35,7 @@ import torch
 
 from offspec.config import AUTO_MAX_TREE_BUDGET, LM_HEAD_CHUNK_BYTES, OffloadConfig, RunLimits, RuntimeConfig
 from offspec.errors import BudgetError, InputError
+from offspec.formats.cpu_bf16 import wide_in_float32
 from offspec.formats.draft_quant import HEAD_WORDS, draft_lm_head
 from offspec.formats.layout import format_bytes as fmt
 from offspec.formats.published import describe as describe_quant
@@ -328,7 +329,9 @@ def _fixed_device_items(run: PlanRun, draft: Optional[ModelSpec], tree_budget: i
         counted = f"{tree_budget + 1} rows{per}"
     fixed.append(PlanItem("device", "tree logits", logits,
                           counted + (", T>0 draft distributions" if sampling else "")))
-    act = max(activation_nbytes(m.cfg, dtype, B * context, limits.prefill_chunk, context, machine.kind == "cpu")
+    cpu = machine.kind == "cpu"
+    act = max(activation_nbytes(m.cfg, dtype, B * context, limits.prefill_chunk, context, cpu,
+                                cpu and wide_in_float32(torch.device("cpu"), dtype))
               for m in ([target] + ([draft] if draft else [])))
     fixed.append(PlanItem("device", "activations of the largest forward", act,
                           f"{B * context} rows in chunks of {min(B * context, limits.prefill_chunk)}"))

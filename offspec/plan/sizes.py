@@ -10,7 +10,7 @@ import torch
 
 from offspec.config import ModelConfig, RuntimeConfig, attention_rows
 from offspec.errors import InputError
-from offspec.formats import int4
+from offspec.formats import cpu_bf16, int4
 from offspec.formats.layout import LayerLayout, layer_shapes
 from offspec.formats.published import describe as describe_quant
 from offspec.formats.published import per_layer_sizes
@@ -164,14 +164,15 @@ def kv_bytes_per_token(cfg: ModelConfig, dtype: torch.dtype) -> int:
 
 
 def activation_nbytes(cfg: ModelConfig, dtype: torch.dtype, rows: int, chunk: int, context: int,
-                      fused_attention: bool = False) -> int:
+                      fused_attention: bool = False, float32_rows: bool = False) -> int:
     """The largest forward of `rows` new tokens attending to `context` cache columns, each layer run over
     chunks of `chunk` rows: hidden states of every row, plus one chunk's intermediates, mask and attention
     scores. On a GPU the scores are counted as the math kernel materializes them (float32 scores +
     probabilities) for the query rows one attention call takes (config.attention_rows), an upper bound, since
     which kernel runs a masked grouped-query attention varies with the build; fused_attention (the CPU: its
     kernel works in blocks, measured to add ~0.1 GB for 12 heads x 1024 rows x 32768 columns) counts one float
-    copy of the mask instead."""
+    copy of the mask instead. float32_rows (bfloat16 on a CPU without it: cpu_bf16.wide_in_float32) adds a chunk's
+    float32 copy of a matmul's input and output and the weight block being upcast."""
     s = itemsize(dtype)
     c = max(1, min(rows, chunk))
     D, F_, hd = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
@@ -180,7 +181,8 @@ def activation_nbytes(cfg: ModelConfig, dtype: torch.dtype, rows: int, chunk: in
     chunk_work = c * (3 * D + 2 * (H + 2 * H_kv) * hd + 3 * F_) * s        # norms, q/k/v (+roped), attn out, MLP
     mask = c * context                                                      # bool
     scores = c * context * 4 if fused_attention else H * min(c, attention_rows(H, context, s)) * context * (4 + s)
-    return hidden + chunk_work + mask + scores
+    upcast = c * (D + F_) * 4 + cpu_bf16.UPCAST_BYTES if float32_rows else 0
+    return hidden + chunk_work + mask + scores + upcast
 
 
 def logits_nbytes(target: ModelConfig, draft: Optional[ModelConfig], dtype: torch.dtype, tree_budget: int,

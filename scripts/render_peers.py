@@ -225,7 +225,7 @@ def render(rows_by_file: list[list[dict]], files: list[str], sweep_files: Sequen
     machines = sorted({machine_of(g) for g in groups.values()})
     counts = sorted({len(g) for g in groups.values()})
     readme = "\n".join([
-        f"Measured on {'; '.join(machines)}, models {' and '.join(s0.get('models', ['?']))}, greedy, up to "
+        f"Measured on {'the machine each row names' if several_machines else '; '.join(machines)}, models {' and '.join(s0.get('models', ['?']))}, greedy, up to "
         f"{s0['new_tokens']} new tokens, {' or '.join(map(str, counts))} prompts per group; medians with bootstrap "
         "95% intervals ([docs/benchmarks.md](docs/benchmarks.md)):", "",
         "| group |" + " measured on |" * several_machines
@@ -254,7 +254,8 @@ def headline_note(groups: dict, shown: list[tuple]) -> list[str]:
         if any(emulation(k) for k in groups):
             text += "; the streamed emulation (`--offload cpu`) is an ablation on docs/benchmarks.md"
         text += "."
-    return [text + " Plain decoding is offspec's own (`--tree none`) in the same placement.", ""]
+    return [text + " Plain decoding is offspec's own (`--tree none`) in the same placement; a speedup over it below 1x "
+            "means `--tree none` was the faster choice on that machine.", ""]
 
 
 def sweep_command(rows: list[dict], path: str) -> str:

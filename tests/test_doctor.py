@@ -9,6 +9,7 @@ from tiny import hf_config, make_model, perturbed_copy, save_checkpoint
 
 from offspec.cli.doctor import check, link
 from offspec.cli.main import main
+from offspec.formats import cpu_bf16
 
 
 @pytest.fixture(autouse=True)
@@ -34,6 +35,8 @@ def test_doctor_cli_reports_every_section(pair, tmp_path):
     assert report["models"] == {"target": str(pair[0]), "draft": str(pair[1])}        # provenance, as every report
     assert report["offspec"]["command"].endswith("doctor") and report["options"]["quick"] is True
     assert report["devices"]["cuda"] is False and report["pinning"]["status"] == "skipped"
+    assert report["devices"]["cpu_bf16"] is cpu_bf16.native_bf16()        # says whether bf16 trees run in float32
+    assert ("with" if cpu_bf16.native_bf16() else "without") + " bfloat16 instructions" in r.output
     assert report["host"]["usable_bytes"] > 0 and report["host"]["default_pinned_budget_bytes"] < report["host"]["usable_bytes"]
     assert report["link"]["pageable_gbps"] > 0
     drive = report["drive"]

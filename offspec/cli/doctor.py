@@ -37,6 +37,7 @@ import torch
 from offspec.cli.model_info import save_rates
 from offspec.cli.options import check_writable, default_device, headers_checkpoint, write_report
 from offspec.errors import OffspecError
+from offspec.formats import cpu_bf16
 from offspec.plan.costmodel import find_gpu, gpu_keys
 from offspec.stream.transfer import PAGE_BYTES, HostBuffer, format_bytes, make_backend
 
@@ -80,7 +81,8 @@ def _guarded(run: Callable[[], dict]) -> dict:
 def devices() -> dict:
     if not torch.cuda.is_available():
         return {"status": "ok", "cuda": False, "devices": [], "note": "no CUDA device: the CPU is the compute device",
-                "cpu_cores": psutil.cpu_count(logical=False), "cpu_threads": psutil.cpu_count()}
+                "cpu_cores": psutil.cpu_count(logical=False), "cpu_threads": psutil.cpu_count(),
+                "cpu": cpu_bf16.cpu_info().get("model name"), "cpu_bf16": cpu_bf16.native_bf16()}
     out = []
     for i in range(torch.cuda.device_count()):
         free, total = torch.cuda.mem_get_info(i)
@@ -354,8 +356,10 @@ def summary(report: dict) -> str:
                                 f"not in offspec's card table: `models info --gpu` names the nearest "
                                 f"({gpu_keys()})"))
         else:
+            bf16 = ("with bfloat16 instructions" if d.get("cpu_bf16") else
+                    "without bfloat16 instructions: in bf16, prompts and trees are computed in float32")
             lines.append(f"device: none (CPU only, {d['cpu_cores']} cores / {d['cpu_threads']} threads): "
-                         f"the CPU is the compute device")
+                         f"the CPU is the compute device; {d.get('cpu') or 'the CPU'} {bf16}")
     for name in ("host", "pinning", "link", "drive"):
         s = report[name]
         if s.get("status") != "ok":

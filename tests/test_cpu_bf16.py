@@ -115,3 +115,13 @@ def test_a_bf16_batch_on_such_a_cpu_keeps_each_prompts_tokens(pair, draft_quant,
     finally:
         engine.close()
     assert [batch[i] for i in range(len(requests))] == alone
+
+
+def test_the_heap_is_kept_once_the_float32_path_runs(float32_wide):
+    """glibc would hand each freed 4 MB block back to the system; the first wide call raises its thresholds."""
+    import platform
+    cpu_bf16.keep_heap.cache_clear()
+    assert cpu_bf16.wide_rows([1], CPU, torch.bfloat16) is None and cpu_bf16.keep_heap.cache_info().currsize == 0
+    cpu_bf16.wide_rows([cpu_bf16.WIDE_MIN_ROWS], CPU, torch.bfloat16)
+    assert cpu_bf16.keep_heap.cache_info().currsize == 1
+    assert cpu_bf16.keep_heap() is (platform.libc_ver()[0] == "glibc")

@@ -19,6 +19,8 @@ for A/B runs of one engine.
 """
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import functools
 import os
 from typing import Optional
@@ -30,6 +32,8 @@ WIDE_MIN_ROWS = 4          # a sequence with at least this many rows in a pass c
 UPCAST_BYTES = 4 << 20     # float32 bytes of W converted at a time
 NATIVE_FLAGS = ("avx512_bf16", "amx_bf16", "bf16")   # /proc/cpuinfo flags (x86) / Features (Arm) of bf16 matmuls
 CPUINFO = "/proc/cpuinfo"
+M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3            # glibc's mallopt parameters (malloc.h)
+HEAP_MMAP_BYTES, HEAP_TRIM_BYTES = 32 << 20, 1 << 30    # blocks under 32 MB come from the heap, which keeps 1 GB
 
 
 def cpu_info(path: str = CPUINFO) -> dict[str, str]:
@@ -71,6 +75,7 @@ def wide_rows(widths: list[int], device: torch.device, dtype: torch.dtype) -> Op
     with at least WIDE_MIN_ROWS rows (widths: each sequence's rows, in packing order). None where no row is."""
     if not wide_in_float32(device, dtype) or not any(w >= WIDE_MIN_ROWS for w in widths):
         return None
+    keep_heap()
     return torch.cat([torch.full((w,), w >= WIDE_MIN_ROWS, dtype=torch.bool) for w in widths])
 
 
@@ -84,3 +89,18 @@ def float32_linear(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor
         b = None if bias is None else bias[a:a + step].float()
         out[:, a:a + step] = F.linear(xf, w[a:a + step].float(), b)
     return out
+
+
+@functools.lru_cache(maxsize=1)
+def keep_heap() -> bool:
+    """Once, where the float32 path runs: glibc hands freed blocks over its mmap threshold, and the heap's free top
+    over its trim threshold, back to the system, so every 4 MB block float32_linear upcasts into would be fresh
+    pages, faulted in and zeroed: about half a tree pass's time on this project's test CPU (a 6-row pass of the demo
+    target 1.4 s, 0.8 s with the heap kept). Raise both thresholds (mallopt; the process's peak memory is what it
+    was, freed blocks are reused rather than returned). -> whether glibc took them (False elsewhere)."""
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        return bool(libc.mallopt(M_MMAP_THRESHOLD, HEAP_MMAP_BYTES)) and bool(libc.mallopt(M_TRIM_THRESHOLD,
+                                                                                            HEAP_TRIM_BYTES))
+    except (OSError, AttributeError):
+        return False

@@ -222,10 +222,11 @@ def render(rows_by_file: list[list[dict]], files: list[str], sweep_files: Sequen
         *sorted({_common.relative_command(r["command"]) for g in groups.values() for r in g if "command" in r}), "```",
         f"Rendered by `{command}`. " + _common.measured_line([r for g in groups.values() for r in g]), "",
         *table, "", *notes])
-    machines = sorted({machine_of(g) for g in groups.values()})
+    machines = "the machine each row names" if several_machines else "; ".join(sorted({machine_of(g)
+                                                                                       for g in groups.values()}))
     counts = sorted({len(g) for g in groups.values()})
     readme = "\n".join([
-        f"Measured on {'the machine each row names' if several_machines else '; '.join(machines)}, models {' and '.join(s0.get('models', ['?']))}, greedy, up to "
+        f"Measured on {machines}, models {' and '.join(s0.get('models', ['?']))}, greedy, up to "
         f"{s0['new_tokens']} new tokens, {' or '.join(map(str, counts))} prompts per group; medians with bootstrap "
         "95% intervals ([docs/benchmarks.md](docs/benchmarks.md)):", "",
         "| group |" + " measured on |" * several_machines

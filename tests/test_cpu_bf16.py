@@ -3,7 +3,7 @@ close to the bfloat16 kernel's result, and each sequence's rows whatever shares 
 import pytest
 import torch
 import torch.nn.functional as F
-from tiny import hf_config, make_model, perturbed_copy, save_checkpoint
+from tiny import save_agreeing_pair
 
 from offspec.config import OffloadConfig, RunLimits, RuntimeConfig, TreeConfig
 from offspec.engine.generate import GenerationRequest
@@ -85,10 +85,7 @@ def test_each_sequence_reads_its_own_kernel_whatever_shares_the_call(float32_wid
 
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory):
-    root = tmp_path_factory.mktemp("bf16pair")
-    target = make_model(hf_config("qwen2", n_layers=3, tie=True), seed=5, scale=3.0)
-    draft = perturbed_copy(target, noise=0.02)
-    return save_checkpoint(target, root / "target"), save_checkpoint(draft, root / "draft")
+    return save_agreeing_pair(tmp_path_factory.mktemp("bf16pair"), n_layers=3, seed=5, tie=True)[:2]
 
 
 def tokens_of(steps) -> list[int]:

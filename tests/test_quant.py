@@ -4,7 +4,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from drivers import forward_one
-from tiny import hf_config, make_model, perturbed_copy, save_checkpoint
+from tiny import hf_config, make_model, save_agreeing_pair, save_checkpoint
 
 from offspec.config import OffloadConfig, RuntimeConfig, TreeConfig
 from offspec.engine.generate import GenerationRequest, run
@@ -52,10 +52,7 @@ def test_narrow_sequences_read_the_int8_copy_whatever_shares_the_call(dtype):
 
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory):
-    root = tmp_path_factory.mktemp("qpair")
-    target = make_model(hf_config("qwen2", n_layers=4, tie=True), seed=3, scale=3.0)
-    draft = perturbed_copy(target, noise=0.02)
-    return save_checkpoint(target, root / "target"), save_checkpoint(draft, root / "draft")
+    return save_agreeing_pair(tmp_path_factory.mktemp("qpair"), n_layers=4, seed=3, tie=True)[:2]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -2,8 +2,8 @@
 
 PyTorch's bfloat16 matmul on a CPU is fast where the CPU has bfloat16 instructions (x86 AVX512_BF16 or AMX-BF16,
 Arm's BF16). Without them (AVX2 desktops, Zen 1-3, most laptops) it converts as it goes, and its time grows with
-the rows of a call almost in proportion: over 64 rows it costs about as much as 64 one-row calls. A float32 matmul
-does not (docs/notes/2026-11-29-float32-for-wide-bf16-calls.md). So on such a CPU a call's rows that belong to a
+the rows of a call almost in proportion; a float32 matmul does not
+(docs/notes/2026-11-29-float32-for-wide-bf16-calls.md). So on such a CPU a call's rows that belong to a
 wide sequence (at least WIDE_MIN_ROWS rows in the pass: a prompt, a tree) are computed in float32:
 
     y = round_bf16( float32(x) @ float32(W).T + float32(bias) ),   W upcast UPCAST_BYTES at a time
@@ -94,10 +94,10 @@ def float32_linear(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor
 @functools.lru_cache(maxsize=1)
 def keep_heap() -> bool:
     """Once, where the float32 path runs: glibc hands freed blocks over its mmap threshold, and the heap's free top
-    over its trim threshold, back to the system, so every 4 MB block float32_linear upcasts into would be fresh
-    pages, faulted in and zeroed: about half a tree pass's time on this project's test CPU (a 6-row pass of the demo
-    target 1.4 s, 0.8 s with the heap kept). Raise both thresholds (mallopt; the process's peak memory is what it
-    was, freed blocks are reused rather than returned). -> whether glibc took them (False elsewhere)."""
+    over its trim threshold, back to the system, so every block float32_linear upcasts into would be fresh pages,
+    faulted in and zeroed (what that cost: docs/notes/2026-11-29-the-cpu-users-row-measured.md). Raise both
+    thresholds (mallopt; the process's peak memory is what it was, freed blocks are reused rather than returned).
+    -> whether glibc took them (False elsewhere)."""
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
         return bool(libc.mallopt(M_MMAP_THRESHOLD, HEAP_MMAP_BYTES)) and bool(libc.mallopt(M_TRIM_THRESHOLD,

@@ -169,7 +169,7 @@ def twin_part(args, device: torch.device, results: Results) -> None:
     from offspec.errors import InputError
     from offspec.formats import int4
     from offspec.formats.layout import layer_shapes
-    from offspec.formats.quant import HeldWeight, linear
+    from offspec.formats.weights import HeldWeight, linear
 
     cfg = shape(LLAMA_70B, args, 1)
     gen = torch.Generator(device).manual_seed(0)
@@ -212,7 +212,7 @@ def twin_head_rows(cfg: ModelConfig, device: torch.device, gen: torch.Generator,
     """The twin's lm_head read at tree rows: the target's own bf16 one (what draft_quant.draft_lm_head shares on a
     GPU) against an int4 copy (what it holds where the target's stays in host memory)."""
     from offspec.formats import int4
-    from offspec.formats.quant import linear
+    from offspec.formats.weights import linear
 
     dense = torch.randn(cfg.vocab_size, cfg.hidden_size, generator=gen, device=device, dtype=torch.bfloat16) * 0.02
     for form, w in (("lm_head bf16 (shared)", dense), ("lm_head int4", int4.Int4Weight.quantize(dense))):

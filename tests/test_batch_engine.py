@@ -81,7 +81,7 @@ def quantized_draft_engines(pair):
 def test_sampled_rows_have_their_own_randomness(engine, quantized_draft_engines, draft_quant):
     """T > 0, fixed budgets: each row draws from its own generator (seeded by its own seed), so a row's
     tokens are the same alone or in any batch, and rows with different seeds differ. With the draft's int8
-    matrices too: a row reads them by its own width in a draft call, never by the call's (quant.narrow_rows)."""
+    matrices too: a row reads them by its own width in a draft call, never by the call's (weights.narrow_rows)."""
     engine = engine if draft_quant == "none" else quantized_draft_engines[draft_quant]
     sampling = [SamplingConfig(temperature=0.9, top_p=0.95, seed=s) for s in (1, 2, 3, 4, 5)]
     requests = [GenerationRequest(prompt_ids=p, max_new_tokens=12, tree=TreeConfig(policy="dyspec", budget=8),

@@ -9,7 +9,7 @@ from offspec.config import OffloadConfig, RunLimits, RuntimeConfig, TreeConfig
 from offspec.engine.generate import GenerationRequest
 from offspec.engine.load import load_engine
 from offspec.formats import cpu_bf16
-from offspec.formats.quant import FUSED_MAX_ROWS, Int8Weight, RowKernels, linear
+from offspec.formats.weights import FUSED_MAX_ROWS, Int8Weight, RowKernels, linear
 
 CPU = torch.device("cpu")
 
@@ -20,7 +20,7 @@ def float32_wide(monkeypatch):
     monkeypatch.setattr(cpu_bf16, "native_bf16", lambda: False)
 
 
-def test_the_cpus_flags_decide_and_the_variable_overrides(tmp_path, monkeypatch):
+def test_the_cpus_flags_decide_and_the_variable_overrides(tmp_path, monkeypatch, caplog):
     info = tmp_path / "cpuinfo"
     for flags, native in (("fpu avx2 fma", False), ("fpu avx512f avx512_bf16", True), ("fpu amx_bf16", True)):
         info.write_text(f"processor\t: 0\nmodel name\t: Some CPU\nflags\t\t: {flags}\n\nprocessor\t: 1\n")
@@ -33,6 +33,12 @@ def test_the_cpus_flags_decide_and_the_variable_overrides(tmp_path, monkeypatch)
         cpu_bf16.native_bf16.cache_clear()
         assert cpu_bf16.native_bf16() is native
         assert cpu_bf16.wide_in_float32(CPU, torch.bfloat16) is not native
+    monkeypatch.setenv("OFFSPEC_CPU_BF16", "fp32")                        # a value it does not know: one warning
+    cpu_bf16.native_bf16.cache_clear()
+    with caplog.at_level("WARNING", logger="offspec"):
+        assert cpu_bf16.native_bf16() == bool(cpu_bf16.cpu_flags(cpu_bf16.cpu_info()) & set(cpu_bf16.NATIVE_FLAGS))
+    assert [r.getMessage() for r in caplog.records] == [
+        "OFFSPEC_CPU_BF16='fp32' is neither 'native' nor 'float32': ignored, the CPU's flags decide"]
     cpu_bf16.native_bf16.cache_clear()
 
 

@@ -9,7 +9,7 @@ from tiny import hf_config, make_model, save_agreeing_pair, save_checkpoint
 from offspec.config import OffloadConfig, RuntimeConfig, TreeConfig
 from offspec.engine.generate import GenerationRequest, run
 from offspec.engine.load import load_engine
-from offspec.formats.quant import FUSED_MAX_ROWS, Int8Weight, RowKernels, linear, narrow_rows
+from offspec.formats.weights import FUSED_MAX_ROWS, Int8Weight, RowKernels, linear, narrow_rows
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -93,7 +93,7 @@ def test_int8_draft_weights(pair):
 @pytest.mark.parametrize("quant", ["int8", "nf4"])
 @pytest.mark.parametrize("rows", [1, FUSED_MAX_ROWS + 3])
 def test_a_held_weight_is_the_dequantized_matrix_and_keeps_no_dense_copy(quant, rows):
-    from offspec.formats.quant import HeldWeight
+    from offspec.formats.weights import HeldWeight
     torch.manual_seed(0)
     w, bias = torch.randn(40, 64), torch.randn(40)
     held = HeldWeight.quantize(w, quant)
@@ -132,7 +132,7 @@ def unit_scale_draft(tmp_path_factory):
 def test_held_draft_logits_are_close_to_the_dense_drafts(unit_scale_draft, quant, most_rel, most_kl):
     """Measured: int8-held 0.015 relative error, KL 1.3e-4; nf4 0.20, KL 0.022 (bitsandbytes nf4 keeps a
     weight within ~10% of its block's spread, over 28 matrices here)."""
-    from offspec.formats.quant import HeldWeight
+    from offspec.formats.weights import HeldWeight
     _, dense = draft_logits(unit_scale_draft, "none")
     model, held = draft_logits(unit_scale_draft, quant)
     layer = model.layers.layers[0]

@@ -14,7 +14,7 @@ from offspec.engine.generate import GenerationRequest, run
 from offspec.engine.load import SELF_DRAFT, Models, load_engine
 from offspec.errors import BudgetError
 from offspec.formats.int4 import Int4Weight
-from offspec.formats.quant import HeldWeight, Int8Weight
+from offspec.formats.weights import HeldWeight, Int8Weight
 from offspec.plan.sizes import ModelSpec, draft_weights_nbytes, globals_nbytes, int8_copy_nbytes
 
 RUNTIME = RuntimeConfig(device=torch.device("cpu"), dtype=torch.float32)
@@ -128,7 +128,7 @@ def test_the_twin_of_a_split_ring_is_the_twin_of_its_layers():
 
     from offspec.engine.load import open_target_layers
     from offspec.formats.layout import LayerWeights
-    from offspec.formats.quant import with_quantized_matrices
+    from offspec.formats.weights import with_quantized_matrices
     from offspec.model.draft import quantized_pass
 
     weights = random_layers(TINY)

@@ -426,7 +426,7 @@ def test_a_device_bitsandbytes_cannot_serve_is_refused_before_packing(pair, monk
     def no_kernel(*args, **kwargs):
         raise NotImplementedError("Could not run 'bitsandbytes::dequantize_4bit' with arguments from the 'CPU' backend")
 
-    monkeypatch.setattr(quant, "_dequantize_matrix", no_kernel)
+    monkeypatch.setattr(quant, "dequantize_matrix", no_kernel)
     with pytest.raises(InputError, match="cannot run on cpu in float32"):
         engine(pair, "nf4", draft=False)
 
@@ -767,7 +767,7 @@ def test_cuda_held_resident_layers_equal_dequantized_resident(tmp_path, quant):
 def test_cuda_held_draft_weight(quant, dtype):
     """On CUDA: a HeldWeight (the draft's --draft-quant int8-held / nf4) is quantized and dequantized on the GPU
     (bitsandbytes' CUDA kernels for nf4), and linear() over it is F.linear over its dequantized matrix."""
-    from offspec.formats.quant import HeldWeight, linear
+    from offspec.formats.weights import HeldWeight, linear
     g = torch.Generator().manual_seed(0)
     w = torch.randn(96, 128, generator=g).to(dtype)
     on_cpu, on_gpu = HeldWeight.quantize(w, quant), HeldWeight.quantize(w.cuda(), quant)

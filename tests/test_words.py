@@ -12,7 +12,7 @@ from click.testing import CliRunner
 from offspec.cli.main import main
 from offspec.config import AUTO_MAX_TREE_BUDGET, DEFAULT_PREFILL_CHUNK
 from offspec.engine.controller import MIN_JOIN_CHUNK, ONE_ROW_CPU_BUDGET, ROW_GAIN
-from offspec.formats.quant import FUSED_MAX_ROWS
+from offspec.formats.weights import FUSED_MAX_ROWS
 from offspec.plan.machine import PINNED_FRACTION
 from offspec.plan.search import AUTO_CONCURRENCY
 from offspec.spec import ngram
@@ -21,7 +21,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 # (command, pattern whose group is the quoted value, the value as the code has it, the constant's name)
 HELP_QUOTES = [
-    (("generate",), r"covers at most (\d+) of that prompt's tokens", str(FUSED_MAX_ROWS), "quant.FUSED_MAX_ROWS"),
+    (("generate",), r"covers at most (\d+) of that prompt's tokens", str(FUSED_MAX_ROWS), "weights.FUSED_MAX_ROWS"),
     (("generate",), r"draft and target times, up to (\d+);", str(AUTO_MAX_TREE_BUDGET), "config.AUTO_MAX_TREE_BUDGET"),
     (("generate",), r"target streams: (\d+) every round", str(ONE_ROW_CPU_BUDGET), "controller.ONE_ROW_CPU_BUDGET"),
     (("generate",), r"Default: (\d+%) of min\(MemAvailable", f"{PINNED_FRACTION:.0%}", "plan.PINNED_FRACTION"),
@@ -36,7 +36,7 @@ HELP_QUOTES = [
 # (pattern whose group is the quoted value, the value as the code has it, the constant's name); README.md's
 # text with every run of white space made one space, as in the help.
 README_QUOTES = [
-    (r"a draft call that covers ≤ (\d+) of that prompt's tokens", str(FUSED_MAX_ROWS), "quant.FUSED_MAX_ROWS"),
+    (r"a draft call that covers ≤ (\d+) of that prompt's tokens", str(FUSED_MAX_ROWS), "weights.FUSED_MAX_ROWS"),
     (r"`auto` = the most, up to (\d+), that the memory plan fits", str(AUTO_CONCURRENCY), "plan.AUTO_CONCURRENCY"),
     (r"keeps the fewest within (\d+%) of the best", f"{ROW_GAIN:.0%}", "controller.ROW_GAIN"),
     (r"as a / b tokens, at least (\d+)", str(MIN_JOIN_CHUNK), "controller.MIN_JOIN_CHUNK"),

@@ -21,7 +21,7 @@ from offspec.config import (
 )
 from offspec.engine.controller import ONE_ROW_CPU_BUDGET
 from offspec.errors import InputError, OffspecError
-from offspec.formats.quant import FUSED_MAX_ROWS
+from offspec.formats.weights import FUSED_MAX_ROWS
 from offspec.plan.machine import PINNED_FRACTION
 
 POLICIES = ["dyspec", "heap", "chain", "static", "sequoia", "none"]

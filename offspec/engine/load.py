@@ -299,16 +299,17 @@ class Models:
         if self.draft is not None:
             check_draft_quant(runtime.draft_quant, runtime.device, runtime.dtype)
             if not beside and not self.twin:
-                draft = self._load_draft(runtime, None, progress)
+                draft = self._load_draft(runtime, plan.draft_head, None, progress)
         t2 = time.perf_counter()
         target = load_target(self.target, plan.layers, runtime, progress)
         self.target.close()      # the weights now live in the model, the arena or the store
         t3 = time.perf_counter()
         twin_of = target if self.twin else None
         if beside:
-            draft = DraftBeside(self.draft, runtime.device, runtime.dtype, runtime.draft_quant, twin_of=twin_of)
+            draft = DraftBeside(self.draft, runtime.device, runtime.dtype, runtime.draft_quant, plan.draft_head,
+                                twin_of=twin_of)
         elif self.twin:
-            draft = self._load_draft(runtime, twin_of, progress)
+            draft = self._load_draft(runtime, plan.draft_head, twin_of, progress)
         pair = self._pair_key(self.drafts[0], plan, runtime) if self.drafts else None   # sequoia's, draft records'
         engine = Engine(target, draft, self.tokenizer, self.eos_ids, n_shared=self.n_shared, context=plan.context,
                         max_tree_budget=plan.tree_budget, prefill_chunk=plan.prefill_chunk,
@@ -319,9 +320,10 @@ class Models:
         start = StartTimes(open=self.open_seconds, plan=t1 - t0, draft=t2 - t1 + t4 - t3, target=t3 - t2)
         return Loaded(engine, self.target, self.draft, self.tokenizer, start, plan)
 
-    def _load_draft(self, runtime: RuntimeConfig, twin_of, progress: bool) -> Model:
-        """The draft, now, on the compute device: a model of its own, or (twin_of: the target) its twin."""
-        draft = load_draft(self.draft, runtime.device, runtime.dtype, runtime.draft_quant, twin_of, progress)
+    def _load_draft(self, runtime: RuntimeConfig, head: str, twin_of, progress: bool) -> Model:
+        """The draft, now, on the compute device, its lm_head as `head` (plan.draft_head): a model of its own, or
+        (twin_of: the target) its twin."""
+        draft = load_draft(self.draft, runtime.device, runtime.dtype, runtime.draft_quant, head, twin_of, progress)
         self.draft.close()
         return draft
 

@@ -10,7 +10,7 @@ wide sequence (at least WIDE_MIN_ROWS rows in the pass: a prompt, a tree) are co
 
 a block of W's rows converted at a time, so the float32 copy stays in cache and never holds a whole matrix.
 The rows of a narrow sequence (a one-token step) keep the bfloat16 kernel, which is faster there. Like the int8
-copies' choice (quant.narrow_rows), it is made per SEQUENCE from its own rows in the pass, so a sequence's numbers
+copies' choice (weights.narrow_rows), it is made per SEQUENCE from its own rows in the pass, so a sequence's numbers
 do not depend on what shares its calls. Both compute with float32 sums; they differ only in summation order and
 the rounding of the bias, as two bfloat16 kernels may (docs/exactness.md: bfloat16's promise).
 
@@ -22,11 +22,14 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import functools
+import logging
 import os
 from typing import Optional
 
 import torch
 import torch.nn.functional as F
+
+log = logging.getLogger("offspec")
 
 WIDE_MIN_ROWS = 4          # a sequence with at least this many rows in a pass computes them in float32
 UPCAST_BYTES = 4 << 20     # float32 bytes of W converted at a time
@@ -58,10 +61,13 @@ def cpu_flags(info: dict[str, str]) -> set[str]:
 
 @functools.lru_cache(maxsize=1)
 def native_bf16() -> bool:
-    """Whether this CPU has bfloat16 matmul instructions ($OFFSPEC_CPU_BF16 overrides)."""
+    """Whether this CPU has bfloat16 matmul instructions ($OFFSPEC_CPU_BF16 overrides; another value is named
+    in one warning line and the flags decide)."""
     forced = os.environ.get("OFFSPEC_CPU_BF16", "").strip().lower()
     if forced in ("native", "float32"):
         return forced == "native"
+    if forced:
+        log.warning(f"OFFSPEC_CPU_BF16={forced!r} is neither 'native' nor 'float32': ignored, the CPU's flags decide")
     return bool(cpu_flags(cpu_info()) & set(NATIVE_FLAGS))
 
 

@@ -6,7 +6,8 @@ import torch
 
 from offspec.errors import InputError
 from offspec.formats import int4
-from offspec.formats.quant import HELD_DRAFT_QUANTS, check_target_quant
+from offspec.formats.quant import check_target_quant
+from offspec.formats.weights import HELD_DRAFT_QUANTS
 
 QUANT_MODES = ("none", "int8", "int8-held", "nf4", "int4")   # dense | + int8 copies | held quantized
 TWIN_QUANTS = ("int8", "int4", "nf4", "int8-held")   # how a twin (--draft self) may hold the target's layers
@@ -42,7 +43,7 @@ def draft_lm_head(quant: str, device_kind: str, dtype: torch.dtype, twin: bool =
     this compute dtype:
       "as is"  its own dense one (a draft of its own), or the target's, shared (a twin: no bytes of its own; a
                host one crosses in chunks each call, as the target's does)
-      "int8"   beside a per-row int8 copy (quant.Int8Weight), which calls over a few rows read instead
+      "int8"   beside a per-row int8 copy (weights.Int8Weight), which calls over a few rows read instead
       "int4"   in 4-bit groups on the compute device (int4.Int4Weight), wherever the dense one is
     A twin held int4 reads the target's lm_head where the plan keeps that on the device (head_on_host False) as a
     dense draft's would be read there (auto_draft_quant): shared on a GPU, beside an int8 copy on a CPU in

@@ -11,44 +11,46 @@ import torch
 from tqdm import tqdm
 
 from offspec.formats.checkpoint import Checkpoint
-from offspec.formats.draft_quant import QUANT_MODES, TWIN_QUANTS, draft_lm_head
+from offspec.formats.draft_quant import QUANT_MODES, TWIN_QUANTS
 from offspec.formats.int4 import Int4Weight, source_group
 from offspec.formats.layout import GlobalWeights, LayerWeights
-from offspec.formats.quant import Int8Weight, with_quantized_matrices
+from offspec.formats.weights import Int8Weight, with_quantized_matrices
 from offspec.model.forward import LayerSource, Model, ResidentLayers
 from offspec.model.twin_store import cached_layers
 
 
 def load_resident(ckpt: Checkpoint, device: torch.device, dtype: torch.dtype, quant: str = "none",
-                  embed_device: Optional[torch.device] = None, lm_head_device: Optional[torch.device] = None) -> Model:
+                  embed_device: Optional[torch.device] = None, lm_head_device: Optional[torch.device] = None,
+                  head: str = "as is") -> Model:
     """Every weight on `device` for good (the draft; also the target with offload mode "none"), but the
     embedding and the lm_head where embed_device / lm_head_device say (the memory plan's embed_on_host,
     lm_head_on_host).
 
-    quant (only for the draft: it changes p, never the output; see quant.py, int4.py):
-      "int8"       the layers' matrices and lm_head also get a per-row int8 copy that calls over a few rows
-                   read instead (+50% memory for the draft; faster on a CPU)
-      "int8-held"  the layers' matrices held only as per-row int8 (0.50x of bf16), lm_head dense
-      "nf4"        the layers' matrices held only as bitsandbytes nf4 (0.28x of bf16), lm_head dense
-      "int4"       the layers' matrices and lm_head held only in 4-bit groups (0.28x), read in 4 bits
-    (the lm_head's form: draft_quant.draft_lm_head). A held layer is quantized right after it is read, so loading
-    needs one dense layer more, not a model."""
+    quant (only for the draft: it changes p, never the output; see weights.py, int4.py):
+      "int8"       the layers' matrices also get a per-row int8 copy that calls over a few rows read instead
+                   (+50% memory for the draft; faster on a CPU)
+      "int8-held"  the layers' matrices held only as per-row int8 (0.50x of bf16)
+      "nf4"        the layers' matrices held only as bitsandbytes nf4 (0.28x of bf16)
+      "int4"       the layers' matrices held only in 4-bit groups (0.28x), read in 4 bits
+    head: the lm_head's form, as the memory plan chose it (plan.draft_head, from draft_quant.draft_lm_head).
+    A held layer is quantized right after it is read, so loading needs one dense layer more, not a model."""
     layers = _layers(ckpt, device, dtype, quant)
     globals_ = ckpt.global_weights(device, dtype, embed_device, lm_head_device)
-    return Model(ckpt.config, _held_lm_head(globals_, quant, twin=False), ResidentLayers(layers))
+    return Model(ckpt.config, _with_head(globals_, head), ResidentLayers(layers))
 
 
-def load_twin(ckpt: Checkpoint, target: Model, quant: str, progress: bool = False) -> Model:
+def load_twin(ckpt: Checkpoint, target: Model, quant: str, head: str = "as is", progress: bool = False) -> Model:
     """--draft self: the target as its own draft, on the target's compute device, beside its embedding and final
     norm (shared, not copied). ckpt: the target's checkpoint (a handle of its own). quant (TWIN_QUANTS):
       "int8"       the target's own resident dense matrices, lm_head too, each beside its per-row int8 copy
-                   (quant.Int8Weight): calls over a few rows read the copies, wider ones the target's matrices;
+                   (weights.Int8Weight): calls over a few rows read the copies, wider ones the target's matrices;
                    only for a target whose layers are all resident and dense (search.make_plan sees to it)
       "int4"       every layer's matrices held in 4-bit groups (int4.Int4Weight; a 4-bit checkpoint's own groups,
-                   where it has them: int4.source_group); lm_head the target's on a GPU, beside an int8 copy on a
-                   CPU, an int4 copy where the target's stays in host memory (draft_quant.draft_lm_head)
-      "int8-held"  every layer's matrices held per-row int8 | bitsandbytes nf4; lm_head the target's
+                   where it has them: int4.source_group)
+      "int8-held"  every layer's matrices held per-row int8 | bitsandbytes nf4
       "nf4"
+    head: the lm_head's form, as the memory plan chose it (plan.draft_head, from draft_quant.draft_lm_head): the
+    target's itself, beside an int8 copy, or an int4 copy of it on the device.
     A held twin is built from one pass over the target's own layers (resident, or streamed from its arena or
     store: no second read of the checkpoint, and a published format's layers dequantized as the target's are);
     only a target held quantized and all resident is read again from the checkpoint (its layers dequantize into
@@ -71,12 +73,12 @@ def load_twin(ckpt: Checkpoint, target: Model, quant: str, progress: bool = Fals
         layers = cached_layers(ckpt, target, build)
     else:
         layers = build()
-    return Model(ckpt.config, _held_lm_head(target.globals, quant, twin=True), ResidentLayers(layers))
+    return Model(ckpt.config, _with_head(target.globals, head), ResidentLayers(layers))
 
 
 def quantized_pass(source: LayerSource, n_layers: int, quant: str, group: Optional[int] = None,
                    progress: bool = False) -> list[LayerWeights]:
-    """Every layer of `source` with its matrices as `quant` holds them (quant.with_quantized_matrices; group:
+    """Every layer of `source` with its matrices as `quant` holds them (weights.with_quantized_matrices; group:
     int4's source group), from one pass. A streamed slot is reused once the next piece is asked for: each
     piece's matrices are quantized and its vectors copied before then (int8 keeps the matrix itself: resident
     dense layers only). A split ring hands a layer over in parts (LAYER_PARTS), merged here."""
@@ -94,24 +96,24 @@ def quantized_pass(source: LayerSource, n_layers: int, quant: str, group: Option
     return [LayerWeights(**p) for p in pieces]
 
 
-def _held_lm_head(globals_: GlobalWeights, quant: str, twin: bool) -> GlobalWeights:
-    """The draft's globals, its lm_head as draft_quant.draft_lm_head says for a draft held `quant` on the compute
-    device (final_norm's), the dense lm_head on it or in host memory (the plan's lm_head_on_host)."""
-    device = globals_.final_norm.device
-    form = draft_lm_head(quant, device.type, globals_.final_norm.dtype, twin, globals_.lm_head.device != device)
-    if form == "int4":
-        return replace(globals_, lm_head=Int4Weight.quantize(globals_.lm_head, device=device))
-    if form == "int8":
+def _with_head(globals_: GlobalWeights, head: str) -> GlobalWeights:
+    """The draft's globals with its lm_head in the form `head` (draft_quant.HEAD_WORDS' keys): "as is", "int8"
+    (beside a per-row int8 copy), "int4" (4-bit groups on the compute device, final_norm's, wherever the dense
+    one is)."""
+    if head == "int4":
+        return replace(globals_, lm_head=Int4Weight.quantize(globals_.lm_head, device=globals_.final_norm.device))
+    if head == "int8":
         return replace(globals_, lm_head=Int8Weight.quantize(globals_.lm_head))
     return globals_
 
 
-def load_draft(ckpt: Checkpoint, device: torch.device, dtype: torch.dtype, quant: str,
+def load_draft(ckpt: Checkpoint, device: torch.device, dtype: torch.dtype, quant: str, head: str,
                twin_of: Optional[Model] = None, progress: bool = False) -> Model:
-    """The draft on `device`: a model of its own (load_resident), or, twin_of the target, its twin (load_twin)."""
+    """The draft on `device`, its lm_head as `head` (plan.draft_head): a model of its own (load_resident), or,
+    twin_of the target, its twin (load_twin)."""
     if twin_of is None:
-        return load_resident(ckpt, device, dtype, quant)
-    return load_twin(ckpt, twin_of, quant, progress)
+        return load_resident(ckpt, device, dtype, quant, head=head)
+    return load_twin(ckpt, twin_of, quant, head, progress)
 
 
 def _layers(ckpt: Checkpoint, device: torch.device, dtype: torch.dtype, quant: str,
@@ -135,20 +137,20 @@ class DraftBeside:
     for a load still running."""
 
     def __init__(self, ckpt: Checkpoint, device: torch.device, dtype: torch.dtype, quant: str = "none",
-                 twin_of: Optional[Model] = None):
+                 head: str = "as is", twin_of: Optional[Model] = None):
         """twin_of: the target, when the draft is its twin (load_twin); None: a model of its own."""
         self.cfg, self.dtype, self.device = ckpt.config, dtype, device
         self.seconds: Optional[float] = None
         self._model: Optional[Model] = None
         self._error: Optional[BaseException] = None
-        self._thread = threading.Thread(target=self._load, args=(ckpt, quant, twin_of), name="offspec-draft-load",
+        self._thread = threading.Thread(target=self._load, args=(ckpt, quant, head, twin_of), name="offspec-draft-load",
                                         daemon=True)
         self._thread.start()
 
-    def _load(self, ckpt: Checkpoint, quant: str, twin_of: Optional[Model]) -> None:
+    def _load(self, ckpt: Checkpoint, quant: str, head: str, twin_of: Optional[Model]) -> None:
         start = time.perf_counter()
         try:
-            self._model = load_draft(ckpt, self.device, self.dtype, quant, twin_of)
+            self._model = load_draft(ckpt, self.device, self.dtype, quant, head, twin_of)
         except BaseException as err:     # handed to the first forward(), never swallowed
             self._error = err
         finally:

@@ -35,7 +35,8 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from offspec.config import LM_HEAD_CHUNK_BYTES, ModelConfig, attention_rows
 from offspec.formats.layout import WHOLE, GlobalWeights, LayerWeights
-from offspec.formats.quant import QuantizedResident, RowKernels, layer_weights, linear
+from offspec.formats.quant import QuantizedResident, layer_weights
+from offspec.formats.weights import RowKernels, linear
 from offspec.model.kv_cache import KVCache
 
 MaskRows = Callable[[int, int], torch.Tensor]   # (a, b) -> rows a..b-1 of a sequence's mask, (b - a, S) bool
@@ -146,7 +147,7 @@ class PassRows:
     pieces: list[tuple[int, int, list[RowSpan]]]   # (a, b, the spans cut to packed rows [a, b), renumbered from 0)
     cos: torch.Tensor                               # (N, hd)
     sin: torch.Tensor                               # (N, hd)
-    kernels: RowKernels                             # which kernel each row reads (quant.linear)
+    kernels: RowKernels                             # which kernel each row reads (weights.linear)
     h: Optional[torch.Tensor] = None                # (N, D) a split layer's post-attention norm, between its parts
     act: Optional[torch.Tensor] = None              # (N, F) silu(gate(h)), then times up(h), between its parts
 

@@ -31,7 +31,7 @@ import torch
 from offspec.formats.checkpoint import Checkpoint
 from offspec.formats.int4 import Int4Weight, source_group
 from offspec.formats.layout import LayerWeights, format_bytes
-from offspec.formats.quant import matrix_names
+from offspec.formats.weights import matrix_names
 from offspec.model.forward import Model
 
 FREE_MARGIN = 1 << 30       # bytes the drive keeps free beyond the file

@@ -40,7 +40,7 @@ from offspec.formats.draft_quant import HEAD_WORDS, draft_lm_head
 from offspec.formats.layout import format_bytes as fmt
 from offspec.formats.published import describe as describe_quant
 from offspec.formats.published import weight_dtype
-from offspec.formats.quant import HELD_DRAFT_QUANTS
+from offspec.formats.weights import HELD_DRAFT_QUANTS
 from offspec.plan.costmodel import DISK_GBPS
 from offspec.plan.costmodel import LINK_GB_PER_S as LINK_GBPS
 from offspec.plan.fit import PlanRun, place

@@ -14,7 +14,8 @@ from offspec.formats import cpu_bf16, int4
 from offspec.formats.layout import LayerLayout, layer_shapes
 from offspec.formats.published import describe as describe_quant
 from offspec.formats.published import per_layer_sizes
-from offspec.formats.quant import HELD_DRAFT_QUANTS, QuantizedLayout, held_matrix_nbytes, target_layout
+from offspec.formats.quant import QuantizedLayout, target_layout
+from offspec.formats.weights import HELD_DRAFT_QUANTS, held_matrix_nbytes
 
 
 @dataclass(frozen=True)
@@ -114,7 +115,7 @@ def globals_nbytes(spec: ModelSpec, dtype: torch.dtype) -> int:
 
 
 def int8_copy_nbytes(cfg: ModelConfig, dtype: torch.dtype) -> int:
-    """--draft-quant int8 (quant.Int8Weight): every matrix (N, K) of every layer and lm_head gets N*K int8 + N
+    """--draft-quant int8 (weights.Int8Weight): every matrix (N, K) of every layer and lm_head gets N*K int8 + N
     scales."""
     D, F_, q, kv = cfg.hidden_size, cfg.intermediate_size, cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
     per_layer = [(q, D), (kv, D), (kv, D), (D, q), (F_, D), (F_, D), (D, F_)]
@@ -125,7 +126,7 @@ def int8_copy_nbytes(cfg: ModelConfig, dtype: torch.dtype) -> int:
 
 def draft_weights_nbytes(spec: ModelSpec, dtype: torch.dtype, draft_quant: str, head: str) -> int:
     """The draft's weights on the device: dense, or its layers' matrices held quantized (--draft-quant int8-held |
-    nf4: quant.HeldWeight; int4: int4.Int4Weight) beside dense norms, biases, embedding and lm_head, an int4 draft's
+    nf4: weights.HeldWeight; int4: int4.Int4Weight) beside dense norms, biases, embedding and lm_head, an int4 draft's
     lm_head as `head` says (draft_quant.draft_lm_head: "int4" in place of a dense one of its own, "int8" a copy
     beside it). A twin (--draft self) holds only its layers (and its lm_head's copy, if any): the embedding, final
     norm and lm_head are the target's, counted with the target; with --draft-quant int8 not even those (the

@@ -9,7 +9,7 @@ times Model.forward of the resident demo draft (0.5B) over R rows after a --cont
 cache, R in --rows, median of --calls calls:
 
   bf16            the draft as loaded
-  int8            the same draft with the int8 copy (a sequence of <= quant.FUSED_MAX_ROWS rows reads it)
+  int8            the same draft with the int8 copy (a sequence of <= weights.FUSED_MAX_ROWS rows reads it)
   int8-held       the draft's layer matrices held only as per-row int8 (narrow calls read it, wider ones
                   dequantize each matrix first)
   nf4             the draft's layer matrices held only as bitsandbytes nf4 (every call dequantizes each matrix)
@@ -107,7 +107,8 @@ def twins(target_dir, dtype) -> dict:
     """The demo target, resident, and its twins (--draft self) by setting label."""
     ckpt = Checkpoint(target_dir)
     target = load_resident(ckpt, CPU, dtype)
-    out = {f"self {quant}": load_twin(ckpt, target, quant) for quant in ("int8", "int4")}
+    out = {f"self {quant}": load_twin(ckpt, target, quant, draft_lm_head(quant, "cpu", dtype, twin=True))
+           for quant in ("int8", "int4")}
     ckpt.close()
     return out
 
@@ -119,7 +120,7 @@ def main() -> int:
     p.add_argument("--calls", type=int, default=9, help="timed calls per cell (median)")
     p.add_argument("--sequences", type=int, default=1,
                    help="split each call's rows among this many sequences (prompts in flight sharing the call): "
-                        "with the int8 copy, each sequence of at most quant.FUSED_MAX_ROWS rows reads it")
+                        "with the int8 copy, each sequence of at most weights.FUSED_MAX_ROWS rows reads it")
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--no-streamer", dest="streamer", action="store_false",
                    help="skip the settings with a live target streamer (they load the 1.5B target)")
@@ -138,7 +139,7 @@ def main() -> int:
 
     ckpt = Checkpoint(draft_dir)
     quants = ("none", "int8", "int8-held", "nf4", "int4") if args.held else ("none", "int8")
-    drafts = {quant: load_resident(ckpt, CPU, dtype, quant) for quant in quants}
+    drafts = {quant: load_resident(ckpt, CPU, dtype, quant, head=draft_lm_head(quant, "cpu", dtype)) for quant in quants}
     ckpt.close()
     settings = [("bf16", "none", None), ("int8", "int8", None)]
     if args.held:

@@ -63,7 +63,7 @@ class Int8Weight:
 @dataclass(frozen=True)
 class HeldWeight:
     """A matrix held only quantized (the draft's --draft-quant int8-held | nf4), in the pieces a target block
-    stores it as (_quantize_matrix); each call dequantizes it into a temporary (see Part 1b above)."""
+    stores it as (quant.quantize_matrix); each call dequantizes it into a temporary (the module's docstring)."""
     quant: str                          # "int8" | "nf4"
     shape: tuple[int, int]              # (N, K)
     dtype: torch.dtype                  # the compute dtype it dequantizes into
@@ -120,11 +120,11 @@ class RowKernels:
 
 
 def linear(x: torch.Tensor, w, bias: torch.Tensor | None = None, kernels: RowKernels = RowKernels()) -> torch.Tensor:
-    """F.linear for a plain weight, an Int8Weight or a HeldWeight. x (..., K) -> (..., N), each row by the kernel
-    `kernels` gives it: narrow rows read an int8 matrix straight (an Int8Weight's copy, a held int8 matrix); the
-    others read the full-precision weight (an Int8Weight's own, a HeldWeight's dequantized), in float32 where they
-    are wide (cpu_bf16.float32_linear). Each row's result is the same whatever the other rows are. An int4 weight
-    reads its own kernel."""
+    """F.linear for a plain weight, an Int8Weight, a HeldWeight or an Int4Weight. x (..., K) -> (..., N), each row
+    by the kernel `kernels` gives it: narrow rows read an int8 matrix straight (an Int8Weight's copy, a held int8
+    matrix); the others read the full-precision weight (an Int8Weight's own, a HeldWeight's dequantized), in float32
+    where they are wide (cpu_bf16.float32_linear). Each row's result is the same whatever the other rows are. An int4
+    weight reads its own kernel."""
     if isinstance(w, int4.Int4Weight):
         return w.matmul(x, bias)
     rows = x.reshape(-1, x.shape[-1])                                                  # (M, K)

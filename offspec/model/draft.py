@@ -39,7 +39,7 @@ def load_resident(ckpt: Checkpoint, device: torch.device, dtype: torch.dtype, qu
     return Model(ckpt.config, _with_head(globals_, head), ResidentLayers(layers))
 
 
-def load_twin(ckpt: Checkpoint, target: Model, quant: str, head: str = "as is", progress: bool = False) -> Model:
+def load_twin(ckpt: Checkpoint, target: Model, quant: str, head: str, progress: bool = False) -> Model:
     """--draft self: the target as its own draft, on the target's compute device, beside its embedding and final
     norm (shared, not copied). ckpt: the target's checkpoint (a handle of its own). quant (TWIN_QUANTS):
       "int8"       the target's own resident dense matrices, lm_head too, each beside its per-row int8 copy
@@ -136,8 +136,8 @@ class DraftBeside:
     the model, wait for the load (and raise its error, if any); `seconds` is what the load took. close() waits
     for a load still running."""
 
-    def __init__(self, ckpt: Checkpoint, device: torch.device, dtype: torch.dtype, quant: str = "none",
-                 head: str = "as is", twin_of: Optional[Model] = None):
+    def __init__(self, ckpt: Checkpoint, device: torch.device, dtype: torch.dtype, quant: str, head: str,
+                 twin_of: Optional[Model] = None):
         """twin_of: the target, when the draft is its twin (load_twin); None: a model of its own."""
         self.cfg, self.dtype, self.device = ckpt.config, dtype, device
         self.seconds: Optional[float] = None

@@ -139,7 +139,8 @@ def main() -> int:
 
     ckpt = Checkpoint(draft_dir)
     quants = ("none", "int8", "int8-held", "nf4", "int4") if args.held else ("none", "int8")
-    drafts = {quant: load_resident(ckpt, CPU, dtype, quant, head=draft_lm_head(quant, "cpu", dtype)) for quant in quants}
+    drafts = {quant: load_resident(ckpt, CPU, dtype, quant, head=draft_lm_head(quant, "cpu", dtype))
+              for quant in quants}
     ckpt.close()
     settings = [("bf16", "none", None), ("int8", "int8", None)]
     if args.held:

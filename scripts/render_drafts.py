@@ -1,0 +1,218 @@
+#!/usr/bin/env python3
+"""Drafts and trees compared: one draft's tokens per target pass against another's for the same target (the
+target's own twin, `--draft self`, against a separate small draft), Sequoia's tree against dyspec's at an equal
+budget; rendered from the rows scripts/bench_accept.py measured (no model is loaded).
+
+A comparison is a ratio of two cells, numerator over denominator, each a system in a rows file: the median over
+the prompts both cells measured (paired by prompt, temperature and seed) of each side, and the ratio of those
+medians with a paired bootstrap 95% interval (offspec.bench.runner.ratio_ci). The two cells must share the
+target, the prompt set, the new tokens and the dtype, or the comparison is refused: their prompts would not be the
+same question. A cell whose rows file or system is missing is listed as not measured, so the section shows what
+the grid still lacks.
+
+GRID is the published set, each entry what its ratio answers; `--write-docs` writes the bench_drafts section of
+docs/benchmarks.md from it:
+
+  python scripts/render_drafts.py --write-docs
+  python scripts/render_drafts.py --compare docs/bench_accept/self-chat.jsonl:dyspec-64 \\
+      docs/bench_accept/small-chat.jsonl:dyspec-64          # any two cells, printed
+"""
+from __future__ import annotations
+
+import argparse
+import functools
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT), str(ROOT / "scripts")]   # this checkout's offspec, not an installed one
+
+import _common  # noqa: E402
+import bench_accept  # noqa: E402
+
+from offspec.bench import runner as bench  # noqa: E402
+from offspec.errors import InputError  # noqa: E402
+
+SECTION = "bench_drafts"
+ROWS = ROOT / "docs" / "bench_accept"
+MUST_MATCH = ("prompt_set", "new_tokens", "dtype")   # settings both cells of a comparison share (and the target)
+
+
+@dataclass(frozen=True)
+class Cell:
+    """A system's runs in one rows file (a path relative to docs/bench_accept, or any path)."""
+    rows: str
+    system: str
+
+
+@dataclass(frozen=True)
+class Compare:
+    """num / den in tokens per target pass; `what` names the ratio in the table (e.g. "twin / 0.5B")."""
+    what: str
+    num: Cell
+    den: Cell
+
+
+def _twin(rows: str, system: str, small: str) -> Compare:
+    return Compare("twin / 0.5B", Cell(rows, system), Cell(small, system))
+
+
+def _trees(rows: str, budget: int, what: str = "sequoia / dyspec", den_rows: Optional[str] = None) -> Compare:
+    return Compare(what, Cell(rows, f"sequoia-{budget}"), Cell(den_rows or rows, f"dyspec-{budget}"))
+
+
+GRID = (
+    # The demo target (Qwen2.5-Coder-1.5B-Instruct) drafting for itself (its int4 twin) against the demo's 0.5B draft.
+    # 64 new tokens; code also 256 (at 64 the twin finishes most prompts in 2 passes, the measurement's ceiling).
+    *(_twin(f"self-{s}.jsonl", f"dyspec-{b}", f"small-{s}.jsonl") for s in ("chat", "code") for b in (64, 256)),
+    *(_twin("self-code-256.jsonl", f"dyspec-{b}", "small-code-256.jsonl") for b in (64, 256)),
+    _twin("self-chat-1024.jsonl", "dyspec-1024", "small-chat-1024.jsonl"),
+    # Sequoia's tree against dyspec at an equal budget: the demo target's twin and its 0.5B draft (Sequoia's vector
+    # calibrated on code; the 0.5B's also on chat), SmolLM2-135M's twin (on chat with both trees' values calibrated
+    # on these prompts); and dyspec's values calibrated (--calibrate on) against its draft probabilities.
+    _trees("sequoia-self-chat.jsonl", 64, "sequoia / dyspec (vector from code)", den_rows="self-chat.jsonl"),
+    Compare("dyspec calibrated / dyspec", Cell("calibrated-self-chat.jsonl", "dyspec-64"),
+            Cell("self-chat.jsonl", "dyspec-64")),
+    _trees("sequoia-small-chat.jsonl", 64, "sequoia / dyspec (vector from code)"),
+    _trees("sequoia-small-chat-recalibrated.jsonl", 64, "sequoia / dyspec (vector from chat)",
+           den_rows="sequoia-small-chat.jsonl"),
+    _trees("sequoia-smollm2-chat.jsonl", 64, "sequoia / dyspec (the int8 twin of 2026-11-28)"),
+    *(_trees("calibrated-smollm2-chat.jsonl", b, "sequoia / dyspec (both calibrated)") for b in (64, 256)),
+    *(_trees("self-smollm2-code.jsonl", b) for b in (64, 256)),
+)
+HEADERS = ["ratio", "target", "prompts", "new tokens", "numerator", "denominator", "ratio [95% CI]", "prompts paired",
+           "rows (docs/bench_accept/)"]
+
+
+@functools.lru_cache(maxsize=None)
+def stored_rows(rows: str) -> tuple:
+    """A rows file's rows as measured, each run its own (stamp, command); () when the file does not exist. `rows`:
+    a path, or a name under docs/bench_accept."""
+    path = Path(rows) if Path(rows).is_absolute() or bench.rows_file(rows).exists() else ROWS / rows
+    if not bench.rows_file(path).exists():
+        return ()
+    return tuple(r for r in bench.read_rows(path) if "systems" in r)
+
+
+def file_rows(rows: str) -> list:
+    """The file's rows merged by prompt (bench_accept.merged_rows: a later run's systems added to a prompt's)."""
+    return bench_accept.merged_rows(list(stored_rows(rows))) if stored_rows(rows) else []
+
+
+def cell_values(cell: Cell) -> dict:
+    """{(prompt set, id, seed, temperature): the cell's tokens per pass} over the prompts its file measured."""
+    return {(r["prompt_set"], *bench.row_key(r)): r["systems"][cell.system]["tokens_per_pass"]
+            for r in file_rows(cell.rows) if cell.system in r["systems"]}
+
+
+def settings_of(cell: Cell) -> dict:
+    rows = file_rows(cell.rows)
+    return {**rows[0]["settings"], "prompt_set": rows[0]["prompt_set"]} if rows else {}
+
+
+def compared(c: Compare) -> dict:
+    """Both sides' values over the prompts both measured ({"num", "den"}), and the setting they share."""
+    a, b = cell_values(c.num), cell_values(c.den)
+    s, t = settings_of(c.num), settings_of(c.den)
+    if a and b:
+        differ = [k for k in MUST_MATCH if s.get(k) != t.get(k)] + ["target"] * (s["models"][0] != t["models"][0])
+        if differ:
+            raise InputError(f"{c.num.rows}:{c.num.system} and {c.den.rows}:{c.den.system} differ in "
+                             f"{', '.join(differ)}: not one question")
+    keys = [k for k in a if k in b]
+    return {"num": [a[k] for k in keys], "den": [b[k] for k in keys], "settings": s or t}
+
+
+def draft_name(cell: Cell) -> str:
+    """The cell's draft as its rows name it: "twin" for `--draft self`, and the held form(s) the plan chose where the
+    rows record it."""
+    rows = file_rows(cell.rows)
+    if not rows:
+        return "–"
+    name = rows[0]["settings"]["models"][1]
+    held = sorted({r["draft_quant"] for r in rows if r.get("draft_quant")})
+    return " ".join(["twin" if name == "self" else name, *held])
+
+
+def side_text(cell: Cell, vals: list) -> str:
+    figure = bench.fmt_ci(bench.median_ci(vals), 2) if vals else "not measured"
+    return f"{draft_name(cell)}, {cell.system}: {figure}"
+
+
+def table_line(c: Compare, got: dict) -> list[str]:
+    s = got["settings"]
+    ratio = bench.ratio_ci(got["num"], got["den"])
+    files = " / ".join(dict.fromkeys((c.num.rows, c.den.rows)))
+    return [c.what, f"`{s['models'][0]}`" if s else "–", bench_accept.SET_NAMES.get(s.get("prompt_set"), "–"),
+            str(s.get("new_tokens", "–")), side_text(c.num, got["num"]), side_text(c.den, got["den"]),
+            bench.fmt_ci(ratio, 2, "ratio", "x") if ratio else "not measured", str(len(got["num"])), files]
+
+
+def render(grid) -> tuple[list[list[str]], list[dict]]:
+    """The table's lines, and every row of the files they read (each file once)."""
+    lines = [table_line(c, compared(c)) for c in grid]
+    files = dict.fromkeys(cell.rows for c in grid for cell in (c.num, c.den))
+    return lines, [r for f in files for r in stored_rows(f)]
+
+
+def section(lines: list[list[str]], rows: list[dict]) -> str:
+    commands = sorted({_common.relative_command(r["command"]) for r in rows if r.get("command")})
+    temps = sorted({r["temperature"] for r in rows})
+    dtypes = sorted({r["settings"]["dtype"] for r in rows})
+    sampling = "greedy" if temps == [0.0] else f"temperatures {', '.join(f'{t:g}' for t in temps)} (0: greedy)"
+    return "\n".join([
+        f"## Drafts and trees compared (`scripts/{Path(__file__).name}`)",
+        "",
+        "Each line: a ratio of two cells of scripts/bench_accept.py's rows, numerator over denominator, each the "
+        "median over the prompts both cells measured (paired by prompt) with its bootstrap 95% interval, and the "
+        "ratio of those medians with a paired bootstrap interval. The cells of one line share the target, the "
+        f"prompts, the new tokens (EOS ignored) and the dtype ({', '.join(dtypes)}); {sampling}. The twin is the "
+        "target's own layers held in 4-bit groups (`--draft self`), the 0.5B the demo's separate draft held int8; "
+        "tokens a pass do not depend on the machine's speed. At 64 new tokens a cell is a count of passes (64/2 = "
+        "32, 64/3 = 21.33): a twin that finishes in 2 passes is at the measurement's ceiling, which the 256-token "
+        "lines remove. Sequoia's acceptance vector is the pair's cache when the line was measured (its notes: "
+        "docs/notes/). A line "
+        "marked not measured is a cell the grid still lacks.",
+        "",
+        "Rendered by:",
+        "```",
+        "python scripts/render_drafts.py --write-docs",
+        "```",
+        "Measured by:",
+        "```",
+        *commands,
+        "```",
+        _common.measured_line(rows),
+        "",
+        _common.markdown_table(HEADERS, lines),
+    ])
+
+
+def parse_cell(text: str) -> Cell:
+    rows, sep, system = text.rpartition(":")
+    if not sep or not rows or not system:
+        raise InputError(f"--compare takes FILE:SYSTEM cells, got {text!r}")
+    return Cell(rows, system)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=_common.HelpFormatter)
+    p.add_argument("--compare", nargs=2, metavar=("NUM", "DEN"),
+                   help="render one comparison of two FILE:SYSTEM cells instead of the published grid")
+    p.add_argument("--write-docs", action="store_true", help=f"write the {SECTION} section of docs/benchmarks.md")
+    args = p.parse_args(argv)
+    if args.compare and args.write_docs:
+        p.error("--write-docs writes the published grid; --compare prints one comparison")
+    grid = (Compare("num / den", *map(parse_cell, args.compare)),) if args.compare else GRID
+    lines, rows = render(grid)
+    print(_common.text_table(HEADERS, lines))
+    if args.write_docs:
+        _common.write_doc_section(SECTION, section(lines, rows))
+        print(f"wrote section {SECTION} of {_common.BENCHMARKS_MD}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    _common.run_main(main)

@@ -69,12 +69,14 @@ GRID = (
     *(_twin(f"self-{s}.jsonl", f"dyspec-{b}", f"small-{s}.jsonl") for s in ("chat", "code") for b in (64, 256)),
     *(_twin("self-code-256.jsonl", f"dyspec-{b}", "small-code-256.jsonl") for b in (64, 256)),
     _twin("self-chat-1024.jsonl", "dyspec-1024", "small-chat-1024.jsonl"),
+    # ... and each draft with the tree that served it best (below: Sequoia for the twin, dyspec for the 0.5B).
+    Compare("twin with sequoia / 0.5B with dyspec", Cell("sequoia-self-chat.jsonl", "sequoia-64"),
+            Cell("small-chat.jsonl", "dyspec-64")),
     # Sequoia's tree against dyspec at an equal budget: the demo target's twin and its 0.5B draft (Sequoia's vector
     # calibrated on code; the 0.5B's also on chat), SmolLM2-135M's twin (on chat with both trees' values calibrated
-    # on these prompts); and dyspec's values calibrated (--calibrate on) against its draft probabilities.
+    # on these prompts); and the twin's chain of 32 (classic speculative decoding) against dyspec's 64-node tree.
     _trees("sequoia-self-chat.jsonl", 64, "sequoia / dyspec (vector from code)", den_rows="self-chat.jsonl"),
-    Compare("dyspec calibrated / dyspec", Cell("calibrated-self-chat.jsonl", "dyspec-64"),
-            Cell("self-chat.jsonl", "dyspec-64")),
+    Compare("chain-32 / dyspec-64", Cell("chain-self-chat.jsonl", "chain-32"), Cell("self-chat.jsonl", "dyspec-64")),
     _trees("sequoia-small-chat.jsonl", 64, "sequoia / dyspec (vector from code)"),
     _trees("sequoia-small-chat-recalibrated.jsonl", 64, "sequoia / dyspec (vector from chat)",
            den_rows="sequoia-small-chat.jsonl"),

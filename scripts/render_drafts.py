@@ -76,6 +76,8 @@ GRID = (
     # calibrated on code; the 0.5B's also on chat), SmolLM2-135M's twin (on chat with both trees' values calibrated
     # on these prompts); and the twin's chain of 32 (classic speculative decoding) against dyspec's 64-node tree.
     _trees("sequoia-self-chat.jsonl", 64, "sequoia / dyspec (vector from code)", den_rows="self-chat.jsonl"),
+    _trees("sequoia-self-chat-256.jsonl", 256, "sequoia / dyspec (vector from code and these prompts)",
+           den_rows="self-chat.jsonl"),
     Compare("chain-32 / dyspec-64", Cell("chain-self-chat.jsonl", "chain-32"), Cell("self-chat.jsonl", "dyspec-64")),
     _trees("sequoia-small-chat.jsonl", 64, "sequoia / dyspec (vector from code)"),
     _trees("sequoia-small-chat-recalibrated.jsonl", 64, "sequoia / dyspec (vector from chat)",
@@ -173,8 +175,8 @@ def section(lines: list[list[str]], rows: list[dict]) -> str:
         f"prompts, the new tokens (EOS ignored) and the dtype ({', '.join(dtypes)}); {sampling}. The twin is the "
         "target's own layers held in 4-bit groups (`--draft self`), the 0.5B the demo's separate draft held int8; "
         "tokens a pass do not depend on the machine's speed. At 64 new tokens a cell is a count of passes (64/2 = "
-        "32, 64/3 = 21.33): a twin that finishes in 2 passes is at the measurement's ceiling, which the 256-token "
-        "lines remove. Sequoia's acceptance vector is the pair's cache when the line was measured (its notes: "
+        "32, 64/3 = 21.33): a twin that finishes in 2 passes is at the measurement's ceiling (the 256-token lines "
+        "are for that). Sequoia's acceptance vector is the pair's cache when the line was measured (its notes: "
         "docs/notes/). A line "
         "marked not measured is a cell the grid still lacks.",
         "",

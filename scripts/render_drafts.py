@@ -82,6 +82,7 @@ GRID = (
     _trees("sequoia-small-chat.jsonl", 64, "sequoia / dyspec (vector from code)"),
     _trees("sequoia-small-chat-recalibrated.jsonl", 64, "sequoia / dyspec (vector from chat)",
            den_rows="sequoia-small-chat.jsonl"),
+    _trees("sequoia-small-chat-256.jsonl", 256, "sequoia / dyspec (vector from chat)", den_rows="small-chat.jsonl"),
     _trees("sequoia-smollm2-chat.jsonl", 64, "sequoia / dyspec (the int8 twin of 2026-11-28)"),
     *(_trees("calibrated-smollm2-chat.jsonl", b, "sequoia / dyspec (both calibrated)") for b in (64, 256)),
     *(_trees("self-smollm2-code.jsonl", b) for b in (64, 256)),

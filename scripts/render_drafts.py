@@ -70,8 +70,9 @@ GRID = (
     *(_twin("self-code-256.jsonl", f"dyspec-{b}", "small-code-256.jsonl") for b in (64, 256)),
     _twin("self-chat-1024.jsonl", "dyspec-1024", "small-chat-1024.jsonl"),
     # ... and each draft with the tree that served it best (below: Sequoia for the twin, dyspec for the 0.5B).
-    Compare("twin with sequoia / 0.5B with dyspec", Cell("sequoia-self-chat.jsonl", "sequoia-64"),
-            Cell("small-chat.jsonl", "dyspec-64")),
+    *(Compare("twin with sequoia / 0.5B with dyspec", Cell(rows, f"sequoia-{b}"),
+              Cell("small-chat.jsonl", f"dyspec-{b}"))
+      for rows, b in (("sequoia-self-chat.jsonl", 64), ("sequoia-self-chat-256.jsonl", 256))),
     # Sequoia's tree against dyspec at an equal budget: the demo target's twin and its 0.5B draft (Sequoia's vector
     # calibrated on code; the 0.5B's also on chat), SmolLM2-135M's twin (on chat with both trees' values calibrated
     # on these prompts); and the twin's chain of 32 (classic speculative decoding) against dyspec's 64-node tree.
@@ -91,19 +92,22 @@ HEADERS = ["ratio", "target", "prompts", "new tokens", "numerator", "denominator
            "rows (docs/bench_accept/)"]
 
 
+def rows_path(rows: str) -> Path:
+    """`rows`: a path, or a name under docs/bench_accept."""
+    return Path(rows) if Path(rows).is_absolute() or bench.rows_file(rows).exists() else ROWS / rows
+
+
 @functools.lru_cache(maxsize=None)
 def stored_rows(rows: str) -> tuple:
-    """A rows file's rows as measured, each run its own (stamp, command); () when the file does not exist. `rows`:
-    a path, or a name under docs/bench_accept."""
-    path = Path(rows) if Path(rows).is_absolute() or bench.rows_file(rows).exists() else ROWS / rows
-    if not bench.rows_file(path).exists():
-        return ()
-    return tuple(r for r in bench.read_rows(path) if "systems" in r)
+    """A rows file's rows as measured, each run its own (stamp, command); () when the file does not exist."""
+    path = rows_path(rows)
+    return tuple(r for r in bench.read_rows(path) if "systems" in r) if bench.rows_file(path).exists() else ()
 
 
-def file_rows(rows: str) -> list:
+@functools.lru_cache(maxsize=None)
+def file_rows(rows: str) -> tuple:
     """The file's rows merged by prompt (bench_accept.merged_rows: a later run's systems added to a prompt's)."""
-    return bench_accept.merged_rows(list(stored_rows(rows))) if stored_rows(rows) else []
+    return tuple(bench_accept.merged_rows(list(stored_rows(rows)))) if stored_rows(rows) else ()
 
 
 def cell_values(cell: Cell) -> dict:
@@ -178,8 +182,7 @@ def section(lines: list[list[str]], rows: list[dict]) -> str:
         "tokens a pass do not depend on the machine's speed. At 64 new tokens a cell is a count of passes (64/2 = "
         "32, 64/3 = 21.33): a twin that finishes in 2 passes is at the measurement's ceiling (the 256-token lines "
         "are for that). Sequoia's acceptance vector is the pair's cache when the line was measured (its notes: "
-        "docs/notes/). A line "
-        "marked not measured is a cell the grid still lacks.",
+        "docs/notes/). A line marked not measured is a cell the grid still lacks.",
         "",
         "Rendered by:",
         "```",
@@ -196,9 +199,12 @@ def section(lines: list[list[str]], rows: list[dict]) -> str:
 
 
 def parse_cell(text: str) -> Cell:
+    """A --compare cell, FILE:SYSTEM; its file must exist (a system the file lacks is shown as not measured)."""
     rows, sep, system = text.rpartition(":")
     if not sep or not rows or not system:
         raise InputError(f"--compare takes FILE:SYSTEM cells, got {text!r}")
+    if not bench.rows_file(rows_path(rows)).exists():
+        raise InputError(f"--compare: no rows file {rows!r}")
     return Cell(rows, system)
 
 

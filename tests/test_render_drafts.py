@@ -39,10 +39,11 @@ def test_pairs_common_prompts_and_lists_what_is_missing(rd, tmp_path, capsys):
     assert rd.main(["--compare", f"{twin}:dyspec-256", f"{small}:dyspec-64"]) == 0
     out = capsys.readouterr().out
     assert "twin int4, dyspec-256: not measured" in out and "not measured" in out.splitlines()[-1]
-    missing = rd.table_line(rd.Compare("x", rd.Cell(str(tmp_path / "none.jsonl"), "dyspec-64"),
-                                       rd.Cell(small, "dyspec-64")), rd.compared(
-        rd.Compare("x", rd.Cell(str(tmp_path / "none.jsonl"), "dyspec-64"), rd.Cell(small, "dyspec-64"))))
+    unmeasured = rd.Compare("x", rd.Cell(str(tmp_path / "none.jsonl"), "dyspec-64"), rd.Cell(small, "dyspec-64"))
+    missing = rd.table_line(unmeasured, rd.compared(unmeasured))           # a GRID file not yet measured
     assert missing[4] == "–, dyspec-64: not measured" and missing[6] == "not measured"
+    with pytest.raises(InputError, match="no rows file"):                  # ... but a typed one is a mistake
+        rd.main(["--compare", f"{tmp_path / 'none.jsonl'}:dyspec-64", f"{small}:dyspec-64"])
 
 
 def test_refuses_cells_of_different_settings(rd, tmp_path):

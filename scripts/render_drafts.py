@@ -42,9 +42,10 @@ MUST_MATCH = ("prompt_set", "new_tokens", "dtype")   # settings both cells of a 
 
 @dataclass(frozen=True)
 class Cell:
-    """A system's runs in one rows file (a path relative to docs/bench_accept, or any path)."""
+    """A system's runs at one temperature in a rows file (a path relative to docs/bench_accept, or any path)."""
     rows: str
     system: str
+    temperature: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -59,8 +60,10 @@ def _twin(rows: str, system: str, small: str) -> Compare:
     return Compare("twin / 0.5B", Cell(rows, system), Cell(small, system))
 
 
-def _trees(rows: str, budget: int, what: str = "sequoia / dyspec", den_rows: Optional[str] = None) -> Compare:
-    return Compare(what, Cell(rows, f"sequoia-{budget}"), Cell(den_rows or rows, f"dyspec-{budget}"))
+def _trees(rows: str, budget: int, what: str = "sequoia / dyspec", den_rows: Optional[str] = None,
+           temperature: float = 0.0) -> Compare:
+    return Compare(what, Cell(rows, f"sequoia-{budget}", temperature),
+                   Cell(den_rows or rows, f"dyspec-{budget}", temperature))
 
 
 GRID = (
@@ -69,27 +72,32 @@ GRID = (
     *(_twin(f"self-{s}.jsonl", f"dyspec-{b}", f"small-{s}.jsonl") for s in ("chat", "code") for b in (64, 256)),
     *(_twin("self-code-256.jsonl", f"dyspec-{b}", "small-code-256.jsonl") for b in (64, 256)),
     _twin("self-chat-1024.jsonl", "dyspec-1024", "small-chat-1024.jsonl"),
-    # ... and each draft with the tree that served it best (below: Sequoia for the twin, dyspec for the 0.5B).
-    *(Compare("twin with sequoia / 0.5B with dyspec", Cell(rows, f"sequoia-{b}"),
-              Cell("small-chat.jsonl", f"dyspec-{b}"))
-      for rows, b in (("sequoia-self-chat.jsonl", 64), ("sequoia-self-chat-256.jsonl", 256))),
-    # Sequoia's tree against dyspec at an equal budget: the demo target's twin and its 0.5B draft (Sequoia's vector
-    # calibrated on code; the 0.5B's also on chat), SmolLM2-135M's twin (on chat with both trees' values calibrated
-    # on these prompts); and the twin's chain of 32 (classic speculative decoding) against dyspec's 64-node tree.
+    # ... and the twin with Sequoia's tree against the 0.5B with dyspec, its default.
+    *(Compare("twin with sequoia / 0.5B with dyspec", Cell(rows, f"sequoia-{b}"), Cell(small, f"dyspec-{b}"))
+      for rows, small, b in (("sequoia-self-chat.jsonl", "small-chat.jsonl", 64),
+                             ("sequoia-self-chat-256.jsonl", "small-chat.jsonl", 256),
+                             ("self-code-256.jsonl", "small-code-256.jsonl", 64))),
+    # Sequoia's tree against dyspec at an equal budget, each label naming where Sequoia's vector was learned: the
+    # demo target's twin (greedy and sampled), the 0.5B, SmolLM2-135M's twin (held int8 in the first line, int4 in
+    # the others); and the twin's chain of 32 (classic speculative decoding) against dyspec's 64-node tree.
     _trees("sequoia-self-chat.jsonl", 64, "sequoia / dyspec (vector from code)", den_rows="self-chat.jsonl"),
     _trees("sequoia-self-chat-256.jsonl", 256, "sequoia / dyspec (vector from code and these prompts)",
            den_rows="self-chat.jsonl"),
+    _trees("self-code-256.jsonl", 64, "sequoia / dyspec (vector from code and chat)"),
+    _trees("self-chat-1024.jsonl", 1024, "sequoia / dyspec (vector from code and chat)"),
+    _trees("sampled-self-chat.jsonl", 64, "sequoia / dyspec (vector learned on these prompts)", temperature=0.6),
     Compare("chain-32 / dyspec-64", Cell("chain-self-chat.jsonl", "chain-32"), Cell("self-chat.jsonl", "dyspec-64")),
     _trees("sequoia-small-chat.jsonl", 64, "sequoia / dyspec (vector from code)"),
     _trees("sequoia-small-chat-recalibrated.jsonl", 64, "sequoia / dyspec (vector from chat)",
            den_rows="sequoia-small-chat.jsonl"),
     _trees("sequoia-small-chat-256.jsonl", 256, "sequoia / dyspec (vector from chat)", den_rows="small-chat.jsonl"),
-    _trees("sequoia-smollm2-chat.jsonl", 64, "sequoia / dyspec (the int8 twin of 2026-11-28)"),
+    _trees("small-code-256.jsonl", 64, "sequoia / dyspec (vector from chat)"),
+    _trees("sequoia-smollm2-chat.jsonl", 64, "sequoia / dyspec (int8 twin)"),
     *(_trees("calibrated-smollm2-chat.jsonl", b, "sequoia / dyspec (both calibrated)") for b in (64, 256)),
     *(_trees("self-smollm2-code.jsonl", b) for b in (64, 256)),
 )
-HEADERS = ["ratio", "target", "prompts", "new tokens", "numerator", "denominator", "ratio [95% CI]", "prompts paired",
-           "rows (docs/bench_accept/)"]
+HEADERS = ["ratio", "target", "prompts", "new tokens", "T", "numerator", "denominator", "ratio [95% CI]",
+           "prompts paired", "rows (docs/bench_accept/)"]
 
 
 def rows_path(rows: str) -> Path:
@@ -113,7 +121,7 @@ def file_rows(rows: str) -> tuple:
 def cell_values(cell: Cell) -> dict:
     """{(prompt set, id, seed, temperature): the cell's tokens per pass} over the prompts its file measured."""
     return {(r["prompt_set"], *bench.row_key(r)): r["systems"][cell.system]["tokens_per_pass"]
-            for r in file_rows(cell.rows) if cell.system in r["systems"]}
+            for r in file_rows(cell.rows) if cell.system in r["systems"] and r["temperature"] == cell.temperature}
 
 
 def settings_of(cell: Cell) -> dict:
@@ -127,6 +135,7 @@ def compared(c: Compare) -> dict:
     s, t = settings_of(c.num), settings_of(c.den)
     if a and b:
         differ = [k for k in MUST_MATCH if s.get(k) != t.get(k)] + ["target"] * (s["models"][0] != t["models"][0])
+        differ += ["temperature"] * (c.num.temperature != c.den.temperature)
         if differ:
             raise InputError(f"{c.num.rows}:{c.num.system} and {c.den.rows}:{c.den.system} differ in "
                              f"{', '.join(differ)}: not one question")
@@ -155,7 +164,8 @@ def table_line(c: Compare, got: dict) -> list[str]:
     ratio = bench.ratio_ci(got["num"], got["den"])
     files = " / ".join(dict.fromkeys((c.num.rows, c.den.rows)))
     return [c.what, f"`{s['models'][0]}`" if s else "–", bench_accept.SET_NAMES.get(s.get("prompt_set"), "–"),
-            str(s.get("new_tokens", "–")), side_text(c.num, got["num"]), side_text(c.den, got["den"]),
+            str(s.get("new_tokens", "–")), f"{c.num.temperature:g}", side_text(c.num, got["num"]),
+            side_text(c.den, got["den"]),
             bench.fmt_ci(ratio, 2, "ratio", "x") if ratio else "not measured", str(len(got["num"])), files]
 
 
@@ -168,16 +178,15 @@ def render(grid) -> tuple[list[list[str]], list[dict]]:
 
 def section(lines: list[list[str]], rows: list[dict]) -> str:
     commands = sorted({_common.relative_command(r["command"]) for r in rows if r.get("command")})
-    temps = sorted({r["temperature"] for r in rows})
     dtypes = sorted({r["settings"]["dtype"] for r in rows})
-    sampling = "greedy" if temps == [0.0] else f"temperatures {', '.join(f'{t:g}' for t in temps)} (0: greedy)"
     return "\n".join([
         f"## Drafts and trees compared (`scripts/{Path(__file__).name}`)",
         "",
         "Each line: a ratio of two cells of scripts/bench_accept.py's rows, numerator over denominator, each the "
         "median over the prompts both cells measured (paired by prompt) with its bootstrap 95% interval, and the "
         "ratio of those medians with a paired bootstrap interval. The cells of one line share the target, the "
-        f"prompts, the new tokens (EOS ignored) and the dtype ({', '.join(dtypes)}); {sampling}. The twin is the "
+        f"prompts, the new tokens (EOS ignored), the temperature (T; 0: greedy) and the dtype ({', '.join(dtypes)}). "
+        "The twin is the "
         "target's own layers held in 4-bit groups (`--draft self`), the 0.5B the demo's separate draft held int8; "
         "tokens a pass do not depend on the machine's speed. At 64 new tokens a cell is a count of passes (64/2 = "
         "32, 64/3 = 21.33): a twin that finishes in 2 passes is at the measurement's ceiling (the 256-token lines "
@@ -198,25 +207,27 @@ def section(lines: list[list[str]], rows: list[dict]) -> str:
     ])
 
 
-def parse_cell(text: str) -> Cell:
+def parse_cell(text: str, temperature: float = 0.0) -> Cell:
     """A --compare cell, FILE:SYSTEM; its file must exist (a system the file lacks is shown as not measured)."""
     rows, sep, system = text.rpartition(":")
     if not sep or not rows or not system:
         raise InputError(f"--compare takes FILE:SYSTEM cells, got {text!r}")
     if not bench.rows_file(rows_path(rows)).exists():
         raise InputError(f"--compare: no rows file {rows!r}")
-    return Cell(rows, system)
+    return Cell(rows, system, temperature)
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=_common.HelpFormatter)
     p.add_argument("--compare", nargs=2, metavar=("NUM", "DEN"),
                    help="render one comparison of two FILE:SYSTEM cells instead of the published grid")
+    p.add_argument("--temperature", type=float, default=0.0, help="--compare: both cells' temperature (0: greedy)")
     p.add_argument("--write-docs", action="store_true", help=f"write the {SECTION} section of docs/benchmarks.md")
     args = p.parse_args(argv)
     if args.compare and args.write_docs:
         p.error("--write-docs writes the published grid; --compare prints one comparison")
-    grid = (Compare("num / den", *map(parse_cell, args.compare)),) if args.compare else GRID
+    grid = ((Compare("num / den", *(parse_cell(cell, args.temperature) for cell in args.compare)),)
+            if args.compare else GRID)
     lines, rows = render(grid)
     print(_common.text_table(HEADERS, lines))
     if args.write_docs:

@@ -392,7 +392,7 @@ def test_every_json_report_says_which_offspec_models_settings_and_tokens_per_sec
         options = report["options"]
         assert (options["target"], options["device"], options["dtype"], options["json_path"]) == (
             str(m.target), "cpu", "float32", str(out))
-        assert options["policy"] == "dyspec" and options["tree_budget"] == "auto"      # defaults filled in
+        assert options["policy"] == "auto" and options["tree_budget"] == "auto"        # defaults filled in
         speed_of = report["summary"][0][speed]["median"] if command == "bench" else report[speed]
         assert speed_of > 0
 

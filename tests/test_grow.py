@@ -249,13 +249,15 @@ def test_heap_draft_calls(sampling):
 
 
 def test_empty_and_bad_requests():
-    for cfg, budget in [(TreeConfig(policy="none"), 16), (TreeConfig(), 0)]:
+    for cfg, budget in [(TreeConfig(policy="none"), 16), (TreeConfig(policy="dyspec"), 0)]:
         tree, draft = run(cfg, GREEDY, budget)
         assert tree.size == 0 and draft.frontiers == []
     with pytest.raises(ValueError, match="unknown tree policy"):
         run(TreeConfig(policy="beam"), GREEDY, 8)
+    with pytest.raises(ValueError, match="resolved by the engine"):          # TreeConfig()'s: chosen_policy's job
+        run(TreeConfig(), GREEDY, 8)
     with pytest.raises(ValueError, match=">= 0"):
-        run(TreeConfig(), GREEDY, -1)
+        run(TreeConfig(policy="dyspec"), GREEDY, -1)
 
 
 def test_growth_is_seeded():

@@ -13,14 +13,15 @@ def rd():
     return load_script("render_drafts")
 
 
-def rows_file(path, draft, cells, new_tokens=64, prompt_set="chat"):
-    """cells: {prompt id: {system: tokens per pass}}."""
+def rows_file(path, draft, cells, new_tokens=64, prompt_set="chat", temperature=0.0, mode="w"):
+    """cells: {prompt id: {system: tokens per pass}}; mode "a" adds the rows of another temperature."""
     settings = {"prompt_set": prompt_set, "new_tokens": new_tokens, "dtype": "bfloat16", "offload": "none",
                 "device": "cpu", "seed": 0, "models": ["target", draft]}
-    with open(path, "w") as f:
+    with open(path, mode) as f:
         for pid, systems in cells.items():
-            f.write(json.dumps({"prompt_set": prompt_set, "settings": settings, "id": pid, "seed": None,
-                                "temperature": 0.0, "draft_quant": "int4" if draft == "self" else "int8",
+            f.write(json.dumps({"prompt_set": prompt_set, "settings": settings, "id": pid,
+                                "seed": None if temperature == 0 else 0, "temperature": temperature,
+                                "draft_quant": "int4" if draft == "self" else "int8",
                                 "command": f"python scripts/bench_accept.py --rows {path}",
                                 "systems": {s: {"tokens_per_pass": v, "mean_tree_size": 1.0}
                                             for s, v in systems.items()}}) + "\n")
@@ -34,14 +35,14 @@ def test_pairs_common_prompts_and_lists_what_is_missing(rd, tmp_path, capsys):
     got = rd.compared(rd.Compare("twin / small", rd.Cell(twin, "dyspec-64"), rd.Cell(small, "dyspec-64")))
     assert got["num"] == [8.0, 12.0] and got["den"] == [4.0, 6.0]          # prompt c: the twin's alone, left out
     line = rd.table_line(rd.Compare("twin / small", rd.Cell(twin, "dyspec-64"), rd.Cell(small, "dyspec-64")), got)
-    assert line[4].startswith("twin int4, dyspec-64: 10.00") and line[5].startswith("small int8, dyspec-64: 5.00")
-    assert line[6].startswith("2.00x") and line[7] == "2"
+    assert line[5].startswith("twin int4, dyspec-64: 10.00") and line[6].startswith("small int8, dyspec-64: 5.00")
+    assert line[4] == "0" and line[7].startswith("2.00x") and line[8] == "2"
     assert rd.main(["--compare", f"{twin}:dyspec-256", f"{small}:dyspec-64"]) == 0
     out = capsys.readouterr().out
     assert "twin int4, dyspec-256: not measured" in out and "not measured" in out.splitlines()[-1]
     unmeasured = rd.Compare("x", rd.Cell(str(tmp_path / "none.jsonl"), "dyspec-64"), rd.Cell(small, "dyspec-64"))
     missing = rd.table_line(unmeasured, rd.compared(unmeasured))           # a GRID file not yet measured
-    assert missing[4] == "–, dyspec-64: not measured" and missing[6] == "not measured"
+    assert missing[5] == "–, dyspec-64: not measured" and missing[7] == "not measured"
     with pytest.raises(InputError, match="no rows file"):                  # ... but a typed one is a mistake
         rd.main(["--compare", f"{tmp_path / 'none.jsonl'}:dyspec-64", f"{small}:dyspec-64"])
 
@@ -58,5 +59,17 @@ def test_refuses_cells_of_different_settings(rd, tmp_path):
 def test_the_published_grid_renders_from_the_committed_rows(rd):
     lines, rows = rd.render(rd.GRID)
     assert len(lines) == len(rd.GRID) and rows
-    measured = [line for line in lines if line[6] != "not measured"]
-    assert measured and all(line[6].endswith("]") for line in measured)
+    measured = [line for line in lines if line[7] != "not measured"]
+    assert measured and all(line[7].endswith("]") for line in measured)
+
+
+def test_a_cell_takes_its_temperature(rd, tmp_path):
+    path = rows_file(tmp_path / "t.jsonl", "self", {"a": {"sequoia-64": 9.0, "dyspec-64": 3.0}})
+    rows_file(path, "self", {"a": {"sequoia-64": 4.0, "dyspec-64": 8.0}}, temperature=0.6, mode="a")
+    sampled = rd.compared(rd._trees(path, 64, temperature=0.6))
+    assert sampled["num"] == [4.0] and sampled["den"] == [8.0]
+    assert rd.compared(rd._trees(path, 64))["num"] == [9.0]
+    line = rd.table_line(rd._trees(path, 64, temperature=0.6), sampled)
+    assert line[4] == "0.6" and line[7].startswith("0.50x")
+    with pytest.raises(InputError, match="differ in temperature"):
+        rd.compared(rd.Compare("x", rd.Cell(path, "sequoia-64", 0.6), rd.Cell(path, "dyspec-64")))

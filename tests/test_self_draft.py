@@ -241,6 +241,23 @@ def test_the_plan_counts_the_twins_own_bytes_only(target):
         models.draft.close()
 
 
+def test_the_auto_tree_is_sequoias_for_the_twin_and_dyspecs_for_a_separate_draft(tmp_path):
+    """TreeConfig's default policy (auto) is resolved by the engine's draft (grow.chosen_policy): the twin's rows
+    grow Sequoia's tree (and learn the pair's acceptance by rank), a separate draft's grow dyspec's; a policy
+    given is kept; the output is the target's own either way."""
+    target, draft, _ = save_agreeing_pair(tmp_path, n_layers=2)
+    auto, given = TreeConfig(budget=8), TreeConfig(policy="dyspec", budget=8)
+    for draft_path, want in ((SELF_DRAFT, "sequoia"), (draft, "dyspec")):
+        engine = load_engine(target, draft_path, OffloadConfig(mode="none"), RUNTIME, progress=False).engine
+        try:
+            report = tokens(engine, PROMPTS[0], auto, n=12)
+            assert report.tree_policy == want and tokens(engine, PROMPTS[0], given, n=12).tree_policy == "dyspec"
+            assert report.tokens == tokens(engine, PROMPTS[0], TreeConfig(policy="none"), n=12).tokens
+            assert bool(engine.ranks._modes) == (want == "sequoia")      # only sequoia's rows read the pair's vector
+        finally:
+            engine.close()
+
+
 def test_cli_self_draft_runs_and_refuses_a_dense_twin(target):
     out = ok(cli("generate", "--target", target, "--draft", "self", "--device", "cpu", "--dtype", "float32",
                  "--max-new-tokens", "8", "--raw", "hello"))

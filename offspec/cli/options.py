@@ -24,7 +24,7 @@ from offspec.errors import InputError, OffspecError
 from offspec.formats.weights import FUSED_MAX_ROWS
 from offspec.plan.machine import PINNED_FRACTION
 
-POLICIES = ["dyspec", "heap", "chain", "static", "sequoia", "none"]
+POLICIES = ["auto", "dyspec", "heap", "chain", "static", "sequoia", "none"]   # grow.AUTO + grow.POLICIES (likewise)
 OFFLOAD_CHOICES = ["auto", "none", "cpu", "disk", "cpu+disk"]     # auto + plan.MODES
 TARGET_QUANT_CHOICES = ["none", "int8", "nf4"]   # quant.TARGET_QUANTS (not imported here: keeps --help fast)
 RESIDENT_QUANT_CHOICES = ["auto", "on", "off"]   # plan.RESIDENT_QUANTS
@@ -168,10 +168,11 @@ def model_options(f):
                           "drive."),
         click.option("--no-overlap", is_flag=True,
                      help="Debug: copy each layer, then compute (no prefetch). Default: overlap."),
-        click.option("--tree", "policy", type=click.Choice(POLICIES), default="dyspec", show_default=True,
+        click.option("--tree", "policy", type=click.Choice(POLICIES), default="auto", show_default=True,
                      help="Tree growth policy; sequoia = the fixed tree Sequoia's DP finds best for the acceptance "
-                          "by rank measured on this draft and target (cached per pair); none = plain "
-                          "autoregressive with the target alone."),
+                          "by rank measured on this draft and target (cached per pair); dyspec = DySpec's tree, grown "
+                          "by the draft's probabilities; auto = sequoia where the draft is the target's twin (--draft "
+                          "self), dyspec with a separate draft; none = plain autoregressive with the target alone."),
         click.option("--tree-budget", default="auto", show_default=True,
                      help="Max tree nodes per target pass, or 'auto' (chosen from measured draft and target times, "
                           f"up to {AUTO_MAX_TREE_BUDGET}; one prompt on a CPU whose target streams: "

@@ -96,6 +96,17 @@ DraftRequest = tuple[TokenTree, torch.Tensor]                   # what a growth 
 Growth = Generator[DraftRequest, torch.Tensor, TokenTree]       # yields requests, is sent (F, V), returns the tree
 
 POLICIES = ("dyspec", "heap", "chain", "static", "sequoia", "none")
+AUTO = "auto"       # a TreeConfig.policy the engine resolves by its draft (chosen_policy) before any tree grows
+
+
+def chosen_policy(policy: str, twin: bool) -> str:
+    """The policy a request runs: `policy`, or for AUTO, sequoia where the draft is the target's twin and dyspec
+    where it is a separate model. dyspec ranks nodes by the draft's own probabilities; the twin's top token is
+    accepted far more often than those probabilities say, so its dyspec trees stay shallow, where Sequoia's shape
+    follows the acceptance by rank the pair was measured to have (docs/options.md, "Which tree for which draft")."""
+    if policy != AUTO:
+        return policy
+    return "sequoia" if twin else "dyspec"
 
 
 def grow_steps(tree_cfg: TreeConfig, sampling: SamplingConfig, root_token: int, root_dist: torch.Tensor,
@@ -112,6 +123,8 @@ def grow_steps(tree_cfg: TreeConfig, sampling: SamplingConfig, root_token: int, 
     ngram: the chains to graft onto the grown tree (ngram.lookup of the sequence ending with root_token).
     rank_acceptance: sequoia's p by rank (sequoia.RankCounts.vector; None: the prior's). Sequoia grafts no n-grams.
     """
+    if tree_cfg.policy == AUTO:
+        raise ValueError(f"tree policy {AUTO!r} is resolved by the engine (chosen_policy) before a tree grows")
     if tree_cfg.policy not in POLICIES:
         raise ValueError(f"unknown tree policy {tree_cfg.policy!r}; expected one of {', '.join(POLICIES)}")
     if budget < 0:

@@ -130,7 +130,8 @@ def settings_of(cell: Cell) -> dict:
 
 
 def compared(c: Compare) -> dict:
-    """Both sides' values over the prompts both measured ({"num", "den"}), and the setting they share."""
+    """Both sides' values over the prompts both measured ({"num", "den"}), and the setting they share; where one
+    side has no rows, the other's values over all its prompts (shown unpaired, with no ratio)."""
     a, b = cell_values(c.num), cell_values(c.den)
     s, t = settings_of(c.num), settings_of(c.den)
     if a and b:
@@ -139,6 +140,8 @@ def compared(c: Compare) -> dict:
         if differ:
             raise InputError(f"{c.num.rows}:{c.num.system} and {c.den.rows}:{c.den.system} differ in "
                              f"{', '.join(differ)}: not one question")
+    if not a or not b:
+        return {"num": list(a.values()), "den": list(b.values()), "settings": s or t}
     keys = [k for k in a if k in b]
     return {"num": [a[k] for k in keys], "den": [b[k] for k in keys], "settings": s or t}
 
@@ -154,19 +157,21 @@ def draft_name(cell: Cell) -> str:
     return " ".join(["twin" if name == "self" else name, *held])
 
 
-def side_text(cell: Cell, vals: list) -> str:
+def side_text(cell: Cell, vals: list, paired: bool = True) -> str:
     figure = bench.fmt_ci(bench.median_ci(vals), 2) if vals else "not measured"
+    figure += "" if paired or not vals else f" ({len(vals)} prompt{'s' * (len(vals) != 1)}, unpaired)"
     return f"{draft_name(cell)}, {cell.system}: {figure}"
 
 
 def table_line(c: Compare, got: dict) -> list[str]:
     s = got["settings"]
-    ratio = bench.ratio_ci(got["num"], got["den"])
+    paired = bool(got["num"]) and bool(got["den"])
+    ratio = bench.ratio_ci(got["num"], got["den"]) if paired else None
     files = " / ".join(dict.fromkeys((c.num.rows, c.den.rows)))
     return [c.what, f"`{s['models'][0]}`" if s else "–", bench_accept.SET_NAMES.get(s.get("prompt_set"), "–"),
-            str(s.get("new_tokens", "–")), f"{c.num.temperature:g}", side_text(c.num, got["num"]),
-            side_text(c.den, got["den"]),
-            bench.fmt_ci(ratio, 2, "ratio", "x") if ratio else "not measured", str(len(got["num"])), files]
+            str(s.get("new_tokens", "–")), f"{c.num.temperature:g}", side_text(c.num, got["num"], paired),
+            side_text(c.den, got["den"], paired),
+            bench.fmt_ci(ratio, 2, "ratio", "x") if ratio else "not measured", str(len(got["num"]) * paired), files]
 
 
 def render(grid) -> tuple[list[list[str]], list[dict]]:

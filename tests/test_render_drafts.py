@@ -42,7 +42,8 @@ def test_pairs_common_prompts_and_lists_what_is_missing(rd, tmp_path, capsys):
     assert "twin int4, dyspec-256: not measured" in out and "not measured" in out.splitlines()[-1]
     unmeasured = rd.Compare("x", rd.Cell(str(tmp_path / "none.jsonl"), "dyspec-64"), rd.Cell(small, "dyspec-64"))
     missing = rd.table_line(unmeasured, rd.compared(unmeasured))           # a GRID file not yet measured
-    assert missing[5] == "–, dyspec-64: not measured" and missing[7] == "not measured"
+    assert missing[5] == "–, dyspec-64: not measured" and missing[7] == "not measured" and missing[8] == "0"
+    assert missing[6].startswith("small int8, dyspec-64: 5.00") and missing[6].endswith("(2 prompts, unpaired)")
     with pytest.raises(InputError, match="no rows file"):                  # ... but a typed one is a mistake
         rd.main(["--compare", f"{tmp_path / 'none.jsonl'}:dyspec-64", f"{small}:dyspec-64"])
 

@@ -261,7 +261,7 @@ def test_the_auto_tree_is_sequoias_for_the_twin_and_dyspecs_for_a_separate_draft
 def test_cli_self_draft_runs_and_refuses_a_dense_twin(target):
     out = ok(cli("generate", "--target", target, "--draft", "self", "--device", "cpu", "--dtype", "float32",
                  "--max-new-tokens", "8", "--raw", "hello"))
-    assert "draft self (int8)" in out.stderr
+    assert "draft self (int8)" in out.stderr and "tree sequoia (budget auto)" in out.stderr    # --tree auto's pick
     bad = cli("generate", "--target", target, "--draft", "self", "--draft-quant", "none", "--device", "cpu",
               "--max-new-tokens", "4", "hello")
     assert bad.exit_code == 1 and "--draft self reads the target's layers quantized" in bad.stderr

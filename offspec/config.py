@@ -61,7 +61,7 @@ class OffloadConfig:
 
 @dataclass(frozen=True)
 class TreeConfig:
-    policy: str = "auto"                        # "auto" (by the draft: grow.chosen_policy) | "dyspec" | "heap" | "chain" | "static" | "sequoia" (Sequoia's DP shape) | "none" (plain autoregressive)
+    policy: str = "auto"                        # "auto" (by the draft: sequoia.chosen_policy) | "dyspec" | "heap" | "chain" | "static" | "sequoia" (Sequoia's DP shape) | "none" (plain autoregressive)
     budget: Optional[int] = None                # max tree nodes per round; None = "auto": chosen from measured draft and target costs
     threshold: Optional[float] = None           # DySpec C; None = adaptive (C set so the tree fills the budget)
     max_depth: int = 32                         # deepest level the draft may grow in one round

@@ -242,7 +242,7 @@ def test_the_plan_counts_the_twins_own_bytes_only(target):
 
 
 def test_the_auto_tree_is_sequoias_for_the_twin_and_dyspecs_for_a_separate_draft(tmp_path):
-    """TreeConfig's default policy (auto) is resolved by the engine's draft (grow.chosen_policy): the twin's rows
+    """TreeConfig's default policy (auto) is resolved by the engine's draft (sequoia.chosen_policy): the twin's rows
     grow Sequoia's tree (and learn the pair's acceptance by rank), a separate draft's grow dyspec's; a policy
     given is kept; the output is the target's own either way."""
     target, draft, _ = save_agreeing_pair(tmp_path, n_layers=2)

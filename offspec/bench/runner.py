@@ -38,13 +38,11 @@ from offspec.config import AUTO_MAX_TREE_BUDGET, RunLimits, SamplingConfig, Tree
 from offspec.engine.generate import Engine, GenerationRequest, run
 from offspec.errors import InputError
 from offspec.formats import cpu_bf16
-from offspec.spec.grow import AUTO
-from offspec.spec.grow import POLICIES as TREE_POLICIES
 
 DEFAULT = "default"
 PLAIN = "none"
 ABLATIONS = ("chain-8", "dyspec-16")      # fixed policies a default is judged against (same engine, same draft)
-POLICIES = (AUTO, *(p for p in TREE_POLICIES if p != PLAIN))   # <policy>-<N> systems (auto-64: the engine's pick)
+POLICIES = ("auto", "dyspec", "heap", "chain", "static", "sequoia")   # <policy>-<N> systems (auto-N: the engine's)
 BOOTSTRAP_RESAMPLES = 2000   # the 2.5% and 97.5% points move by < 1% of the spread beyond this
 BOOTSTRAP_SEED = 13          # fixed, so a table rendered twice from the same rows prints the same intervals
 CONFIDENCE = 0.95

@@ -24,7 +24,7 @@ from offspec.errors import InputError, OffspecError
 from offspec.formats.weights import FUSED_MAX_ROWS
 from offspec.plan.machine import PINNED_FRACTION
 
-POLICIES = ["auto", "dyspec", "heap", "chain", "static", "sequoia", "none"]   # grow.AUTO + grow.POLICIES (likewise)
+POLICIES = ["auto", "dyspec", "heap", "chain", "static", "sequoia", "none"]   # sequoia.AUTO + grow.POLICIES (likewise)
 OFFLOAD_CHOICES = ["auto", "none", "cpu", "disk", "cpu+disk"]     # auto + plan.MODES
 TARGET_QUANT_CHOICES = ["none", "int8", "nf4"]   # quant.TARGET_QUANTS (not imported here: keeps --help fast)
 RESIDENT_QUANT_CHOICES = ["auto", "on", "off"]   # plan.RESIDENT_QUANTS

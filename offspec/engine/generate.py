@@ -17,7 +17,7 @@ from typing import Iterator, Optional, Sequence, Union
 
 import torch
 
-from offspec.config import AUTO_MAX_TREE_BUDGET, DEFAULT_PREFILL_CHUNK, SamplingConfig, TreeConfig
+from offspec.config import AUTO_MAX_TREE_BUDGET, DEFAULT_PREFILL_CHUNK, SamplingConfig
 from offspec.engine.controller import Controller
 from offspec.engine.draft_records import DraftLog
 from offspec.engine.feed import RequestFeed
@@ -33,8 +33,9 @@ from offspec.model.kv_cache import KVCache
 from offspec.model.vocab import SharedVocab, token_id_count
 from offspec.spec import ngram
 from offspec.spec.calibrate import Calibrator, judged_greedy, judged_path
-from offspec.spec.grow import chosen_policy, grow_steps
+from offspec.spec.grow import grow_steps
 from offspec.spec.sampling import process_logits
+from offspec.spec.sequoia import chosen_policy
 from offspec.spec.tree import TokenTree
 
 
@@ -91,10 +92,6 @@ class Engine:
                       getattr(self.draft_log, "save", None)):
             if close is not None:
                 close()
-
-    def tree_of(self, request: GenerationRequest) -> TreeConfig:
-        """The tree options `request` runs with: its policy "auto" resolved by this engine's draft (chosen_policy)."""
-        return replace(request.tree, policy=chosen_policy(request.tree.policy, self.twin))
 
     def speculative(self, request: GenerationRequest) -> bool:
         return request.tree.policy != "none" and self.draft is not None and request.tree.budget != 0
@@ -154,8 +151,7 @@ class Engine:
                              f"({self.max_concurrency}); load it with RunLimits(concurrency={concurrency})")
         return concurrency
 
-    def _open_batch(self, feed: RequestFeed, concurrency: int, prefill_per_pass: Optional[int],
-                    adapt_rows: bool) -> Batch:
+    def _open_batch(self, feed: RequestFeed, concurrency: int, prefill_per_pass: Optional[int], adapt_rows: bool):
         """The caches and controller of a batch. One cache row per request in flight, each holding prompt +
         generated tokens + one round's tree and its root, never more than the context: a round's tree shrinks
         to the room left before the context end."""
@@ -293,9 +289,8 @@ class Engine:
         return len(request.prompt_ids) + request.max_new_tokens + self._tree_room(request) + 2
 
     def _admit(self, index: int, request: GenerationRequest, batch: Batch) -> Row:
-        """`request` checked (request.check_request) and given the batch's next free cache row, emptied; the row
-        holds it with its tree's policy resolved (tree_of)."""
-        request = replace(request, tree=self.tree_of(request))
+        """`request`, its tree's policy resolved (chosen_policy), checked and given the batch's next free cache row."""
+        request = replace(request, tree=replace(request.tree, policy=chosen_policy(request.tree.policy, self.twin)))
         speculative = self.speculative(request)
         check_request(request, RowLimits(self.max_context, self.max_tree_budget, batch.capacity),
                       speculative=speculative, row_tokens=self._row_tokens(request))
@@ -456,9 +451,8 @@ class Engine:
     def _stream_delta(self, batch: Batch) -> StreamDelta:
         """What the streamer counted since the batch's last reading (docs/streaming.md §6: copies are counted
         when their events are read, so the readings tile the run and each copy lands in exactly one round)."""
-        before, now = batch.stream_seen, self._stream_stats()
-        batch.stream_seen = now
-        return StreamDelta.between(before, now)
+        before, batch.stream_seen = batch.stream_seen, self._stream_stats()
+        return StreamDelta.between(before, batch.stream_seen)
 
 
 def run(engine: Engine, request: GenerationRequest, *, start=None, offload: Optional[str] = None, on_text=None,
@@ -492,7 +486,7 @@ def report_of(engine: Engine, request: GenerationRequest, steps: list[Step], *, 
     from offspec.engine.prompt import IncrementalText
 
     speculative = engine.speculative(request)
-    setup = RunSetup(tree_policy=engine.tree_of(request).policy if speculative else "none",
+    setup = RunSetup(tree_policy=chosen_policy(request.tree.policy, engine.twin) if speculative else "none",
                      tree_budget=request.tree.budget if speculative else 0,
                      offload=offload or (engine.plan.mode if engine.plan is not None else "none"),
                      weights_source=engine.weights_source(), device=str(engine.device),

@@ -89,24 +89,13 @@ from offspec.config import SamplingConfig, TreeConfig
 from offspec.spec.calibrate import UNCALIBRATED_NGRAM, Calibration
 from offspec.spec.ngram import NgramChain
 from offspec.spec.sampling import draw_without_replacement
-from offspec.spec.sequoia import RankCounts, best_tree, grow_shape
+from offspec.spec.sequoia import AUTO, RankCounts, best_tree, grow_shape
 from offspec.spec.tree import TokenTree
 
 DraftRequest = tuple[TokenTree, torch.Tensor]                   # what a growth yields: (working tree, frontier (F,))
 Growth = Generator[DraftRequest, torch.Tensor, TokenTree]       # yields requests, is sent (F, V), returns the tree
 
 POLICIES = ("dyspec", "heap", "chain", "static", "sequoia", "none")
-AUTO = "auto"       # a TreeConfig.policy the engine resolves by its draft (chosen_policy) before any tree grows
-
-
-def chosen_policy(policy: str, twin: bool) -> str:
-    """The policy a request runs: `policy`, or for AUTO, sequoia where the draft is the target's twin and dyspec
-    where it is a separate model. dyspec ranks nodes by the draft's own probabilities; the twin's top token is
-    accepted far more often than those probabilities say, so its dyspec trees stay shallow, where Sequoia's shape
-    follows the acceptance by rank the pair was measured to have (docs/options.md, "Which tree for which draft")."""
-    if policy != AUTO:
-        return policy
-    return "sequoia" if twin else "dyspec"
 
 
 def grow_steps(tree_cfg: TreeConfig, sampling: SamplingConfig, root_token: int, root_dist: torch.Tensor,

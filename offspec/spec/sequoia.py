@@ -38,9 +38,18 @@ from typing import Generator, Optional, Sequence
 
 import numpy as np
 
+AUTO = "auto"       # a TreeConfig.policy the engine resolves by its draft (chosen_policy) before any tree grows
 HAZARD_PRIOR = (0.5, 0.25)      # prior hazard of rank 0, and of every later rank
 PRIOR_WEIGHT = 4.0              # pseudo-observations behind each prior hazard
 Shape = tuple[tuple[int, int], ...]   # (parent index, rank) per node besides the root, breadth first; root = 0
+
+
+def chosen_policy(policy: str, twin: bool) -> str:
+    """The policy a request runs: `policy`, or for AUTO, sequoia where the draft is the target's twin and dyspec
+    where it is a separate model. dyspec ranks nodes by the draft's own probabilities; the twin's top token is
+    accepted far more often than those probabilities say, so its dyspec trees stay shallow, where Sequoia's shape
+    follows the acceptance by rank the pair was measured to have (docs/options.md, "Which tree for which draft")."""
+    return policy if policy != AUTO else "sequoia" if twin else "dyspec"
 
 
 # ---------------------------------------------------------------------------------------------------------

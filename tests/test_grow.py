@@ -279,3 +279,14 @@ def test_expand_floor_runs_only_likely_nodes(sampling):
     check_tree(tree, draft, cfg, sampling, budget)
     assert all(value >= floor for _, value in draft.expanded[1:])
     assert sum(map(len, draft.frontiers)) < sum(map(len, wide_draft.frontiers))
+
+
+def test_the_policy_lists_kept_apart_for_fast_help_match_grows():
+    """The CLI's --tree choices and bench's <policy>-<N> names are literal lists (no torch import for --help):
+    they must be sequoia.AUTO and grow.POLICIES (bench's without "none")."""
+    from offspec.bench import runner
+    from offspec.cli import options
+    from offspec.spec.grow import POLICIES
+    from offspec.spec.sequoia import AUTO
+    assert options.POLICIES == [AUTO, *POLICIES]
+    assert list(runner.POLICIES) == [AUTO, *(p for p in POLICIES if p != "none")]

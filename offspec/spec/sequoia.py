@@ -46,9 +46,7 @@ Shape = tuple[tuple[int, int], ...]   # (parent index, rank) per node besides th
 
 def chosen_policy(policy: str, twin: bool) -> str:
     """The policy a request runs: `policy`, or for AUTO, sequoia where the draft is the target's twin and dyspec
-    where it is a separate model. dyspec ranks nodes by the draft's own probabilities; the twin's top token is
-    accepted far more often than those probabilities say, so its dyspec trees stay shallow, where Sequoia's shape
-    follows the acceptance by rank the pair was measured to have (docs/options.md, "Which tree for which draft")."""
+    where it is a separate model (why: docs/options.md, "Which tree for which draft")."""
     return policy if policy != AUTO else "sequoia" if twin else "dyspec"
 
 

@@ -21,9 +21,11 @@ seconds are kept in its row but not tabled: what a budget costs on a machine is 
 (scripts/bench_peers.py, timed systems interleaved on an idle machine).
 
 sequoia-N (Sequoia's DP tree for the pair's acceptance by rank, offspec.spec.sequoia) starts each prompt from the
-vector cached for the pair under $OFFSPEC_HOME/sequoia (offspec.engine.rank_cache) and adds what its runs observed
-when the engine closes; once the cache holds 2000 observations the vector is frozen. So compare it after a
-calibration run into a throwaway rows file (one engine, a few prompts), or its first prompts measure the prior.
+vector cached for the pair under $OFFSPEC_HOME/sequoia (offspec.engine.pair_cache) and adds what its runs observed
+when the engine closes; once the cache holds 2000 observations the vector is frozen. --calibrate on does the same
+with dyspec's acceptance by depth and draft probability ($OFFSPEC_HOME/calibration, frozen from 20000). So compare
+them after a calibration run into a throwaway rows file (one engine, a few prompts), or the first prompts measure
+the prior. Each row records what the pair's caches held when its engine started (learned_from).
 
 Acceptance does not depend on where the target's weights live, so --offload none is the default (the fastest).
 One rows file per prompt set; rerunning a command resumes it (rows of other settings are refused).
@@ -150,8 +152,9 @@ def measure(args) -> None:
             sampling = SamplingConfig(temperature=t)
             runners = {name: bench.offspec_runner(loaded.engine, tree, sampling, ignore_eos=True)
                        for name, tree in trees.items()}
+            learned = {"learned_from": loaded.engine.learned.observations(sampling.greedy)}   # the pair's caches
             bench.measure(prompts, runners, args.new_tokens, temperature=t, seeds=(None,) if t == 0 else (args.seed,),
-                          done=done, extra=extra, on_row=on_row)
+                          done=done, extra={**extra, **learned}, on_row=on_row)
     finally:
         loaded.engine.close()
 

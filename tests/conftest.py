@@ -24,11 +24,11 @@ def nan_filled_caches(monkeypatch):
 
 @pytest.fixture(autouse=True)
 def own_caches(monkeypatch, tmp_path_factory):
-    """Engines loaded by tests keep what they keep across runs (sequoia's acceptance by rank, draft records, twins) in
+    """Engines loaded by tests keep what they keep across runs (the pair's acceptance counts, draft records, twins) in
     folders of the test's own, never the user's $OFFSPEC_HOME (which the demo models are read from)."""
-    from offspec.engine import draft_records, rank_cache
+    from offspec.engine import draft_records, pair_cache
     from offspec.model import twin_store
     drafts, home, twins = (tmp_path_factory.mktemp(name) for name in ("drafts", "home", "twins"))
     monkeypatch.setattr(draft_records, "records_dir", lambda: drafts)
-    monkeypatch.setattr(rank_cache, "default_home", lambda: home)
+    monkeypatch.setattr(pair_cache, "default_home", lambda: home)
     monkeypatch.setattr(twin_store, "twins_dir", lambda: twins)

@@ -16,6 +16,7 @@ from click.testing import CliRunner
 from tiny import CHARS, SPECIALS, hf_config, make_model, perturbed_copy, save_checkpoint
 
 import offspec.engine.generate
+import offspec.engine.metrics
 from offspec.cli.main import main
 from offspec.config import OffloadConfig, RuntimeConfig, TreeConfig
 from offspec.engine.generate import GenerationRequest, run
@@ -303,21 +304,21 @@ def test_batch_interrupted_then_resumed_loses_and_duplicates_nothing(m, tmp_path
     out = tmp_path / "out.jsonl"
     args = ["batch", prompts, "-o", out, *m.models, *FAST, "--max-new-tokens", 3, "--concurrency", concurrency]
 
-    calls, real_run = [], offspec.engine.generate.report_of
+    calls, real_run = [], offspec.engine.metrics.report_of
 
     def run_then_ctrl_c(*a, **kw):          # Ctrl-C as the third prompt finishes
         calls.append(1)
         if len(calls) == 3:
             raise KeyboardInterrupt
         return real_run(*a, **kw)
-    monkeypatch.setattr(offspec.engine.generate, "report_of", run_then_ctrl_c)
+    monkeypatch.setattr(offspec.engine.metrics, "report_of", run_then_ctrl_c)
     result = cli(*args)
     assert result.exit_code == 130 and "Traceback" not in result.output
     assert "rerun to resume" in result.stderr
     kept = [r["id"] for r in read_results(out)]                   # finished lines kept, each complete (in the
     assert len(kept) == len(set(kept)) == 2 and set(kept) <= set(ids)   # order rows finish: any, with 3 rows)
 
-    monkeypatch.setattr(offspec.engine.generate, "report_of", real_run)
+    monkeypatch.setattr(offspec.engine.metrics, "report_of", real_run)
     result = ok(cli(*args))
     assert "resuming: 2 of 6" in result.stderr
     rows = read_results(out)

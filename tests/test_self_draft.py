@@ -253,7 +253,7 @@ def test_the_auto_tree_is_sequoias_for_the_twin_and_dyspecs_for_a_separate_draft
             report = tokens(engine, PROMPTS[0], auto, n=12)
             assert report.tree_policy == want and tokens(engine, PROMPTS[0], given, n=12).tree_policy == "dyspec"
             assert report.tokens == tokens(engine, PROMPTS[0], TreeConfig(policy="none"), n=12).tokens
-            assert bool(engine.ranks._modes) == (want == "sequoia")      # only sequoia's rows read the pair's vector
+            assert bool(engine.learned.ranks._modes) == (want == "sequoia")     # only sequoia reads the ranks
         finally:
             engine.close()
 

@@ -1,6 +1,6 @@
 """Sequoia trees: the DP against brute force over every tree, the acceptance-by-rank estimator, growth of the shape,
-the per-pair cache (written at close, read back, frozen when full, a corrupt file only warned about), and the
-engine and CLI end to end on tiny models (speculative greedy == plain greedy, alone and in a batch)."""
+and the engine and CLI end to end on tiny models (speculative greedy == plain greedy, alone and in a batch, the
+pair's cache written at close). The cache itself: test_pair_cache.py."""
 import json
 import random
 
@@ -12,10 +12,9 @@ from tiny import save_agreeing_pair
 
 from offspec.cli.main import main
 from offspec.config import OffloadConfig, RunLimits, RuntimeConfig, SamplingConfig, TreeConfig
-from offspec.engine import rank_cache
 from offspec.engine.generate import GenerationRequest
 from offspec.engine.load import load_engine
-from offspec.engine.rank_cache import RankCache, pair_key
+from offspec.engine.pair_cache import Learned
 from offspec.spec.sequoia import HAZARD_PRIOR, RankCounts, RankLearner, _shape, _tables, best_tree, observe_ranks
 from offspec.spec.tree import TokenTree
 
@@ -139,8 +138,11 @@ def test_counts_by_rank_and_the_hazard_vector():
     tree = three_children()
     counts = observe_ranks(tree, {0: 2, 1: None}, K=4)         # root: rank 1 accepted; a: its only child rejected
     assert counts.tried.tolist() == [2, 1, 0, 0] and counts.hits.tolist() == [0, 1, 0, 0]
-    counts.add_(observe_ranks(tree, {0: None}, K=4))            # all three tried, none accepted
+    counts = counts + observe_ranks(tree, {0: None}, K=4)       # all three tried, none accepted
     assert counts.tried.tolist() == [3, 2, 1, 0] and counts.observations == 3
+    assert (counts + RankCounts.zeros(6)).tried.tolist() == [3, 2, 1, 0, 0, 0]            # over the longer range
+    assert counts.to_dict() == {"tried": [3, 2, 1], "hits": [0, 1, 0]}                     # to the last rank tried
+    assert (counts - counts).observations == 0
     h0, h1 = HAZARD_PRIOR
     assert RankCounts.zeros(3).vector() == pytest.approx((h0, h1 * (1 - h0), h1 * (1 - h0) * (1 - h1)))
     many = RankCounts.zeros(2)
@@ -177,70 +179,6 @@ def test_growth_follows_the_shape_one_draft_call_per_depth(sampling):
         assert tree.size <= len(shape) and tree.n_draft_calls <= tree.depth
 
 
-# ------------------------------------------------------------------------------------------------ the cache
-def request(greedy=True, K=4):
-    return GenerationRequest(prompt_ids=(1, 2), max_new_tokens=4, tree=TreeConfig(policy="sequoia", branching=K),
-                             sampling=SamplingConfig(temperature=0.0 if greedy else 0.8))
-
-
-def test_the_cache_is_written_at_close_read_back_and_frozen_when_full(tmp_path, capsys):
-    tree = three_children()
-    cache = RankCache("pair", home=tmp_path)
-    learner = cache.learner(request())
-    for _ in range(3):
-        learner.observe(tree, {0: 2})                            # rank 1 accepted: ranks 0 and 1 tried
-    cache.save()
-    cache.save()                                                 # twice: nothing counted twice
-    files = list((tmp_path / "sequoia").glob("*.json"))
-    assert len(files) == 1 and json.loads(files[0].read_text())["tried"][:2] == [3, 3]
-    again = RankCache("pair", home=tmp_path)
-    assert again.learner(request()).counts.tried.tolist() == [3, 3, 0, 0]          # a new engine starts there
-    assert again.learner(request(greedy=False)).counts.observations == 0           # sampling: its own file
-    assert RankCache("other", home=tmp_path).learner(request()).counts.observations == 0
-    # Full: frozen, not rewritten.
-    files[0].write_text(json.dumps({"version": 1, "tried": [rank_cache.FROZEN_AT, 900], "hits": [1100, 300]}))
-    full = RankCache("pair", home=tmp_path)
-    learner = full.learner(request())
-    before = learner.vector()
-    learner.observe(tree, {0: None})
-    full.save()
-    assert learner.frozen and learner.vector() == before
-    assert json.loads(files[0].read_text())["tried"] == [rank_cache.FROZEN_AT, 900]
-    assert capsys.readouterr().err == ""
-
-
-@pytest.mark.parametrize("text", ["{not json", json.dumps({"version": 1, "tried": [1], "hits": [5]}), "[]"])
-def test_a_corrupt_cache_is_a_warning_line_not_a_traceback(tmp_path, capsys, text):
-    cache = RankCache("pair", home=tmp_path)
-    path = cache._mode("greedy").path
-    path.parent.mkdir(parents=True)
-    path.write_text(text)
-    fresh = RankCache("pair", home=tmp_path)
-    learner = fresh.learner(request())
-    assert learner.counts.observations == 0
-    err = capsys.readouterr().err
-    assert err.count("\n") == 1 and err.startswith("offspec: warning: ignoring the sequoia cache")
-    learner.observe(three_children(), {0: 0})
-    fresh.save()                                                 # replaced by what this run learned
-    assert json.loads(path.read_text())["tried"][0] == 1
-
-
-def test_pair_key_names_weights_and_how_they_are_held():
-    class Ckpt:
-        def __init__(self, fp):
-            self.fp = fp
-
-        def fingerprint(self):
-            return self.fp
-
-    a, b = Ckpt("a:1"), Ckpt("b:2")
-    key = pair_key(a, b, target_quant="none", draft_quant="none", dtype=torch.float32)
-    assert key == pair_key(a, b, target_quant="none", draft_quant="none", dtype=torch.float32)
-    assert key != pair_key(a, b, target_quant="none", draft_quant="int8", dtype=torch.float32)
-    assert key != pair_key(a, a, target_quant="none", draft_quant="none", dtype=torch.float32)
-    assert pair_key(a, None, target_quant="none", draft_quant="none", dtype=torch.float32) is None
-
-
 # ------------------------------------------------------------------------------------------------ the engine
 RUNTIME = RuntimeConfig(device=torch.device("cpu"), dtype=torch.float32)
 
@@ -260,7 +198,7 @@ def tokens_alone(engine, req):
 
 
 def test_engine_greedy_equals_plain_alone_and_in_a_batch(engine, tmp_path, monkeypatch):
-    engine.ranks = RankCache("tiny", home=tmp_path)             # as a loaded pair would have (load.py passes a key)
+    engine.learned = Learned("tiny", home=tmp_path)             # as a loaded pair would have (load.py passes a key)
     prompts = [tuple(range(5, 25)), (7, 9, 11), tuple(range(40, 52))]
     reqs = [GenerationRequest(prompt_ids=p, max_new_tokens=n, tree=TreeConfig(policy="sequoia", budget=12),
                               ignore_eos=True) for p, n in zip(prompts, (24, 10, 16))]
@@ -282,7 +220,7 @@ def test_engine_greedy_equals_plain_alone_and_in_a_batch(engine, tmp_path, monke
 
 
 def test_engine_sampled_rows_keep_their_tokens_in_a_batch(engine):
-    engine.ranks = RankCache(None)
+    engine.learned = Learned(None)
     sampling = [SamplingConfig(temperature=0.9, seed=s) for s in (1, 2)]
     reqs = [GenerationRequest(prompt_ids=tuple(range(5, 15 + i)), max_new_tokens=10, sampling=s, ignore_eos=True,
                               tree=TreeConfig(policy="sequoia", budget=8)) for i, s in enumerate(sampling)]

@@ -2,7 +2,7 @@
 $OFFSPEC_HOME/drafts/<key>.json.
 
 A file holds {"version": 1, "label", "seconds", "tokens", "rounds"} of one key: a hash of the pair as it runs
-(record_key: rank_cache.pair_key's hash of both models' weights, whether the draft is the target's twin, how each
+(record_key: pair_cache.pair_key's hash of both models' weights, whether the draft is the target's twin, how each
 is held and the dtype, with the device by name). An engine loaded with a DraftLog adds every decoding round to it
 (DraftLog.add): the round's seconds (draft and target pass) and the tokens it made, over every row in the pass. A
 round that fed prompt tokens is left out: it measures a prefill, not the draft. The engine adds what it saw to the
@@ -33,7 +33,7 @@ VERSION = 1
 
 
 def record_key(pair: str, device: str) -> str:
-    """The file name of a pair on a device: pair is rank_cache.pair_key's (weights, twin, how held, dtype)."""
+    """The file name of a pair on a device: pair is pair_cache.pair_key's (weights, twin, how held, dtype)."""
     return hashlib.sha1(f"{pair}|{device}".encode()).hexdigest()[:16]
 
 

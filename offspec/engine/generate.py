@@ -22,8 +22,8 @@ from offspec.engine.controller import Controller
 from offspec.engine.draft_records import DraftLog
 from offspec.engine.feed import RequestFeed
 from offspec.engine.mask import PassMask
-from offspec.engine.metrics import Step, Timer, weights_source
-from offspec.engine.rank_cache import RankCache
+from offspec.engine.metrics import Step, Timer, report_of, weights_source
+from offspec.engine.pair_cache import Learned
 from offspec.engine.request import GenerationRequest, RowLimits, check_request
 from offspec.engine.rounds import DraftWork, RoundRecord, RowView, RunStart
 from offspec.engine.rows import Batch, PassCost, Row, RowStep, StopChecker, StreamDelta
@@ -32,7 +32,7 @@ from offspec.model.forward import Model, RowSpan
 from offspec.model.kv_cache import KVCache
 from offspec.model.vocab import SharedVocab, token_id_count
 from offspec.spec import ngram
-from offspec.spec.calibrate import Calibrator, judged_greedy, judged_path
+from offspec.spec.calibrate import judged_greedy, judged_path
 from offspec.spec.grow import grow_steps
 from offspec.spec.sampling import process_logits
 from offspec.spec.sequoia import chosen_policy
@@ -53,7 +53,7 @@ class Engine:
                  n_shared: Optional[int] = None, context: Optional[int] = None,
                  max_tree_budget: int = AUTO_MAX_TREE_BUDGET, prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
                  max_concurrency: Optional[int] = None, plan=None, target_quant: str = "none",
-                 draft_quant: str = "none", twin: bool = False, sequoia_key: Optional[str] = None,
+                 draft_quant: str = "none", twin: bool = False, pair: Optional[str] = None,
                  draft_log: Optional[DraftLog] = None):
         self.target = target
         self.draft = draft
@@ -79,7 +79,7 @@ class Engine:
         self.target_quant = target_quant
         self.draft_quant = draft_quant if draft is not None else "none"   # how the draft is held (draft_quant.QUANT_MODES)
         self.twin = twin and draft is not None     # the draft is the target's twin (--draft self: draft.load_twin)
-        self.ranks = RankCache(sequoia_key)   # sequoia's acceptance by rank; the key names the pair (rank_cache.py)
+        self.learned = Learned(pair)   # what the pair's runs learned about acceptance (pair_cache.py)
         self.draft_log = draft_log if draft is not None else None   # its decoding rounds, kept (draft_records.py)
 
     # ------------------------------------------------------------ the loop
@@ -88,7 +88,7 @@ class Engine:
 
     def close(self) -> None:
         """Stop the streamer's threads, wait for a draft still loading, save what rows and rounds measured."""
-        for close in (getattr(self.target.layers, "close", None), getattr(self.draft, "close", None), self.ranks.save,
+        for close in (getattr(self.target.layers, "close", None), getattr(self.draft, "close", None), self.learned.save,
                       getattr(self.draft_log, "save", None)):
             if close is not None:
                 close()
@@ -151,7 +151,8 @@ class Engine:
                              f"({self.max_concurrency}); load it with RunLimits(concurrency={concurrency})")
         return concurrency
 
-    def _open_batch(self, feed: RequestFeed, concurrency: int, prefill_per_pass: Optional[int], adapt_rows: bool):
+    def _open_batch(self, feed: RequestFeed, concurrency: int, prefill_per_pass: Optional[int],
+                    adapt_rows: bool) -> Batch:
         """The caches and controller of a batch. One cache row per request in flight, each holding prompt +
         generated tokens + one round's tree and its root, never more than the context: a round's tree shrinks
         to the room left before the context end."""
@@ -295,6 +296,7 @@ class Engine:
         check_request(request, RowLimits(self.max_context, self.max_tree_budget, batch.capacity),
                       speculative=speculative, row_tokens=self._row_tokens(request))
         prompt, cache_row = list(request.prompt_ids), batch.free[-1]
+        learned = self.learned if speculative else None
         batch.t_cache.set_length(0, cache_row)
         if batch.d_cache is not None:
             batch.d_cache.set_length(0, cache_row)
@@ -303,8 +305,8 @@ class Engine:
         return Row(index=index, request=request, cache_row=cache_row, seq=prompt, stops=stops,
                     seed_gen=torch.Generator().manual_seed(request.sampling.seed), speculative=speculative,
                     auto=speculative and request.tree.budget is None, budget=self._tree_room(request),
-                    calibrator=Calibrator() if speculative and request.tree.calibrate else None,
-                    ranks=self.ranks.learner(request) if speculative and request.tree.policy == "sequoia" else None)
+                    calibrator=learned.calibrator(request) if learned and request.tree.calibrate else None,
+                    ranks=learned.rank_learner(request) if learned and request.tree.policy == "sequoia" else None)
 
     # ------------------------------------------------------------ draft
     def _catch_up(self, rows: list[Row], cache: Optional[KVCache]) -> tuple[dict[int, torch.Tensor], int]:
@@ -477,24 +479,3 @@ def run(engine: Engine, request: GenerationRequest, *, start=None, offload: Opti
     text = "".join(streamed) if on_text is not None else None      # the deltas add up to the text
     return report_of(engine, request, steps, start=start, offload=offload, text=text), steps
 
-
-def report_of(engine: Engine, request: GenerationRequest, steps: list[Step], *, start=None,
-              offload: Optional[str] = None, text: Optional[str] = None):
-    """The RunReport of one request from its Steps (run() for one request, `offspec batch` for each of many).
-    text: the output text when the caller has it already (streamed); else it is decoded from the steps."""
-    from offspec.engine.metrics import RunSetup, build_report
-    from offspec.engine.prompt import IncrementalText
-
-    speculative = engine.speculative(request)
-    setup = RunSetup(tree_policy=chosen_policy(request.tree.policy, engine.twin) if speculative else "none",
-                     tree_budget=request.tree.budget if speculative else 0,
-                     offload=offload or (engine.plan.mode if engine.plan is not None else "none"),
-                     weights_source=engine.weights_source(), device=str(engine.device),
-                     dtype=str(engine.target.dtype).replace("torch.", ""), target_quant=engine.target_quant,
-                     draft_quant=engine.draft_quant if speculative else "none", draft_twin=speculative and engine.twin,
-                     memory_plan=engine.plan.to_dict() if engine.plan is not None else None)
-    if text is None:
-        text = IncrementalText(engine.tokenizer, request.stop_strings).text([t for s in steps for t in s.tokens])
-    if start is not None:       # a draft loaded beside the first round: what the run waited for it, counted here
-        start = replace(start, draft_beside=engine.draft_waited)
-    return build_report(steps, prompt_tokens=len(request.prompt_ids), text=text, setup=setup, start=start)

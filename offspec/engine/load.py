@@ -26,8 +26,8 @@ from offspec.config import ModelConfig, OffloadConfig, RunLimits, RuntimeConfig
 from offspec.engine.draft_records import DraftLog, choose, read_record, record_key
 from offspec.engine.generate import Engine
 from offspec.engine.metrics import StartTimes
+from offspec.engine.pair_cache import pair_key
 from offspec.engine.prompt import stop_token_ids
-from offspec.engine.rank_cache import pair_key
 from offspec.engine.rounds import plain_first_round
 from offspec.errors import BudgetError, InputError
 from offspec.formats import published
@@ -273,7 +273,7 @@ class Models:
         return replace(plan, notes=plan.notes + tuple(notes))
 
     def _pair_key(self, draft: DraftCandidate, plan: MemoryPlan, runtime: RuntimeConfig) -> str:
-        """The pair's key (rank_cache.pair_key) with `draft` as `plan` holds it: sequoia's cache and, with the
+        """The pair's key (pair_cache.pair_key) with `draft` as `plan` holds it: the pair's caches and, with the
         device, the draft records (draft_records.record_key) are named by it."""
         return pair_key(self.target, draft.ckpt, target_quant=plan.target_quant, draft_quant=plan.draft_quant,
                         dtype=runtime.dtype, twin=draft.twin)
@@ -310,11 +310,11 @@ class Models:
                                 twin_of=twin_of)
         elif self.twin:
             draft = self._load_draft(runtime, plan.draft_head, twin_of, progress)
-        pair = self._pair_key(self.drafts[0], plan, runtime) if self.drafts else None   # sequoia's, draft records'
+        pair = self._pair_key(self.drafts[0], plan, runtime) if self.drafts else None   # pair_cache's, draft records'
         engine = Engine(target, draft, self.tokenizer, self.eos_ids, n_shared=self.n_shared, context=plan.context,
                         max_tree_budget=plan.tree_budget, prefill_chunk=plan.prefill_chunk,
                         max_concurrency=plan.concurrency, plan=plan, target_quant=runtime.target_quant,
-                        draft_quant=runtime.draft_quant, twin=self.twin, sequoia_key=pair,
+                        draft_quant=runtime.draft_quant, twin=self.twin, pair=pair,
                         draft_log=DraftLog(record_key(pair, self.device_name), self.drafts[0].label) if pair else None)
         t4 = time.perf_counter()
         start = StartTimes(open=self.open_seconds, plan=t1 - t0, draft=t2 - t1 + t4 - t3, target=t3 - t2)

@@ -2,16 +2,17 @@
 from __future__ import annotations
 
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Optional
 
 import psutil
 import torch
 
+from offspec.engine.prompt import IncrementalText
 from offspec.formats.published import describe as describe_quant
 from offspec.formats.published import is_published
 from offspec.spec.calibrate import AcceptanceCounts
-from offspec.spec.sequoia import RankCounts
+from offspec.spec.sequoia import RankCounts, chosen_policy
 
 
 def synchronize(device: torch.device) -> None:
@@ -341,14 +342,29 @@ def acceptance_report(steps: list[Step]) -> Optional[dict]:
     counts = [s.acceptance_counts for s in steps if s.acceptance_counts is not None]
     if not counts:
         return None
-    total = counts[0]
-    for c in counts[1:]:
-        total = total + c
-    report = total.report()
+    report = sum(counts[1:], counts[0]).report()
     ranks = [s.rank_counts for s in steps if s.rank_counts is not None]
     if ranks:
-        by_rank = RankCounts.zeros(max(len(r.tried) for r in ranks))
-        for r in ranks:
-            by_rank.add_(r)
+        by_rank = sum(ranks[1:], ranks[0])
         report["by_rank"] = {k: [int(x) for x in v] for k, v in by_rank.to_dict().items()}   # tried, hits
     return report
+
+
+def report_of(engine, request, steps: list[Step], *, start=None, offload: Optional[str] = None,
+              text: Optional[str] = None) -> RunReport:
+    """The RunReport of one request (engine.request.GenerationRequest) on an engine (engine.generate.Engine) from
+    its Steps: generate.run for one request, the job runner for each of many.
+    text: the output text when the caller has it already (streamed); else it is decoded from the steps."""
+    speculative = engine.speculative(request)
+    setup = RunSetup(tree_policy=chosen_policy(request.tree.policy, engine.twin) if speculative else "none",
+                     tree_budget=request.tree.budget if speculative else 0,
+                     offload=offload or (engine.plan.mode if engine.plan is not None else "none"),
+                     weights_source=engine.weights_source(), device=str(engine.device),
+                     dtype=str(engine.target.dtype).replace("torch.", ""), target_quant=engine.target_quant,
+                     draft_quant=engine.draft_quant if speculative else "none", draft_twin=speculative and engine.twin,
+                     memory_plan=engine.plan.to_dict() if engine.plan is not None else None)
+    if text is None:
+        text = IncrementalText(engine.tokenizer, request.stop_strings).text([t for s in steps for t in s.tokens])
+    if start is not None:       # a draft loaded beside the first round: what the run waited for it, counted here
+        start = replace(start, draft_beside=engine.draft_waited)
+    return build_report(steps, prompt_tokens=len(request.prompt_ids), text=text, setup=setup, start=start)

@@ -77,7 +77,7 @@ class Row:
     budget: int                         # the most tree nodes a round may have (0: plain decoding)
     generated: list[int] = field(default_factory=list)   # emitted tokens (seq minus the prompt, cut at a stop)
     calibrator: Optional[Calibrator] = None   # TreeConfig.calibrate: this row's observed acceptance rates
-    ranks: Optional[RankLearner] = None       # policy "sequoia": this row's acceptance by rank (rank_cache.py)
+    ranks: Optional[RankLearner] = None       # policy "sequoia": this row's acceptance by rank (pair_cache.py)
     floor: float = 0.0                  # TreeConfig.prune: last round's C, when that tree filled its budget
     floor_budget: int = 0               # ... and that round's budget
     generator: Optional[torch.Generator] = None   # this round's randomness (growth and verification)

@@ -22,7 +22,7 @@ from typing import Callable, Iterator, Optional, Sequence, Union
 from tqdm import tqdm
 
 from offspec.config import OffloadConfig, RunLimits, RuntimeConfig
-from offspec.engine import generate
+from offspec.engine import metrics
 from offspec.engine.feed import RequestFeed
 from offspec.engine.metrics import JobReport, RunReport, Step
 from offspec.errors import InputError
@@ -65,7 +65,7 @@ def run_prompts(engine, requests: Union[Sequence, RequestFeed], prefill_per_pass
         if event.step.finish_reason is not None:
             done, request = steps.pop(event.request), feed.request(event.request)
             feed.forget(event.request)
-            yield PromptDone(event.request, generate.report_of(engine, request, done), done)
+            yield PromptDone(event.request, metrics.report_of(engine, request, done), done)
 
 
 @dataclass(frozen=True)

@@ -18,13 +18,14 @@ Observations (what "accepted given the parent accepted" means, read off one veri
   T > 0  the children of each node verification visited (the root and the accepted path): accepted iff it is
          the child verification accepted there. Other nodes were never tried.
 
-Rates are kept per run (per row in flight): cheap counts in bins, updated after every pass. Only which nodes
-are proposed changes; verification and hence the output are untouched.
+Rates are kept per row in flight: cheap counts in bins, updated after every pass, starting from the counts the
+pair's earlier runs left in its cache (engine.pair_cache), which the engine adds each row's counts to. Only which
+nodes are proposed changes; verification and hence the output are untouched.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 
@@ -34,6 +35,7 @@ MATCH_STARTS = (1, 2, 3, 4, 6)              # n-gram match-length buckets: 1, 2,
 PRIOR_WEIGHT = 4.0                          # pseudo-observations behind each prior
 NGRAM_PRIOR = 0.4                           # an n-gram node's acceptance before any was observed
 EMPTY_BIN_WEIGHT = 0.05                     # weight of a bin's prior when the bins are made monotone
+_FIELDS = ("draft_n", "draft_hits", "draft_p", "draft_est", "ngram_n", "ngram_hits", "ngram_est")
 
 _P_EDGES = torch.tensor(P_EDGES, dtype=torch.float64)
 _P_MIDS = (_P_EDGES[1:] + _P_EDGES[:-1]) / 2
@@ -76,6 +78,9 @@ class AcceptanceCounts:
     def __add__(self, other: "AcceptanceCounts") -> "AcceptanceCounts":
         return AcceptanceCounts(*(a + b for a, b in zip(self._fields(), other._fields())))
 
+    def __sub__(self, other: "AcceptanceCounts") -> "AcceptanceCounts":
+        return AcceptanceCounts(*(a - b for a, b in zip(self._fields(), other._fields())))
+
     def _fields(self) -> tuple:
         return (self.draft_n, self.draft_hits, self.draft_p, self.draft_est, self.ngram_n, self.ngram_hits,
                 self.ngram_est)
@@ -83,6 +88,23 @@ class AcceptanceCounts:
     @property
     def observations(self) -> int:
         return int(self.draft_n.sum() + self.ngram_n.sum())
+
+    def to_dict(self) -> dict:
+        """Every field as nested lists (rows by depth bucket), for a pair's cache file (engine.pair_cache)."""
+        return {name: t.tolist() for name, t in zip(_FIELDS, self._fields())}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "AcceptanceCounts":
+        """to_dict's inverse; ValueError unless every field has its shape and 0 <= hits <= n."""
+        zero = cls.zeros()
+        fields = [torch.tensor(d[name], dtype=torch.float64) for name in _FIELDS]
+        if any(f.shape != z.shape for f, z in zip(fields, zero._fields())):
+            raise ValueError(f"acceptance counts: fields of shapes {[tuple(z.shape) for z in zero._fields()]} expected")
+        counts = cls(*fields)
+        for n, hits in ((counts.draft_n, counts.draft_hits), (counts.ngram_n, counts.ngram_hits)):
+            if (hits < 0).any() or (hits > n).any():
+                raise ValueError("acceptance counts: 0 <= hits <= n expected in every bin")
+        return counts
 
     def report(self) -> dict:
         """Predicted vs observed acceptance, for the JSON report: per depth bucket (draft nodes) the mean draft
@@ -204,10 +226,14 @@ UNCALIBRATED_NGRAM = NGRAM_PRIOR   # an n-gram node's estimate when calibration 
 
 
 class Calibrator:
-    """One run's (one row's) running counts; `calibration()` is the snapshot for the next round."""
+    """One row's running counts: `start` (the pair's counts from earlier runs, engine.pair_cache; none by
+    default) plus what the row observes, unless frozen. Each observation is also handed to `share` (the engine's
+    pair cache, saved at close). `calibration()` is the snapshot for the next round."""
 
-    def __init__(self):
-        self.counts = AcceptanceCounts.zeros()
+    def __init__(self, start: Optional[AcceptanceCounts] = None, frozen: bool = False,
+                 share: Optional[Callable[[AcceptanceCounts], None]] = None):
+        self.counts = start if start is not None else AcceptanceCounts.zeros()
+        self.frozen, self.share = frozen, share
         self._snapshot: Optional[Calibration] = None
 
     def calibration(self) -> Calibration:
@@ -216,8 +242,12 @@ class Calibrator:
         return self._snapshot
 
     def add(self, counts: AcceptanceCounts) -> None:
+        if self.frozen:
+            return
         self.counts = self.counts + counts
         self._snapshot = None
+        if self.share is not None:
+            self.share(counts)
 
 
 def _isotonic(y: torch.Tensor, w: torch.Tensor) -> torch.Tensor:

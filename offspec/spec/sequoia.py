@@ -34,7 +34,7 @@ import functools
 import heapq
 from collections import deque
 from dataclasses import dataclass
-from typing import Generator, Optional, Sequence
+from typing import Callable, Generator, Optional, Sequence
 
 import numpy as np
 
@@ -177,11 +177,14 @@ class RankCounts:
         out.tried[:k], out.hits[:k] = self.tried[:k], self.hits[:k]
         return out
 
-    def add_(self, other: "RankCounts") -> None:
-        """Add `other`'s counts in place (its ranks beyond this one's K are dropped)."""
-        other = other.resized(len(self.tried))
-        self.tried += other.tried
-        self.hits += other.hits
+    def __add__(self, other: "RankCounts") -> "RankCounts":
+        """The sum over the longer of the two rank ranges."""
+        K = max(len(self.tried), len(other.tried))
+        a, b = self.resized(K), other.resized(K)
+        return RankCounts(a.tried + b.tried, a.hits + b.hits)
+
+    def __sub__(self, other: "RankCounts") -> "RankCounts":
+        return self + RankCounts(-other.tried, -other.hits)
 
     def vector(self) -> tuple[float, ...]:
         """p (K,): p_i = h_i prod_{j<i} (1 - h_j), h_i the hazard shrunk toward HAZARD_PRIOR."""
@@ -192,7 +195,9 @@ class RankCounts:
         return tuple(float(x) for x in h * survive)
 
     def to_dict(self) -> dict:
-        return {"tried": [float(x) for x in self.tried], "hits": [float(x) for x in self.hits]}
+        """{"tried": [...], "hits": [...]} up to the last rank ever tried."""
+        K = int((self.tried > 0).nonzero()[0].max(initial=-1)) + 1
+        return {"tried": [float(x) for x in self.tried[:K]], "hits": [float(x) for x in self.hits[:K]]}
 
     @classmethod
     def from_dict(cls, d: dict) -> "RankCounts":
@@ -219,13 +224,14 @@ def observe_ranks(tree, judged: dict[int, Optional[int]], K: int) -> RankCounts:
 
 class RankLearner:
     """One row's acceptance-by-rank vector: the engine's starting counts plus what the row observes, unless
-    frozen. Each observation is also added to `shared` (the engine's new counts, saved at close). The vector is
+    frozen. Each observation is also handed to `share` (the engine's pair cache, saved at close). The vector is
     recomputed only when the row's observations have doubled since the last one, so the shapes it asks for
     repeat and best_tree's memo answers them."""
 
-    def __init__(self, start: RankCounts, K: int, frozen: bool = False, shared: Optional[RankCounts] = None):
+    def __init__(self, start: RankCounts, K: int, frozen: bool = False,
+                 share: Optional[Callable[[RankCounts], None]] = None):
         self.counts = start.resized(K)
-        self.K, self.frozen, self.shared = K, frozen, shared
+        self.K, self.frozen, self.share = K, frozen, share
         self._vector: Optional[tuple[float, ...]] = None
         self._at = 0
 
@@ -239,9 +245,9 @@ class RankLearner:
         """Count one verified tree (unless frozen); returns its observations."""
         new = observe_ranks(tree, judged, self.K)
         if not self.frozen:
-            self.counts.add_(new)
-            if self.shared is not None:
-                self.shared.add_(new)
+            self.counts = self.counts + new
+            if self.share is not None:
+                self.share(new)
         return new
 
 

@@ -95,6 +95,10 @@ GRID = (
     _trees("sequoia-smollm2-chat.jsonl", 64, "sequoia / dyspec (int8 twin)"),
     *(_trees("calibrated-smollm2-chat.jsonl", b, "sequoia / dyspec (both calibrated)") for b in (64, 256)),
     *(_trees("self-smollm2-code.jsonl", b) for b in (64, 256)),
+    # dyspec with --calibrate, its rows starting from the pair's calibration cache (learned on the first 8 code
+    # prompts), against dyspec's raw draft probabilities.
+    *(Compare("calibrated dyspec (from code) / dyspec", Cell("calibrated-small-chat.jsonl", f"dyspec-{b}"),
+              Cell("small-chat.jsonl", f"dyspec-{b}")) for b in (64, 256)),
 )
 HEADERS = ["ratio", "target", "prompts", "new tokens", "T", "numerator", "denominator", "ratio [95% CI]",
            "prompts paired", "rows (docs/bench_accept/)"]

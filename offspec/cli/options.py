@@ -193,9 +193,10 @@ def model_options(f):
                           "measured level on chat and worse on code (docs/notes/2026-11-25-tree-levers.md)."),
         click.option("--calibrate", type=click.Choice(["on", "off"]), default="on" if TreeConfig.calibrate else "off",
                      show_default=True,
-                     help="Rank tree nodes by the acceptance rates this run observes (by depth and draft probability), "
-                          "not by raw draft probabilities. Output is unchanged either way. Off by default, like "
-                          "--ngram (measured with it)."),
+                     help="Rank tree nodes by the acceptance rates observed (by depth and draft probability), not "
+                          "by raw draft probabilities, learned from this pair's earlier runs on "
+                          "($OFFSPEC_HOME/calibration). Output is unchanged either way. Off by default: level with "
+                          "the demo's draft, whose probabilities already match (docs/benchmarks.md)."),
         click.option("--temperature", type=float, default=0.0, show_default=True, help="0 = greedy."),
         click.option("--top-p", type=float, default=1.0, show_default=True, help="Nucleus sampling mass (1 = off)."),
         click.option("--top-k", type=int, default=0, show_default=True,

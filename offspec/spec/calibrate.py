@@ -24,7 +24,7 @@ nodes are proposed changes; verification and hence the output are untouched.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Callable, Optional, Sequence
 
 import torch
@@ -35,7 +35,6 @@ MATCH_STARTS = (1, 2, 3, 4, 6)              # n-gram match-length buckets: 1, 2,
 PRIOR_WEIGHT = 4.0                          # pseudo-observations behind each prior
 NGRAM_PRIOR = 0.4                           # an n-gram node's acceptance before any was observed
 EMPTY_BIN_WEIGHT = 0.05                     # weight of a bin's prior when the bins are made monotone
-_FIELDS = ("draft_n", "draft_hits", "draft_p", "draft_est", "ngram_n", "ngram_hits", "ngram_est")
 
 _P_EDGES = torch.tensor(P_EDGES, dtype=torch.float64)
 _P_MIDS = (_P_EDGES[1:] + _P_EDGES[:-1]) / 2
@@ -82,8 +81,8 @@ class AcceptanceCounts:
         return AcceptanceCounts(*(a - b for a, b in zip(self._fields(), other._fields())))
 
     def _fields(self) -> tuple:
-        return (self.draft_n, self.draft_hits, self.draft_p, self.draft_est, self.ngram_n, self.ngram_hits,
-                self.ngram_est)
+        """The count tensors in field order (the constructor's)."""
+        return tuple(getattr(self, f.name) for f in fields(self))
 
     @property
     def observations(self) -> int:
@@ -91,16 +90,15 @@ class AcceptanceCounts:
 
     def to_dict(self) -> dict:
         """Every field as nested lists (rows by depth bucket), for a pair's cache file (engine.pair_cache)."""
-        return {name: t.tolist() for name, t in zip(_FIELDS, self._fields())}
+        return {f.name: getattr(self, f.name).tolist() for f in fields(self)}
 
     @classmethod
     def from_dict(cls, d: dict) -> "AcceptanceCounts":
         """to_dict's inverse; ValueError unless every field has its shape and 0 <= hits <= n."""
         zero = cls.zeros()
-        fields = [torch.tensor(d[name], dtype=torch.float64) for name in _FIELDS]
-        if any(f.shape != z.shape for f, z in zip(fields, zero._fields())):
+        counts = cls(*(torch.tensor(d[f.name], dtype=torch.float64) for f in fields(cls)))
+        if any(a.shape != z.shape for a, z in zip(counts._fields(), zero._fields())):
             raise ValueError(f"acceptance counts: fields of shapes {[tuple(z.shape) for z in zero._fields()]} expected")
-        counts = cls(*fields)
         for n, hits in ((counts.draft_n, counts.draft_hits), (counts.ngram_n, counts.ngram_hits)):
             if (hits < 0).any() or (hits > n).any():
                 raise ValueError("acceptance counts: 0 <= hits <= n expected in every bin")

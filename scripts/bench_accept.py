@@ -117,9 +117,11 @@ def main(argv=None) -> int:
 def measure(args) -> None:
     """Load the engine as `offspec generate` does and measure every (prompt, temperature) the rows file lacks."""
     from offspec.engine.load import Models, parse_dtype, runtime_config
+    from offspec.formats import int4
     from offspec.formats.demo import ensure_demo_models
 
     target_dir, draft_dir = (args.target, args.draft) if args.target else ensure_demo_models()
+    models = Models.open(target_dir, draft_dir)
     settings = {"prompt_set": args.prompt_set, "new_tokens": args.new_tokens, "dtype": args.dtype,
                 "offload": args.offload, "device": args.device.type, "seed": args.seed,
                 "models": [Path(target_dir).name, Path(draft_dir).name]}
@@ -127,7 +129,8 @@ def measure(args) -> None:
         settings["draft_quant"] = args.draft_quant
     if args.calibrate == "on":                  # likewise: rows measured before it were all off
         settings["calibrate"] = True
-    models = Models.open(target_dir, draft_dir)
+    if models.twin or args.draft_quant == "int4":   # rows without it: a dense target's twin in groups of 64
+        settings["int4_group"] = int4.GROUP
     prompts = peer_hf.encoded_prompts(args.prompt_set, args.prompts, 0, models.tokenizer)
     done = {bench.row_key(r) for r in bench.resumed_rows(args.rows[0], prompts, args.systems, args.temperatures,
                                                             args.seed, settings)}

@@ -13,7 +13,8 @@ Parts, in order, each in its own process with its own time limit (a hang or a cr
   drafts   one call of a 1B-shaped (Llama-3.2-1B) and an 8B-shaped (Llama-3.1-8B) draft, resident, at the
            same widths, after the same prefix
   twin     one 70B-shaped layer's seven matrices as a twin (--draft self) holds them: bf16, int4 (PyTorch's int4
-           matmul, formats/int4.py) and nf4 (bitsandbytes: dequantized per call), at 1, 4, 16 and 64 tree rows;
+           matmul, formats/int4.py; its groups of 32, and of 64 as int4-g64) and nf4 (bitsandbytes: dequantized per
+           call), at 1, 4, 16 and 64 tree rows;
            and int4's error against its reference dequantization (the CUDA kernel's first check); and a 70B
            lm_head read by those rows, the target's bf16 one (a GPU twin shares it) against an int4 copy
   kernels  the Triton dequantization kernels' tests on the GPU (tests/test_kernels.py: every format and shape
@@ -70,7 +71,7 @@ from offspec.plan.placement import LayerPlan  # noqa: E402
 from offspec.plan.sizes import layer_nbytes  # noqa: E402
 
 PARTS = ("check", "kernels", "pass70b", "drafts", "twin", "dequant", "passq")
-PART_LIMIT_S = {"check": 260, "kernels": 150, "pass70b": 150, "drafts": 60, "twin": 90, "dequant": 150,
+PART_LIMIT_S = {"check": 260, "kernels": 150, "pass70b": 150, "drafts": 60, "twin": 110, "dequant": 150,
                 "passq": 150}
 TWIN_ROWS = (1, 4, 16, 64)
 WIDTHS = (1, 64, 256, 1024)
@@ -183,7 +184,9 @@ def twin_part(args, device: torch.device, results: Results) -> None:
     rel = lambda out: float((out.float() - want).abs().max() / want.abs().max())     # noqa: E731
     results.update("twin", int4_max_rel_error=rel(got), int4_from_host_max_rel_error=rel(from_host.matmul(x)),
                    layers_per_70b=80)
-    forms = {"bf16": lambda w: w, "int4": int4.Int4Weight.quantize, "nf4": lambda w: HeldWeight.quantize(w, "nf4")}
+    forms = {"bf16": lambda w: w, "int4": int4.Int4Weight.quantize,
+             "int4-g64": lambda w: int4.Int4Weight.quantize(w, source=64),
+             "nf4": lambda w: HeldWeight.quantize(w, "nf4")}
     for form, make in forms.items():
         try:
             held = [make(w) for w in dense]

@@ -156,8 +156,8 @@ def draft_name(cell: Cell) -> str:
     rows = file_rows(cell.rows)
     if not rows:
         return "–"
-    name = rows[0]["settings"]["models"][1]
-    held = sorted({r["draft_quant"] for r in rows if r.get("draft_quant")})
+    name, group = rows[0]["settings"]["models"][1], rows[0]["settings"].get("int4_group")
+    held = sorted({f"{q} g{group}" if q == "int4" and group else q for r in rows if (q := r.get("draft_quant"))})
     return " ".join(["twin" if name == "self" else name, *held])
 
 
@@ -196,7 +196,9 @@ def section(lines: list[list[str]], rows: list[dict]) -> str:
         "ratio of those medians with a paired bootstrap interval. The cells of one line share the target, the "
         f"prompts, the new tokens (EOS ignored), the temperature (T; 0: greedy) and the dtype ({', '.join(dtypes)}). "
         "The twin is the "
-        "target's own layers held in 4-bit groups (`--draft self`), the 0.5B the demo's separate draft held int8; "
+        "target's own layers held in 4-bit groups (`--draft self`; \"int4 g32\": groups of 32, the default since "
+        "2026-11-29; plain \"int4\", measured before, a dense target's groups of 64 and a GGUF's own 32), the 0.5B "
+        "the demo's separate draft held int8; "
         "tokens a pass do not depend on the machine's speed. At 64 new tokens a cell is a count of passes (64/2 = "
         "32, 64/3 = 21.33): a twin that finishes in 2 passes is at the measurement's ceiling (the 256-token lines "
         "are for that). Sequoia's acceptance vector is the pair's cache when the line was measured (its notes: "

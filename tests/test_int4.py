@@ -12,16 +12,17 @@ DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("shape", [(48, 128), (40, 96), (7, 64), (256, 320)])   # N padded; G 64 | 32
+@pytest.mark.parametrize("shape", [(48, 128), (40, 96), (7, 64), (256, 320)])   # N padded
 @pytest.mark.parametrize("rows", [1, 5, 33])
-def test_kernel_equals_the_reference_dequantization(device, shape, rows):
+@pytest.mark.parametrize("source", [None, 64])                                    # G 32 | 64 where it divides K
+def test_kernel_equals_the_reference_dequantization(device, shape, rows, source):
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     gen = torch.Generator().manual_seed(shape[0] * 1000 + rows)
     w = torch.randn(*shape, generator=gen).to(device, dtype)
     x = torch.randn(2, rows, shape[1], generator=gen).to(device, dtype)
     bias = torch.randn(shape[0], generator=gen).to(device, dtype)
-    got = int4.Int4Weight.quantize(w).matmul(x, bias)                                    # (2, rows, N)
-    want = x.float() @ int4.reference(w).t() + bias.float()
+    got = int4.Int4Weight.quantize(w, source).matmul(x, bias)                            # (2, rows, N)
+    want = x.float() @ int4.reference(w, source).t() + bias.float()
     assert got.shape == (2, rows, shape[0]) and got.dtype == dtype
     tol = 1e-4 if dtype == torch.float32 else 3e-2
     assert torch.allclose(got.float(), want, rtol=tol, atol=tol * float(want.abs().max()))
@@ -35,7 +36,7 @@ def test_chunks_packed_end_to_end_are_the_matrix_packed_whole(device):
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     N, K = 2 * int4.ROWS_AT_ONCE + 24, 128                                            # 3 chunks, N' = N + 8
     w = torch.randn(N, K, generator=torch.Generator().manual_seed(1)).to(dtype)       # (N, K) on the host
-    q, sz = int4.quantize_groups(torch.cat([w, w.new_zeros(8, K)]), 64)
+    q, sz = int4.quantize_groups(torch.cat([w, w.new_zeros(8, K)]), int4.GROUP)
     whole = int4._pack(q.to(device))
     for held in (int4.Int4Weight.quantize(w.to(device)), int4.Int4Weight.quantize(w, device=torch.device(device))):
         assert torch.equal(held.packed, whole) and torch.equal(held.scales_zeros, sz.to(device))
@@ -65,7 +66,8 @@ def test_shapes_and_devices_it_cannot_run_are_refused_in_one_line():
 
 def test_a_4bit_sources_own_groups_land_on_its_levels():
     """A matrix on 16 levels a group of 32 (as a Q4_1 or AWQ g32 matrix dequantizes): int4 in the source's groups
-    gives it back (float32: to rounding), int4 in groups of 64 does not (int4.source_group)."""
+    gives it back (float32: to rounding), as do the default groups (GROUP, 32); int4 in groups of 64 does not
+    (int4.source_group)."""
     gen = torch.Generator().manual_seed(3)
     lo, step = torch.randn(48, 4, 1, generator=gen), torch.rand(48, 4, 1, generator=gen) / 10 + 0.01
     levels = torch.randint(0, 16, (48, 4, 32), generator=gen)
@@ -77,4 +79,5 @@ def test_a_4bit_sources_own_groups_land_on_its_levels():
     own = int4.Int4Weight.quantize(w, source=32)
     assert own.group == 32 and own.nbytes == int4.nbytes((48, 128), torch.float32, source=32)
     assert torch.allclose(own.matmul(x), x @ w.t(), atol=1e-4)
-    assert not torch.allclose(int4.Int4Weight.quantize(w).matmul(x), x @ w.t(), atol=1e-2)
+    assert not torch.allclose(int4.Int4Weight.quantize(w, source=64).matmul(x), x @ w.t(), atol=1e-2)
+    assert torch.allclose(int4.Int4Weight.quantize(w).matmul(x), x @ w.t(), atol=1e-4)       # GROUP is 32

@@ -12,6 +12,7 @@ from offspec.config import OffloadConfig, RuntimeConfig, SamplingConfig, TreeCon
 from offspec.engine.generate import GenerationRequest
 from offspec.engine.load import load_engine
 from offspec.engine.pair_cache import CALIBRATION, SEQUOIA, Learned, pair_key
+from offspec.formats import int4
 from offspec.spec.calibrate import AcceptanceCounts, observe
 from offspec.spec.tree import TokenTree
 
@@ -108,7 +109,7 @@ def test_acceptance_counts_round_trip_through_their_dict():
     assert (counts - counts).observations == 0 and (counts + counts).observations == 2 * counts.observations
 
 
-def test_pair_key_names_weights_and_how_they_are_held():
+def test_pair_key_names_weights_and_how_they_are_held(monkeypatch):
     class Ckpt:
         def __init__(self, fp):
             self.fp = fp
@@ -123,6 +124,9 @@ def test_pair_key_names_weights_and_how_they_are_held():
     assert key != pair_key(a, a, target_quant="none", draft_quant="none", dtype=torch.float32)
     assert key != pair_key(a, b, target_quant="none", draft_quant="none", dtype=torch.float32, twin=True)
     assert pair_key(a, None, target_quant="none", draft_quant="none", dtype=torch.float32) is None
+    held = pair_key(a, b, target_quant="none", draft_quant="int4", dtype=torch.float32, twin=True)
+    monkeypatch.setattr(int4, "GROUP", 64)      # an int4 draft in other groups accepts otherwise: its own caches
+    assert held != pair_key(a, b, target_quant="none", draft_quant="int4", dtype=torch.float32, twin=True)
 
 
 def test_calibrated_rows_start_from_the_pairs_earlier_runs(tmp_path):

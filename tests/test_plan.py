@@ -253,20 +253,20 @@ def test_the_readmes_predicted_passes_are_what_models_info_prints(folders):
 
 
 def test_the_readmes_twin_figures_are_what_models_info_prints(folders):
-    """The README's `--draft self` paragraph: a 70B's twin does not fit a 24 GB card (one line) and leaves 16 layers
-    resident on an 80 GB H100; an 8B's fits a 12 GB card beside 5 resident layers."""
+    """The README's `--draft self` paragraph: a 70B's twin does not fit a 24 GB card (one line) and leaves 13 layers
+    resident on an 80 GB H100; an 8B's fits a 12 GB card beside 4 resident layers."""
     readme = (Path(__file__).parent.parent / "README.md").read_text()
-    for needle in ("38.5 GB", "does not fit a 24 GB GPU", "16 of the 80 layers resident", "(3.9 GB)", "5 resident"):
+    for needle in ("42.8 GB", "does not fit a 24 GB GPU", "13 of the 80 layers resident", "(4.4 GB)", "4 resident"):
         assert needle in readme, needle
     info = lambda name, gpu, host: cli("models", "info", folders[name], "--draft", "self", "--gpu", gpu,  # noqa: E731
                                        "--host-memory", host)
     refused = info("Llama-3.1-70B-Instruct", "rtx4090", "64GB")
     assert refused.exit_code == 1 and len(refused.output.strip().splitlines()) == 1
-    assert "cannot hold the run" in refused.output and "draft weights 38.51 GB" in refused.output
+    assert "cannot hold the run" in refused.output and "draft weights 42.78 GB" in refused.output
     h100, small = info("Llama-3.1-70B-Instruct", "h100", "192GB"), info("Llama-3.1-8B-Instruct", "rtx4070ti", "32GB")
-    assert h100.exit_code == 0 and "layers 0–15 resident" in h100.output, h100.output
-    assert small.exit_code == 0 and "layers 0–4 resident" in small.output, small.output
-    assert "self: the target's layers held int4, 3.93 GB on the device" in small.output
+    assert h100.exit_code == 0 and "layers 0–12 resident" in h100.output, h100.output
+    assert small.exit_code == 0 and "layers 0–3 resident" in small.output, small.output
+    assert "self: the target's layers held int4, 4.36 GB on the device" in small.output
 
 
 def test_models_info_predicts_for_a_named_card(folders):

@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 from offspec.engine.request import GenerationRequest
+from offspec.formats import int4
 from offspec.spec.calibrate import AcceptanceCounts, Calibrator
 from offspec.spec.sequoia import RankCounts, RankLearner
 
@@ -49,10 +50,12 @@ CALIBRATION = Kind("calibration", frozen_at=20000, empty=AcceptanceCounts.zeros,
 
 def pair_key(target, draft, *, target_quant: str, draft_quant: str, dtype, twin: bool = False) -> Optional[str]:
     """The cache key of a model pair (None without a draft): target and draft are anything with fingerprint()
-    (formats.checkpoint.Checkpoint, gguf_read's); twin: the draft is the target's own layers (--draft self)."""
+    (formats.checkpoint.Checkpoint, gguf_read's); twin: the draft is the target's own layers (--draft self). An
+    int4 draft is named with int4.GROUP, the groups it is held in where its checkpoint has none of its own."""
     if draft is None:
         return None
-    text = f"{target.fingerprint()}|{draft.fingerprint()}|{target_quant}|{draft_quant}|{dtype}|twin={twin}"
+    held = f"{draft_quant} g{int4.GROUP}" if draft_quant == "int4" else draft_quant
+    text = f"{target.fingerprint()}|{draft.fingerprint()}|{target_quant}|{held}|{dtype}|twin={twin}"
     return hashlib.sha1(text.encode()).hexdigest()[:16]
 
 

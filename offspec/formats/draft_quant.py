@@ -22,7 +22,7 @@ def auto_draft_quant(device_kind: str, dtype: torch.dtype) -> str:
 
 
 def auto_twin_quant(device_kind: str, dtype: torch.dtype = torch.bfloat16) -> str:
-    """--draft-quant auto for a twin (--draft self). In bfloat16, int4 on a GPU and a CPU alike: 0.28x of bf16,
+    """--draft-quant auto for a twin (--draft self). In bfloat16, int4 on a GPU and a CPU alike: 0.31x of bf16,
     read in 4 bits by PyTorch's int4 matmul, the fastest twin measured on a CPU at every call width
     (docs/notes/2026-11-28-int4-twin.md); on a GPU, where that kernel cannot run, nf4 (load.runtime_config).
     In other dtypes, where PyTorch has no fast int4 path: nf4 on a GPU; int8 on a CPU (int8 copies of the
@@ -49,7 +49,7 @@ def draft_lm_head(quant: str, device_kind: str, dtype: torch.dtype, twin: bool =
     dense draft's would be read there (auto_draft_quant): shared on a GPU, beside an int8 copy on a CPU in
     bfloat16. It costs no device bytes, and the twin's top token is the target's more often than with an int4
     copy (docs/notes/2026-11-29-the-twins-lm-head.md). Where the target's stays in host memory, an int4 copy on
-    the device, so a call reads 0.28x of it there instead of crossing all of it."""
+    the device, so a call reads 0.31x of it there instead of crossing all of it."""
     if quant == "int4" and twin and not head_on_host:
         return "int8" if auto_draft_quant(device_kind, dtype) == "int8" else "as is"
     if quant == "int4":

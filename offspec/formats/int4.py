@@ -1,8 +1,8 @@
 """4-bit weights with group scales, read as 4 bits by PyTorch's own int4 matmul (the draft's --draft-quant int4).
 
-Each row of a matrix W (N, K) is cut into groups of G consecutive weights (64; or the groups a 4-bit checkpoint was
-published in, where the twin then lands on the target's own levels: source_group); each group has its own scale and
-zero (asymmetric min-max):
+Each row of a matrix W (N, K) is cut into groups of G consecutive weights (GROUP, 32; or the groups a 4-bit checkpoint
+was published in, where the twin then lands on the target's own levels: source_group); each group has its own scale
+and zero (asymmetric min-max):
 
     W[n, k]  ~=  (q[n, k] - 8) * s[g, n] + z[g, n],     g = k // G,   q[n, k] in 0..15
     s = (max - min) / 15,   z = min + 8 s                over the G weights of group g of row n
@@ -10,8 +10,8 @@ zero (asymmetric min-max):
 PyTorch ships the kernels (the "tinygemm" int4 matmul gpt-fast and torchao use): aten::_weight_int4pack_mm on
 CUDA (compute capability 8.0 and later, bfloat16) and aten::_weight_int4pack_mm_for_cpu (any float dtype). Both
 read the packed 4-bit matrix and the (K / G, N, 2) scales and zeros as they are, never a dequantized matrix: a
-call over a few rows reads 0.5625 bytes a weight (G = 64) where bf16 reads 2 and a held nf4 matrix, dequantized
-for the call, writes and reads 2 more. The packed layout differs by device, so a matrix is packed on the device
+call over a few rows reads 0.625 bytes a weight (G = 32; 0.5625 at 64) where bf16 reads 2 and a held nf4 matrix,
+dequantized for the call, writes and reads 2 more. The packed layout differs by device, so a matrix is packed on the device
 it will run on, when it is built.
 
 The kernels' shape rules, met here: K a multiple of 32 (CUDA packs 16-wide k-tiles two or more at a time) and of
@@ -30,7 +30,7 @@ import torch
 
 from offspec.errors import InputError
 
-GROUPS = (64, 32)           # the group size: the first of these that divides K (unless the source's, below)
+GROUP = 32                  # the group size, unless the source's (below); K is a multiple of it (K_MULTIPLE)
 KERNEL_GROUPS = (32, 64, 128, 256)   # the group sizes PyTorch's kernels take
 K_MULTIPLE = 32
 N_MULTIPLE = 16
@@ -38,11 +38,11 @@ ROWS_AT_ONCE = 512          # rows quantized at a time (their float32 copy, not 
 
 
 def group_size(K: int, source: Optional[int] = None) -> int:
-    """G for a matrix of input width K: the source's group (source_group) where the kernels take it and it
-    divides K, else the first of GROUPS that divides K."""
+    """G for a matrix of input width K (a multiple of K_MULTIPLE): the source's group (source_group) where the
+    kernels take it and it divides K, else GROUP."""
     if source in KERNEL_GROUPS and K % source == 0:
         return source
-    return next(g for g in GROUPS if K % g == 0)
+    return GROUP
 
 
 def source_group(quant: str) -> Optional[int]:

@@ -20,7 +20,7 @@ layers is kept ONLY quantized. int8-held and nf4 are HeldWeights, in the pieces 
 per-row int8, bitsandbytes' nf4: 0.50x / 0.28x of bf16); a call dequantizes the matrix into a temporary with the
 target's dequantization (quant.dequantize_matrix), but a held int8 matrix on a CPU serves narrow rows straight,
 like the copy. lm_head and the embedding stay dense: dequantizing lm_head each call would cost a (V, D) temporary.
-int4 (0.28x, formats/int4.py) is read in 4 bits by PyTorch's int4 matmul on a CPU and a GPU alike, lm_head
+int4 (0.31x, formats/int4.py) is read in 4 bits by PyTorch's int4 matmul on a CPU and a GPU alike, lm_head
 included. Like the int8 copy, this changes p only: the output stays the target's.
 
 `linear` accepts a plain tensor, an Int8Weight, a HeldWeight or an Int4Weight, so the one layer forward serves both

@@ -31,7 +31,7 @@ def load_resident(ckpt: Checkpoint, device: torch.device, dtype: torch.dtype, qu
                    (+50% memory for the draft; faster on a CPU)
       "int8-held"  the layers' matrices held only as per-row int8 (0.50x of bf16)
       "nf4"        the layers' matrices held only as bitsandbytes nf4 (0.28x of bf16)
-      "int4"       the layers' matrices held only in 4-bit groups (0.28x), read in 4 bits
+      "int4"       the layers' matrices held only in 4-bit groups (0.31x), read in 4 bits
     head: the lm_head's form, as the memory plan chose it (plan.draft_head, from draft_quant.draft_lm_head).
     A held layer is quantized right after it is read, so loading needs one dense layer more, not a model."""
     layers = _layers(ckpt, device, dtype, quant)

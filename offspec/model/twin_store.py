@@ -2,7 +2,7 @@
 $OFFSPEC_HOME/twins/<target folder>-int4-<key>.safetensors.
 
 Only where building it costs: an int4 twin quantized on a CPU from the target's resident dense layers (reading
-its file back costs what the drive needs for 0.28x of the target's bf16 bytes; build and read times:
+its file back costs what the drive needs for 0.31x of the target's bf16 bytes; build and read times:
 docs/notes/2026-11-29-choosing-the-draft.md). On a GPU the twin is quantized on the device as the target's layers
 pass, faster than the file could be read, so nothing is kept.
 
@@ -35,7 +35,7 @@ from offspec.formats.weights import matrix_names
 from offspec.model.forward import Model
 
 FREE_MARGIN = 1 << 30       # bytes the drive keeps free beyond the file
-VERSION = 2                 # of int4's quantization (quantize_groups, group_size) and of what the file holds
+VERSION = 3                 # of int4's quantization (quantize_groups, group_size) and of what the file holds
 
 
 def twins_dir() -> Path:

@@ -3,6 +3,7 @@ target's globals, is counted by the memory plan like any draft (its layers only)
 (greedy float32 == the target's own; sampling keeps the target's law; a batch keeps each prompt's tokens), and
 works for published and GGUF targets."""
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 import torch
@@ -320,12 +321,16 @@ def test_an_int4_twin_built_on_a_cpu_is_kept_and_read_back_bit_for_bit(target, m
     def load():
         return load_engine(target, SELF_DRAFT, OffloadConfig(), replace(RUNTIME, draft_quant="int4"), progress=False)
 
+    stale = twin_store.twins_dir() / f"{Path(target).name}-int4-0123456789abcdef.safetensors"   # another version's
+    stale.parent.mkdir(parents=True, exist_ok=True)
+    stale.write_bytes(bytes(2048))
     first = load()
     built = matrices(first)[1]
     greedy_equals_plain(first.engine, at_least=1.5)
     first.engine.close()
-    (kept,) = twin_store.twins_dir().iterdir()
-    assert "are kept in" in capsys.readouterr().err
+    (kept,) = set(twin_store.twins_dir().iterdir()) - {stale}
+    err = capsys.readouterr().err
+    assert "are kept in" in err and "1 other twin file of this target there (2 kB)" in err and stale.exists()
 
     def no_quantizing(*args, **kwargs):
         raise AssertionError("the kept twin was quantized again")

@@ -11,8 +11,8 @@ PyTorch ships the kernels (the "tinygemm" int4 matmul gpt-fast and torchao use):
 CUDA (compute capability 8.0 and later, bfloat16) and aten::_weight_int4pack_mm_for_cpu (any float dtype). Both
 read the packed 4-bit matrix and the (K / G, N, 2) scales and zeros as they are, never a dequantized matrix: a
 call over a few rows reads 0.625 bytes a weight (G = 32; 0.5625 at 64) where bf16 reads 2 and a held nf4 matrix,
-dequantized for the call, writes and reads 2 more. The packed layout differs by device, so a matrix is packed on the device
-it will run on, when it is built.
+dequantized for the call, writes and reads 2 more. The packed layout differs by device, so a matrix is packed on
+the device it will run on, when it is built.
 
 The kernels' shape rules, met here: K a multiple of 32 (CUDA packs 16-wide k-tiles two or more at a time) and of
 G; N a multiple of 16 (the CPU packing's; CUDA's is 8), met by padding rows with zeros and dropping their outputs.

@@ -94,7 +94,18 @@ def _write(path: Path, layers: list[LayerWeights]) -> None:
         print(f"offspec: warning: could not keep the twin in {path} ({err})", file=sys.stderr)
         return
     print(f"offspec: the twin's int4 matrices are kept in {path} ({format_bytes(size)}); later runs read them "
-          f"instead of quantizing the target again", file=sys.stderr)
+          f"instead of quantizing the target again{_others(path)}", file=sys.stderr)
+
+
+def _others(path: Path) -> str:
+    """The other twin files of path's target beside it (another key: dtype, torch or offspec version), for the
+    line that says a twin was kept: an upgrade leaves the old twin unread, as big as the new one."""
+    others = [p for p in path.parent.glob(f"{path.name.rsplit('-int4-', 1)[0]}-int4-*.safetensors") if p != path]
+    if not others:
+        return ""
+    size = format_bytes(sum(p.stat().st_size for p in others))
+    return (f"; {len(others)} other twin file{'s' * (len(others) > 1)} of this target there ({size}) hold it for "
+            f"another dtype, torch or offspec version: delete {'them' if len(others) > 1 else 'it'} if unused")
 
 
 def _read(path: Path, target: Model) -> list[LayerWeights]:

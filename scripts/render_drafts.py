@@ -77,6 +77,12 @@ GRID = (
       for rows, small, b in (("sequoia-self-chat.jsonl", "small-chat.jsonl", 64),
                              ("sequoia-self-chat-256.jsonl", "small-chat.jsonl", 256),
                              ("self-code-256.jsonl", "small-code-256.jsonl", 64))),
+    # The twin in groups of 32 (the default since 2026-11-29: its own pair's vector, learned on these code prompts
+    # and then on chat) with Sequoia against the 0.5B with dyspec, and against the twin in groups of 64.
+    *(Compare("twin g32 with sequoia / 0.5B with dyspec", Cell(f"self-g32-{s}-256.jsonl", "sequoia-64"),
+              Cell(f"small-{s}-256.jsonl", "dyspec-64")) for s in ("chat", "code")),
+    *(Compare("twin g32 / twin g64, sequoia", Cell(f"self-g32-{s}-256.jsonl", "sequoia-64"),
+              Cell(f"self-{s}-256.jsonl", "sequoia-64")) for s in ("chat", "code")),
     # Sequoia's tree against dyspec at an equal budget, each label naming where Sequoia's vector was learned: the
     # demo target's twin (greedy and sampled), the 0.5B, SmolLM2-135M's twin (held int8 in the first line, int4 in
     # the others); and the twin's chain of 32 (classic speculative decoding) against dyspec's 64-node tree.

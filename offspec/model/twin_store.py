@@ -104,7 +104,7 @@ def _others(path: Path) -> str:
     if not others:
         return ""
     size = format_bytes(sum(p.stat().st_size for p in others))
-    return (f"; {len(others)} other twin file{'s' * (len(others) > 1)} of this target there ({size}) hold it for "
+    return (f"; {len(others)} other twin file{'s' * (len(others) > 1)} of this target there ({size}), kept for "
             f"another dtype, torch or offspec version: delete {'them' if len(others) > 1 else 'it'} if unused")
 
 

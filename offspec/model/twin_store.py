@@ -17,6 +17,7 @@ so a run stopped while writing leaves no file that looks whole. A drive without 
 """
 from __future__ import annotations
 
+import glob
 import hashlib
 import json
 import os
@@ -100,7 +101,8 @@ def _write(path: Path, layers: list[LayerWeights]) -> None:
 def _others(path: Path) -> str:
     """The other twin files of path's target beside it (another key: dtype, torch or offspec version), for the
     line that says a twin was kept: an upgrade leaves the old twin unread, as big as the new one."""
-    others = [p for p in path.parent.glob(f"{path.name.rsplit('-int4-', 1)[0]}-int4-*.safetensors") if p != path]
+    target = glob.escape(path.name.rsplit("-int4-", 1)[0])                   # a folder's or a GGUF file's name
+    others = [p for p in path.parent.glob(f"{target}-int4-*.safetensors") if p != path]
     if not others:
         return ""
     size = format_bytes(sum(p.stat().st_size for p in others))

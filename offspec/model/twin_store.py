@@ -47,8 +47,12 @@ def twins_dir() -> Path:
 def twin_path(ckpt: Checkpoint, dtype: torch.dtype) -> Path:
     """Where the int4 twin of `ckpt` in `dtype` is kept (module docstring: the key)."""
     text = f"{ckpt.fingerprint()}|int4 v{VERSION}|{source_group(ckpt.quant)}|{dtype}|torch {torch.__version__}|cpu"
-    key = hashlib.sha1(text.encode()).hexdigest()[:16]
-    return twins_dir() / f"{ckpt.path.name}-int4-{key}.safetensors"
+    return twins_dir() / _file_name(ckpt.path.name, hashlib.sha1(text.encode()).hexdigest()[:16])
+
+
+def _file_name(target: str, key: str) -> str:
+    """A twin file's name: its target's folder (or GGUF file) name and its key."""
+    return f"{target}-int4-{key}.safetensors"
 
 
 def cached_layers(ckpt: Checkpoint, target: Model, build: Callable[[], list[LayerWeights]]) -> list[LayerWeights]:
@@ -62,7 +66,7 @@ def cached_layers(ckpt: Checkpoint, target: Model, build: Callable[[], list[Laye
             print(f"offspec: warning: rebuilding the twin: {path} does not load ({' '.join(str(err).split())})",
                   file=sys.stderr)
     layers = build()
-    _write(path, layers)
+    _write(path, layers, ckpt.path.name)
     return layers
 
 
@@ -72,7 +76,7 @@ def _weights(layers: list[LayerWeights]) -> dict[str, Int4Weight]:
     return {name: w for name, w in named.items() if isinstance(w, Int4Weight)}
 
 
-def _write(path: Path, layers: list[LayerWeights]) -> None:
+def _write(path: Path, layers: list[LayerWeights], target: str) -> None:
     from safetensors.torch import save_file
 
     weights = _weights(layers)
@@ -95,14 +99,13 @@ def _write(path: Path, layers: list[LayerWeights]) -> None:
         print(f"offspec: warning: could not keep the twin in {path} ({err})", file=sys.stderr)
         return
     print(f"offspec: the twin's int4 matrices are kept in {path} ({format_bytes(size)}); later runs read them "
-          f"instead of quantizing the target again{_others(path)}", file=sys.stderr)
+          f"instead of quantizing the target again{_others(path, target)}", file=sys.stderr)
 
 
-def _others(path: Path) -> str:
-    """The other twin files of path's target beside it (another key: dtype, torch or offspec version), for the
-    line that says a twin was kept: an upgrade leaves the old twin unread, as big as the new one."""
-    target = glob.escape(path.name.rsplit("-int4-", 1)[0])                   # a folder's or a GGUF file's name
-    others = [p for p in path.parent.glob(f"{target}-int4-*.safetensors") if p != path]
+def _others(path: Path, target: str) -> str:
+    """The other twin files of `target` beside path (another key: dtype, torch or offspec version), for the line
+    that says a twin was kept: an upgrade leaves the old twin unread, as big as the new one."""
+    others = [p for p in path.parent.glob(_file_name(glob.escape(target), "*")) if p != path]
     if not others:
         return ""
     size = format_bytes(sum(p.stat().st_size for p in others))

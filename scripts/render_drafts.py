@@ -69,7 +69,8 @@ def _trees(rows: str, budget: int, what: str = "sequoia / dyspec", den_rows: Opt
 GRID = (
     # The demo target (Qwen2.5-Coder-1.5B-Instruct) drafting for itself (its int4 twin) against the demo's 0.5B draft.
     # 64 new tokens; code also 256 (at 64 the twin finishes most prompts in 2 passes, the measurement's ceiling).
-    *(_twin(f"self-{s}.jsonl", f"dyspec-{b}", f"small-{s}.jsonl") for s in ("chat", "code") for b in (64, 256)),
+    *(_twin("self-chat.jsonl", f"dyspec-{b}", "small-chat.jsonl") for b in (64, 256)),
+    _twin("self-code.jsonl", "dyspec-64", "small-code.jsonl"),
     *(_twin("self-code-256.jsonl", f"dyspec-{b}", "small-code-256.jsonl") for b in (64, 256)),
     _twin("self-chat-1024.jsonl", "dyspec-1024", "small-chat-1024.jsonl"),
     # ... and the twin with Sequoia's tree against the 0.5B with dyspec, its default.
@@ -83,9 +84,18 @@ GRID = (
               Cell(f"small-{s}-256.jsonl", "dyspec-64")) for s in ("chat", "code")),
     *(Compare("twin g32 / twin g64, sequoia", Cell(f"self-g32-{s}-256.jsonl", "sequoia-64"),
               Cell(f"self-{s}-256.jsonl", "sequoia-64")) for s in ("chat", "code")),
+    # ... and on chat at 64 new tokens, both trees at budgets 64 and 256 (Sequoia's vector: the one learned on code
+    # at 256 new tokens, frozen).
+    *(Compare(f"twin g32{w} / 0.5B with dyspec", Cell("self-g32-chat.jsonl", f"{t}-{b}"),
+              Cell("small-chat.jsonl", f"dyspec-{b}")) for t, w in (("dyspec", ""), ("sequoia", " with sequoia"))
+      for b in (64, 256)),
+    *(Compare("twin g32 / twin g64", Cell("self-g32-chat.jsonl", f"{t}-{b}"), Cell(rows, f"{t}-{b}"))
+      for t, b, rows in (("dyspec", 64, "self-chat.jsonl"), ("dyspec", 256, "self-chat.jsonl"),
+                         ("sequoia", 64, "sequoia-self-chat.jsonl"), ("sequoia", 256, "sequoia-self-chat-256.jsonl"))),
     # Sequoia's tree against dyspec at an equal budget, each label naming where Sequoia's vector was learned: the
     # demo target's twin (greedy and sampled), the 0.5B, SmolLM2-135M's twin (held int8 in the first line, int4 in
     # the others); and the twin's chain of 32 (classic speculative decoding) against dyspec's 64-node tree.
+    *(_trees("self-g32-chat.jsonl", b, "sequoia / dyspec (twin g32, vector from code)") for b in (64, 256)),
     _trees("sequoia-self-chat.jsonl", 64, "sequoia / dyspec (vector from code)", den_rows="self-chat.jsonl"),
     _trees("sequoia-self-chat-256.jsonl", 256, "sequoia / dyspec (vector from code and these prompts)",
            den_rows="self-chat.jsonl"),

@@ -75,6 +75,7 @@ def test_a_4bit_sources_own_groups_land_on_its_levels():
     w = (lo + levels * step).view(48, 128)                                            # (N, K) on the source's grid
     assert int4.source_group("gguf:q4_1,q4_1") == 32 and int4.source_group("awq-g128") == 128
     assert int4.source_group("gptq-b8-g128") is None and int4.source_group("none") is None
+    assert int4.held_group("awq-g128") == 128 and int4.held_group("none") == int4.GROUP
     x = torch.randn(3, 128, generator=gen)
     own = int4.Int4Weight.quantize(w, source=32)
     assert own.group == 32 and own.nbytes == int4.nbytes((48, 128), torch.float32, source=32)

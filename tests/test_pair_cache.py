@@ -111,8 +111,8 @@ def test_acceptance_counts_round_trip_through_their_dict():
 
 def test_pair_key_names_weights_and_how_they_are_held(monkeypatch):
     class Ckpt:
-        def __init__(self, fp):
-            self.fp = fp
+        def __init__(self, fp, quant="none"):
+            self.fp, self.quant = fp, quant
 
         def fingerprint(self):
             return self.fp
@@ -127,6 +127,9 @@ def test_pair_key_names_weights_and_how_they_are_held(monkeypatch):
     held = pair_key(a, b, target_quant="none", draft_quant="int4", dtype=torch.float32, twin=True)
     monkeypatch.setattr(int4, "GROUP", 64)      # an int4 draft in other groups accepts otherwise: its own caches
     assert held != pair_key(a, b, target_quant="none", draft_quant="int4", dtype=torch.float32, twin=True)
+    awq_128, awq_64 = Ckpt("c:3", quant="awq-g128"), Ckpt("c:3", quant="awq-g64")   # a twin in the source's groups
+    assert pair_key(a, awq_128, target_quant="none", draft_quant="int4", dtype=torch.float32, twin=True) != \
+        pair_key(a, awq_64, target_quant="none", draft_quant="int4", dtype=torch.float32, twin=True)
 
 
 def test_calibrated_rows_start_from_the_pairs_earlier_runs(tmp_path):

@@ -51,10 +51,10 @@ CALIBRATION = Kind("calibration", frozen_at=20000, empty=AcceptanceCounts.zeros,
 def pair_key(target, draft, *, target_quant: str, draft_quant: str, dtype, twin: bool = False) -> Optional[str]:
     """The cache key of a model pair (None without a draft): target and draft are anything with fingerprint()
     (formats.checkpoint.Checkpoint, gguf_read's); twin: the draft is the target's own layers (--draft self). An
-    int4 draft is named with int4.GROUP, the groups it is held in where its checkpoint has none of its own."""
+    int4 draft is named with the groups it is held in (int4.held_group)."""
     if draft is None:
         return None
-    held = f"{draft_quant} g{int4.GROUP}" if draft_quant == "int4" else draft_quant
+    held = f"{draft_quant} g{int4.held_group(draft.quant)}" if draft_quant == "int4" else draft_quant
     text = f"{target.fingerprint()}|{draft.fingerprint()}|{target_quant}|{held}|{dtype}|twin={twin}"
     return hashlib.sha1(text.encode()).hexdigest()[:16]
 

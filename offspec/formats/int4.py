@@ -57,6 +57,13 @@ def source_group(quant: str) -> Optional[int]:
     return int(found.group(1)) if found and int(found.group(1)) in KERNEL_GROUPS else None
 
 
+def held_group(quant: str) -> int:
+    """The groups an int4 copy of a checkpoint (its ModelSpec.quant) is held in: its own (source_group), else
+    GROUP; a matrix whose K the source's groups do not divide takes GROUP (group_size). The caches of what an int4
+    copy does (the twin's file, the pair's acceptance) are named by it."""
+    return source_group(quant) or GROUP
+
+
 def fits(shape: tuple[int, int]) -> bool:
     return shape[1] % K_MULTIPLE == 0
 

@@ -9,11 +9,12 @@ pass, faster than the file could be read, so nothing is kept.
 The file holds every Int4Weight of the twin's layers (int4.Int4Weight: its packed values in the CPU kernel's layout
 and its (K/G, N', 2) scales and zeros), named "<layer>.<field>.packed" / ".scales_zeros", and in its metadata each
 matrix's (G, N, K); the lm_head is not in it (draft_quant.draft_lm_head: on a CPU, an int8 copy made at load). The
-key hashes what the bytes depend on: the target's weights (Checkpoint.fingerprint), the compute dtype, the groups (a
-published format's own: int4.source_group), torch's version (the packed layout is the kernel's) and VERSION (bumped
-when int4's quantization or what the file holds changes). A file of another key is never read (another name); one
-that does not load (truncated, edited) is rebuilt with one warning line. Written to a temporary name, then renamed,
-so a run stopped while writing leaves no file that looks whole. A drive without room for it is skipped with one line.
+key hashes what the bytes depend on: the target's weights (Checkpoint.fingerprint), the compute dtype, the groups
+(int4.held_group: a published format's own, else int4.GROUP), torch's version (the packed layout is the kernel's)
+and VERSION (bumped when int4's quantization or what the file holds changes). A file of another key is never read
+(another name); one that does not load (truncated, edited) is rebuilt with one warning line. Written to a temporary
+name, then renamed, so a run stopped while writing leaves no file that looks whole. A drive without room for it is
+skipped with one line.
 """
 from __future__ import annotations
 
@@ -30,7 +31,7 @@ from typing import Callable
 import torch
 
 from offspec.formats.checkpoint import Checkpoint
-from offspec.formats.int4 import Int4Weight, source_group
+from offspec.formats.int4 import Int4Weight, held_group
 from offspec.formats.layout import LayerWeights, format_bytes
 from offspec.formats.weights import matrix_names
 from offspec.model.forward import Model
@@ -46,7 +47,7 @@ def twins_dir() -> Path:
 
 def twin_path(ckpt: Checkpoint, dtype: torch.dtype) -> Path:
     """Where the int4 twin of `ckpt` in `dtype` is kept (module docstring: the key)."""
-    text = f"{ckpt.fingerprint()}|int4 v{VERSION}|{source_group(ckpt.quant)}|{dtype}|torch {torch.__version__}|cpu"
+    text = f"{ckpt.fingerprint()}|int4 v{VERSION}|g{held_group(ckpt.quant)}|{dtype}|torch {torch.__version__}|cpu"
     return twins_dir() / _file_name(ckpt.path.name, hashlib.sha1(text.encode()).hexdigest()[:16])
 
 

@@ -77,7 +77,8 @@ GRID = (
     *(Compare("twin with sequoia / 0.5B with dyspec", Cell(rows, f"sequoia-{b}"), Cell(small, f"dyspec-{b}"))
       for rows, small, b in (("sequoia-self-chat.jsonl", "small-chat.jsonl", 64),
                              ("sequoia-self-chat-256.jsonl", "small-chat.jsonl", 256),
-                             ("self-code-256.jsonl", "small-code-256.jsonl", 64))),
+                             ("self-code-256.jsonl", "small-code-256.jsonl", 64),
+                             ("self-chat-1024.jsonl", "small-chat-1024.jsonl", 1024))),
     # The twin in groups of 32 (the default since 2026-11-29: its own pair's vector, learned on these code prompts
     # and then on chat) with Sequoia against the 0.5B with dyspec, and against the twin in groups of 64.
     *(Compare("twin g32 with sequoia / 0.5B with dyspec", Cell(f"self-g32-{s}-256.jsonl", "sequoia-64"),

@@ -14,7 +14,9 @@ from offspec.config import OffloadConfig, RunLimits, RuntimeConfig, SamplingConf
 from offspec.engine.generate import GenerationRequest, run
 from offspec.engine.load import SELF_DRAFT, Models, load_engine
 from offspec.errors import BudgetError
+from offspec.formats import int4
 from offspec.formats.int4 import Int4Weight
+from offspec.formats.open import open_checkpoint
 from offspec.formats.weights import HeldWeight, Int8Weight
 from offspec.plan.sizes import ModelSpec, draft_weights_nbytes, globals_nbytes, int8_copy_nbytes
 
@@ -76,7 +78,8 @@ def test_int4_twin_equals_the_targets_greedy_and_holds_the_bytes_the_plan_counts
                          progress=False)
     engine = loaded.engine
     try:
-        assert engine.draft_quant == "int4" and int4_twin_as_planned(loaded).globals.embed is engine.target.globals.embed
+        assert engine.draft_quant == "int4"
+        assert int4_twin_as_planned(loaded).globals.embed is engine.target.globals.embed
         greedy_equals_plain(engine, at_least=1.5)      # 4 bits of a tiny random model: nf4 takes 1.9-3.8 here
     finally:
         engine.close()
@@ -348,3 +351,6 @@ def test_an_int4_twin_built_on_a_cpu_is_kept_and_read_back_bit_for_bit(target, m
     rebuilt.engine.close()
     err = capsys.readouterr().err
     assert "rebuilding the twin" in err and "are kept in" in err and len(kept.read_bytes()) > 1000
+    assert twin_store.twin_path(open_checkpoint(target), RUNTIME.dtype) == kept
+    monkeypatch.setattr(int4, "GROUP", 64)                  # other groups: another file, the kept one never read
+    assert twin_store.twin_path(open_checkpoint(target), RUNTIME.dtype) != kept

@@ -80,19 +80,22 @@ GRID = (
                              ("self-code-256.jsonl", "small-code-256.jsonl", 64),
                              ("self-chat-1024.jsonl", "small-chat-1024.jsonl", 1024))),
     # The twin in groups of 32 (the default since 2026-11-29: its own pair's vector, learned on these code prompts
-    # and then on chat) with Sequoia against the 0.5B with dyspec, and against the twin in groups of 64.
+    # and then on chat) with Sequoia against the 0.5B with dyspec.
     *(Compare("twin g32 with sequoia / 0.5B with dyspec", Cell(f"self-g32-{s}-256.jsonl", "sequoia-64"),
               Cell(f"small-{s}-256.jsonl", "dyspec-64")) for s in ("chat", "code")),
-    *(Compare("twin g32 / twin g64, sequoia", Cell(f"self-g32-{s}-256.jsonl", "sequoia-64"),
-              Cell(f"self-{s}-256.jsonl", "sequoia-64")) for s in ("chat", "code")),
     # ... and on chat at 64 new tokens, both trees at budgets 64 and 256 (Sequoia's vector: the one learned on code
     # at 256 new tokens, frozen).
     *(Compare(f"twin g32{w} / 0.5B with dyspec", Cell("self-g32-chat.jsonl", f"{t}-{b}"),
               Cell("small-chat.jsonl", f"dyspec-{b}")) for t, w in (("dyspec", ""), ("sequoia", " with sequoia"))
       for b in (64, 256)),
-    *(Compare("twin g32 / twin g64", Cell("self-g32-chat.jsonl", f"{t}-{b}"), Cell(rows, f"{t}-{b}"))
-      for t, b, rows in (("dyspec", 64, "self-chat.jsonl"), ("dyspec", 256, "self-chat.jsonl"),
-                         ("sequoia", 64, "sequoia-self-chat.jsonl"), ("sequoia", 256, "sequoia-self-chat-256.jsonl"))),
+    # The same system, the twin in groups of 32 over groups of 64 (each with its own pair's vector).
+    *(Compare("twin g32 / twin g64", Cell(g32, system), Cell(g64, system)) for g32, g64, system in (
+        ("self-g32-chat-256.jsonl", "self-chat-256.jsonl", "sequoia-64"),
+        ("self-g32-code-256.jsonl", "self-code-256.jsonl", "sequoia-64"),
+        ("self-g32-chat.jsonl", "self-chat.jsonl", "dyspec-64"),
+        ("self-g32-chat.jsonl", "self-chat.jsonl", "dyspec-256"),
+        ("self-g32-chat.jsonl", "sequoia-self-chat.jsonl", "sequoia-64"),
+        ("self-g32-chat.jsonl", "sequoia-self-chat-256.jsonl", "sequoia-256"))),
     # Sequoia's tree against dyspec at an equal budget, each label naming where Sequoia's vector was learned: the
     # demo target's twin (greedy and sampled), the 0.5B, SmolLM2-135M's twin (held int8 in the first line, int4 in
     # the others); and the twin's chain of 32 (classic speculative decoding) against dyspec's 64-node tree.

@@ -71,8 +71,9 @@ GRID = (
     # 64 new tokens; code also 256 (at 64 the twin finishes most prompts in 2 passes, the measurement's ceiling).
     *(_twin("self-chat.jsonl", f"dyspec-{b}", "small-chat.jsonl") for b in (64, 256)),
     _twin("self-code.jsonl", "dyspec-64", "small-code.jsonl"),
-    *(_twin("self-code-256.jsonl", f"dyspec-{b}", "small-code-256.jsonl") for b in (64, 256)),
-    _twin("self-chat-1024.jsonl", "dyspec-1024", "small-chat-1024.jsonl"),
+    _twin("self-code-256.jsonl", "dyspec-64", "small-code-256.jsonl"),
+    _twin("self-g32-code-256.jsonl", "dyspec-256", "small-code-256.jsonl"),
+    *(_twin(f"self{g}-chat-1024.jsonl", "dyspec-1024", "small-chat-1024.jsonl") for g in ("", "-g32")),
     # ... and the twin with Sequoia's tree against the 0.5B with dyspec, its default.
     *(Compare("twin with sequoia / 0.5B with dyspec", Cell(rows, f"sequoia-{b}"), Cell(small, f"dyspec-{b}"))
       for rows, small, b in (("sequoia-self-chat.jsonl", "small-chat.jsonl", 64),
@@ -81,8 +82,10 @@ GRID = (
                              ("self-chat-1024.jsonl", "small-chat-1024.jsonl", 1024))),
     # The twin in groups of 32 (the default since 2026-11-29: its own pair's vector, learned on these code prompts
     # and then on chat) with Sequoia against the 0.5B with dyspec.
-    *(Compare("twin g32 with sequoia / 0.5B with dyspec", Cell(f"self-g32-{s}-256.jsonl", "sequoia-64"),
-              Cell(f"small-{s}-256.jsonl", "dyspec-64")) for s in ("chat", "code")),
+    *(Compare("twin g32 with sequoia / 0.5B with dyspec", Cell(f"self-g32-{s}-256.jsonl", f"sequoia-{b}"),
+              Cell(f"small-{s}-256.jsonl", f"dyspec-{b}")) for s, b in (("chat", 64), ("code", 64), ("code", 256))),
+    Compare("twin g32 with sequoia / 0.5B with dyspec", Cell("self-g32-chat-1024.jsonl", "sequoia-1024"),
+            Cell("small-chat-1024.jsonl", "dyspec-1024")),
     # ... and on chat at 64 new tokens, both trees at budgets 64 and 256 (Sequoia's vector: the one learned on code
     # at 256 new tokens, frozen).
     *(Compare(f"twin g32{w} / 0.5B with dyspec", Cell("self-g32-chat.jsonl", f"{t}-{b}"),
@@ -95,11 +98,14 @@ GRID = (
         ("self-g32-chat.jsonl", "self-chat.jsonl", "dyspec-64"),
         ("self-g32-chat.jsonl", "self-chat.jsonl", "dyspec-256"),
         ("self-g32-chat.jsonl", "sequoia-self-chat.jsonl", "sequoia-64"),
-        ("self-g32-chat.jsonl", "sequoia-self-chat-256.jsonl", "sequoia-256"))),
+        ("self-g32-chat.jsonl", "sequoia-self-chat-256.jsonl", "sequoia-256"),
+        *(("self-g32-chat-1024.jsonl", "self-chat-1024.jsonl", f"{t}-1024") for t in ("dyspec", "sequoia")))),
     # Sequoia's tree against dyspec at an equal budget, each label naming where Sequoia's vector was learned: the
     # demo target's twin (greedy and sampled), the 0.5B, SmolLM2-135M's twin (held int8 in the first line, int4 in
     # the others); and the twin's chain of 32 (classic speculative decoding) against dyspec's 64-node tree.
-    *(_trees("self-g32-chat.jsonl", b, "sequoia / dyspec (twin g32, vector from code)") for b in (64, 256)),
+    *(_trees(rows, b, "sequoia / dyspec (twin g32, vector from code)")
+      for rows, b in (("self-g32-chat.jsonl", 64), ("self-g32-chat.jsonl", 256), ("self-g32-chat-1024.jsonl", 1024))),
+    _trees("self-g32-code-256.jsonl", 256, "sequoia / dyspec (twin g32, vector learned on these prompts)"),
     _trees("sequoia-self-chat.jsonl", 64, "sequoia / dyspec (vector from code)", den_rows="self-chat.jsonl"),
     _trees("sequoia-self-chat-256.jsonl", 256, "sequoia / dyspec (vector from code and these prompts)",
            den_rows="self-chat.jsonl"),

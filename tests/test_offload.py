@@ -84,7 +84,8 @@ class TearingBackend(CpuBackend):
 
 class SkipWaitEvent(CpuEvent):
     """Drops every wait() on one kind of queue: the injected bug."""
-    skip_copy_queue = True   # True: refills stop waiting for free[k] (WAR); False: compute stops waiting for ready[k] (RAW)
+    # True: refills stop waiting for free[k] (WAR); False: compute stops waiting for ready[k] (RAW)
+    skip_copy_queue = True
 
     def wait(self, queue):
         if (queue is self._backend.copy_queue) == self.skip_copy_queue:
@@ -741,7 +742,8 @@ def test_budget_below_two_slots_is_refused():
     """Under two whole slots the ring splits each layer into parts; under two of its largest part, nothing streams."""
     part = max(p.nbytes for p in LayerLayout.of(TINY, torch.float32).parts(split=True))
     offload = OffloadConfig(mode="cpu", gpu_budget=2 * part - 1)
-    with pytest.raises(BudgetError, match=r"too small to stream: it needs at least 33 kB \(2 slots of a layer's largest part × 17 kB\)"):
+    needs = r"too small to stream: it needs at least 33 kB \(2 slots of a layer's largest part × 17 kB\)"
+    with pytest.raises(BudgetError, match=needs):
         open_target_layers(random_layers(TINY).__getitem__, TINY,
                            LayerPlan.of(TINY, offload, torch.float32), CPU, torch.float32, progress=False)
 

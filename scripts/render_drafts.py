@@ -82,10 +82,10 @@ GRID = (
                              ("self-chat-1024.jsonl", "small-chat-1024.jsonl", 1024))),
     # The twin in groups of 32 (the default since 2026-11-29: its own pair's vector, learned on these code prompts
     # and then on chat) with Sequoia against the 0.5B with dyspec.
-    *(Compare("twin g32 with sequoia / 0.5B with dyspec", Cell(f"self-g32-{s}-256.jsonl", f"sequoia-{b}"),
-              Cell(f"small-{s}-256.jsonl", f"dyspec-{b}")) for s, b in (("chat", 64), ("code", 64), ("code", 256))),
-    Compare("twin g32 with sequoia / 0.5B with dyspec", Cell("self-g32-chat-1024.jsonl", "sequoia-1024"),
-            Cell("small-chat-1024.jsonl", "dyspec-1024")),
+    *(Compare("twin g32 with sequoia / 0.5B with dyspec", Cell(f"self-g32-{rows}", f"sequoia-{b}"),
+              Cell(f"small-{rows}", f"dyspec-{b}"))
+      for rows, b in (("chat-256.jsonl", 64), ("code-256.jsonl", 64), ("code-256.jsonl", 256),
+                      ("chat-1024.jsonl", 1024))),
     # ... and on chat at 64 new tokens, both trees at budgets 64 and 256 (Sequoia's vector: the one learned on code
     # at 256 new tokens, frozen).
     *(Compare(f"twin g32{w} / 0.5B with dyspec", Cell("self-g32-chat.jsonl", f"{t}-{b}"),

@@ -91,7 +91,19 @@ GRID = (
     *(Compare(f"twin g32{w} / 0.5B with dyspec", Cell("self-g32-chat.jsonl", f"{t}-{b}"),
               Cell("small-chat.jsonl", f"dyspec-{b}")) for t, w in (("dyspec", ""), ("sequoia", " with sequoia"))
       for b in (64, 256)),
+    # Sampled (T = 0.6, seed 0), chat at 64 new tokens: each twin (Sequoia's vector learned on these prompts)
+    # against the 0.5B with dyspec, measured alike.
+    *(Compare(f"twin{g}{w} / 0.5B with dyspec", Cell(rows, f"{t}-64", 0.6),
+              Cell("sampled-small-chat.jsonl", "dyspec-64", 0.6))
+      for rows, g in (("sampled-self-g32-chat.jsonl", " g32"), ("sampled-self-chat.jsonl", ""))
+      for t, w in (("dyspec", ""), ("sequoia", " with sequoia"))),
+    # The same rows again from the sampling vector the first run learned (487 nodes, on these prompts), over that
+    # first run (from the prior): what a pair's cold start costs.
+    Compare("twin g32 with sequoia, vector warm / cold", Cell("sampled-self-g32-chat-warm.jsonl", "sequoia-64", 0.6),
+            Cell("sampled-self-g32-chat.jsonl", "sequoia-64", 0.6)),
     # The same system, the twin in groups of 32 over groups of 64 (each with its own pair's vector).
+    *(Compare("twin g32 / twin g64", Cell("sampled-self-g32-chat.jsonl", system, 0.6),
+              Cell("sampled-self-chat.jsonl", system, 0.6)) for system in ("dyspec-64", "sequoia-64")),
     *(Compare("twin g32 / twin g64", Cell(g32, system), Cell(g64, system)) for g32, g64, system in (
         ("self-g32-chat-256.jsonl", "self-chat-256.jsonl", "sequoia-64"),
         ("self-g32-code-256.jsonl", "self-code-256.jsonl", "sequoia-64"),
@@ -111,6 +123,8 @@ GRID = (
            den_rows="self-chat.jsonl"),
     _trees("self-code-256.jsonl", 64, "sequoia / dyspec (vector from code and chat)"),
     _trees("self-chat-1024.jsonl", 1024, "sequoia / dyspec (vector from code and chat)"),
+    _trees("sampled-self-g32-chat.jsonl", 64, "sequoia / dyspec (twin g32, vector learned on these prompts)",
+           temperature=0.6),
     _trees("sampled-self-chat.jsonl", 64, "sequoia / dyspec (vector learned on these prompts)", temperature=0.6),
     Compare("chain-32 / dyspec-64", Cell("chain-self-chat.jsonl", "chain-32"), Cell("self-chat.jsonl", "dyspec-64")),
     _trees("sequoia-small-chat.jsonl", 64, "sequoia / dyspec (vector from code)"),

@@ -101,6 +101,10 @@ GRID = (
     # first run (from the prior): what a pair's cold start costs.
     Compare("twin g32 with sequoia, vector warm / cold", Cell("sampled-self-g32-chat-warm.jsonl", "sequoia-64", 0.6),
             Cell("sampled-self-g32-chat.jsonl", "sequoia-64", 0.6)),
+    # A new pair's first greedy run (no vector cached): its rows starting from what the engine's earlier rows
+    # observed, over every row starting from the prior (the rule before 2026-11-30).
+    Compare("twin g32 with sequoia, first run: rows learn / each from the prior",
+            Cell("cold-learning-self-g32-chat.jsonl", "sequoia-64"), Cell("cold-self-g32-chat.jsonl", "sequoia-64")),
     # The same system, the twin in groups of 32 over groups of 64 (each with its own pair's vector).
     *(Compare("twin g32 / twin g64", Cell("sampled-self-g32-chat.jsonl", system, 0.6),
               Cell("sampled-self-chat.jsonl", system, 0.6)) for system in ("dyspec-64", "sequoia-64")),

@@ -49,6 +49,10 @@ def test_every_policy_on_every_prompt_and_temperature_resumable(ba, checkpoints,
             assert 1.0 <= cell["tokens_per_pass"] <= budget + 1 and cell["mean_tree_size"] <= budget
         if r["temperature"] == 0:                                              # float32 greedy: one output
             assert len({tuple(c["tokens"]) for c in r["systems"].values()}) == 1
+    # What each run started from: a greedy run also from the engine's earlier runs (the warm-up's too), a sampled
+    # one from the pair's cache as the engine read it (none here).
+    assert [r["learned_from"]["sequoia"] for r in rows] == [0, 0, 0, 0]
+    assert [r["systems"]["sequoia-4"]["learned_from"]["sequoia"] > 0 for r in rows] == [True, True, False, False]
     capsys.readouterr()
     assert run(ba, checkpoints, rows_file) == 0                                # resumed: nothing measured again
     assert len(rows_file.read_text().splitlines()) == 4

@@ -79,6 +79,21 @@ def test_the_cache_is_written_at_close_read_back_and_frozen_when_full(tmp_path, 
     assert capsys.readouterr().err == ""
 
 
+@pytest.mark.parametrize("name", KINDS)
+def test_a_greedy_row_starts_from_what_earlier_rows_observed_a_sampled_row_from_the_snapshot(tmp_path, name):
+    """Within one engine: a greedy row (its tokens the target's whatever the tree) starts where the rows before it
+    left the counts; a sampled row starts from the snapshot, whatever ran before it."""
+    kind, learner_of, add, _ = KINDS[name]
+    learned = Learned("pair", home=tmp_path)
+    for greedy in (True, False):
+        first = learner_of(learned, request(greedy))
+        add(first, {0: 3})
+        seen = first.counts.observations
+        assert seen > 0
+        assert learner_of(learned, request(greedy)).counts.observations == (seen if greedy else 0)
+        assert learned.observations(greedy)[kind.folder] == (seen if greedy else 0)
+
+
 BAD = ["{not json", "[]", json.dumps({"version": 2}),
        json.dumps({"version": 1, "tried": [1], "hits": [5]}),                              # more hits than tries
        json.dumps({"version": 1, **{k: [[0.0]] for k in AcceptanceCounts.zeros().to_dict()}})]   # wrong shapes

@@ -77,10 +77,13 @@ def bench_limits(trees: Iterable[TreeConfig], longest: int, sampling: bool) -> R
 
 
 def offspec_runner(engine: Engine, tree: TreeConfig, sampling: SamplingConfig, ignore_eos: bool) -> Runner:
-    """A system on a loaded engine: one request per call, timed around the whole generation."""
+    """A system on a loaded engine: one request per call, timed around the whole generation. A cell's
+    learned_from: the observations of the pair's acceptance its run started from, by kind (engine.pair_cache.start;
+    a greedy run's include what the engine's earlier runs, a warm-up's too, observed)."""
     def measure(ids: Sequence[int], new_tokens: int, seed: int) -> dict:
         request = GenerationRequest(prompt_ids=tuple(ids), max_new_tokens=new_tokens, tree=tree,
                                     sampling=replace(sampling, seed=seed), ignore_eos=ignore_eos)
+        learned = engine.learned.observations(sampling.greedy)
         start = time.perf_counter()
         report, steps = run(engine, request)
         seconds = time.perf_counter() - start
@@ -88,7 +91,7 @@ def offspec_runner(engine: Engine, tree: TreeConfig, sampling: SamplingConfig, i
                 "tokens_per_pass": report.tokens_per_pass,
                 "mean_tree_size": statistics.fmean(s.tree_size for s in steps) if steps else 0.0,
                 "draft_seconds": report.draft_seconds, "target_seconds": report.target_seconds,
-                "gb_streamed": report.gb_streamed}
+                "gb_streamed": report.gb_streamed, "learned_from": learned}
     return measure
 
 

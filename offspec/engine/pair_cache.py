@@ -6,11 +6,13 @@ Two kinds, each a counts record that adds up (its own module defines it):
                dyspec grows by with --calibrate
 A file holds {"version": 1, **counts.to_dict()} of one key: a hash of the pair (pair_key: both models' weights,
 how each is held, the dtype) and of greedy vs sampling (T = 0 and T > 0 accept differently). An engine reads a
-mode's file once, when its first row of that kind and mode is admitted, and every row starts from that same
-snapshot, so a prompt's tokens do not depend on what shares its passes.
+mode's file once, when its first row of that kind and mode is admitted (its snapshot). A sampled row starts from
+the snapshot, so its tokens do not depend on what shares its passes or came before it. A greedy row's tokens are
+the target's whatever the tree, so it starts from the snapshot plus what the engine's rows have observed so far:
+a pair's first batch, or a server started before the pair had learned, learns as it goes (start).
 
   learning  the snapshot holds fewer than the kind's frozen_at observations: each row adds what it observes to its
-            own counts (from the snapshot), and the engine adds every row's new counts to the file when it closes
+            own counts (from where it started), and the engine adds every row's new counts to the file when it closes
             (re-read then, so engines sharing the file add up; written atomically: a temporary file, os.replace).
   frozen    frozen_at observations or more: rows use the snapshot as it is and the file is never rewritten, so a
             seed's sampled output repeats from run to run.
@@ -60,8 +62,8 @@ def pair_key(target, draft, *, target_quant: str, draft_quant: str, dtype, twin:
 
 
 class Snapshot:
-    """One kind and mode's counts as an engine read them (`start`, where every row starts), whether they are
-    frozen, and what this engine's rows added since (`share` adds a row's observations; saved at close)."""
+    """One kind and mode's counts as an engine read them (`start`), whether they are frozen, and what this engine's
+    rows added since (`new`: `share` adds a row's observations; saved at close)."""
 
     def __init__(self, path: Path, start, frozen: bool, empty):
         self.path, self.start, self.frozen = path, start, frozen
@@ -121,6 +123,12 @@ class PairCache:
             return self.kind.empty()
 
 
+def start(snap: Snapshot, greedy: bool):
+    """The counts a row admitted now starts from: the snapshot, plus for a greedy row what the engine's rows have
+    observed since it was read (module docstring)."""
+    return snap.start + snap.new if greedy else snap.start
+
+
 def default_home() -> Path:
     """Where a PairCache made without a home keeps its files: $OFFSPEC_HOME."""
     from offspec.formats.demo import offspec_home
@@ -129,7 +137,7 @@ def default_home() -> Path:
 
 class Learned:
     """An engine's caches of its pair (sequoia's acceptance by rank, dyspec's calibration) and the learners its
-    rows start from: every row of one mode from the same snapshot (module docstring)."""
+    rows start from (module docstring)."""
 
     def __init__(self, key: Optional[str], home: Optional[Path] = None):
         self.ranks = PairCache(key, SEQUOIA, home)
@@ -141,19 +149,19 @@ class Learned:
         snap = self.ranks.snapshot(request.sampling.greedy)
         if snap is None:
             return RankLearner(RankCounts.zeros(K), K)
-        return RankLearner(snap.start, K, frozen=snap.frozen, share=snap.share)
+        return RankLearner(start(snap, request.sampling.greedy), K, frozen=snap.frozen, share=snap.share)
 
     def calibrator(self, request: GenerationRequest) -> Calibrator:
         """A --calibrate row's acceptance rates by depth and draft probability."""
         snap = self.calibration.snapshot(request.sampling.greedy)
         if snap is None:
             return Calibrator()
-        return Calibrator(snap.start, frozen=snap.frozen, share=snap.share)
+        return Calibrator(start(snap, request.sampling.greedy), frozen=snap.frozen, share=snap.share)
 
     def observations(self, greedy: bool) -> dict[str, int]:
-        """What each kind's snapshot for greedy or sampled rows holds, e.g. for a benchmark's rows."""
+        """What a greedy or sampled row admitted now starts from, by kind, e.g. for a benchmark's rows."""
         snaps = {cache.kind.folder: cache.snapshot(greedy) for cache in (self.ranks, self.calibration)}
-        return {name: snap.start.observations if snap is not None else 0 for name, snap in snaps.items()}
+        return {name: start(snap, greedy).observations if snap is not None else 0 for name, snap in snaps.items()}
 
     def save(self) -> None:
         self.ranks.save()

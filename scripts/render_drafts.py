@@ -97,25 +97,24 @@ GRID = (
               Cell("sampled-small-chat.jsonl", "dyspec-64", 0.6))
       for rows, g in (("sampled-self-g32-chat.jsonl", " g32"), ("sampled-self-chat.jsonl", ""))
       for t, w in (("dyspec", ""), ("sequoia", " with sequoia"))),
-    # The same rows again from the sampling vector the first run learned (487 nodes, on these prompts), over that
-    # first run (from the prior): what a pair's cold start costs.
+    # The same rows again from the sampling vector the first run learned (on these prompts), over that first run
+    # (from the prior): what a pair's cold start costs.
     Compare("twin g32 with sequoia, vector warm / cold", Cell("sampled-self-g32-chat-warm.jsonl", "sequoia-64", 0.6),
             Cell("sampled-self-g32-chat.jsonl", "sequoia-64", 0.6)),
     # A new pair's first greedy run (no vector cached): its rows starting from what the engine's earlier rows
-    # observed, over every row starting from the prior (the rule before 2026-11-30).
+    # observed, over every row starting from the prior (how greedy rows started before they learned from earlier ones).
     Compare("twin g32 with sequoia, first run: rows learn / each from the prior",
             Cell("cold-learning-self-g32-chat.jsonl", "sequoia-64"), Cell("cold-self-g32-chat.jsonl", "sequoia-64")),
-    # The same system, the twin in groups of 32 over groups of 64 (each with its own pair's vector).
-    *(Compare("twin g32 / twin g64", Cell("sampled-self-g32-chat.jsonl", system, 0.6),
-              Cell("sampled-self-chat.jsonl", system, 0.6)) for system in ("dyspec-64", "sequoia-64")),
-    *(Compare("twin g32 / twin g64", Cell(g32, system), Cell(g64, system)) for g32, g64, system in (
-        ("self-g32-chat-256.jsonl", "self-chat-256.jsonl", "sequoia-64"),
-        ("self-g32-code-256.jsonl", "self-code-256.jsonl", "sequoia-64"),
-        ("self-g32-chat.jsonl", "self-chat.jsonl", "dyspec-64"),
-        ("self-g32-chat.jsonl", "self-chat.jsonl", "dyspec-256"),
-        ("self-g32-chat.jsonl", "sequoia-self-chat.jsonl", "sequoia-64"),
-        ("self-g32-chat.jsonl", "sequoia-self-chat-256.jsonl", "sequoia-256"),
-        *(("self-g32-chat-1024.jsonl", "self-chat-1024.jsonl", f"{t}-1024") for t in ("dyspec", "sequoia")))),
+    # The same system, the twin in groups of 32 over groups of 64 (each with its own pair's vector), at T.
+    *(Compare("twin g32 / twin g64", Cell(g32, system, t), Cell(g64, system, t)) for g32, g64, system, t in (
+        *(("sampled-self-g32-chat.jsonl", "sampled-self-chat.jsonl", s, 0.6) for s in ("dyspec-64", "sequoia-64")),
+        ("self-g32-chat-256.jsonl", "self-chat-256.jsonl", "sequoia-64", 0.0),
+        ("self-g32-code-256.jsonl", "self-code-256.jsonl", "sequoia-64", 0.0),
+        ("self-g32-chat.jsonl", "self-chat.jsonl", "dyspec-64", 0.0),
+        ("self-g32-chat.jsonl", "self-chat.jsonl", "dyspec-256", 0.0),
+        ("self-g32-chat.jsonl", "sequoia-self-chat.jsonl", "sequoia-64", 0.0),
+        ("self-g32-chat.jsonl", "sequoia-self-chat-256.jsonl", "sequoia-256", 0.0),
+        *(("self-g32-chat-1024.jsonl", "self-chat-1024.jsonl", f"{t}-1024", 0.0) for t in ("dyspec", "sequoia")))),
     # Sequoia's tree against dyspec at an equal budget, each label naming where Sequoia's vector was learned: the
     # demo target's twin (greedy and sampled), the 0.5B, SmolLM2-135M's twin (held int8 in the first line, int4 in
     # the others); and the twin's chain of 32 (classic speculative decoding) against dyspec's 64-node tree.

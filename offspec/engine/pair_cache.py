@@ -9,7 +9,7 @@ how each is held, the dtype) and of greedy vs sampling (T = 0 and T > 0 accept d
 mode's file once, when its first row of that kind and mode is admitted (its snapshot). A sampled row starts from
 the snapshot, so its tokens do not depend on what shares its passes or came before it. A greedy row's tokens are
 the target's whatever the tree, so it starts from the snapshot plus what the engine's rows have observed so far:
-a pair's first batch, or a server started before the pair had learned, learns as it goes (start).
+a pair's first batch, or a server started before the pair had learned, learns as it goes (Snapshot.row_start).
 
   learning  the snapshot holds fewer than the kind's frozen_at observations: each row adds what it observes to its
             own counts (from where it started), and the engine adds every row's new counts to the file when it closes
@@ -73,6 +73,11 @@ class Snapshot:
     def share(self, counts) -> None:
         self.new = self.new + counts
 
+    def row_start(self, greedy: bool):
+        """The counts a row admitted now starts from: the snapshot, plus for a greedy row what the engine's rows
+        have observed since it was read (module docstring)."""
+        return self.start + self.new if greedy else self.start
+
 
 class PairCache:
     """The counts of one kind an engine's rows start from and add to (module docstring)."""
@@ -123,12 +128,6 @@ class PairCache:
             return self.kind.empty()
 
 
-def start(snap: Snapshot, greedy: bool):
-    """The counts a row admitted now starts from: the snapshot, plus for a greedy row what the engine's rows have
-    observed since it was read (module docstring)."""
-    return snap.start + snap.new if greedy else snap.start
-
-
 def default_home() -> Path:
     """Where a PairCache made without a home keeps its files: $OFFSPEC_HOME."""
     from offspec.formats.demo import offspec_home
@@ -149,19 +148,19 @@ class Learned:
         snap = self.ranks.snapshot(request.sampling.greedy)
         if snap is None:
             return RankLearner(RankCounts.zeros(K), K)
-        return RankLearner(start(snap, request.sampling.greedy), K, frozen=snap.frozen, share=snap.share)
+        return RankLearner(snap.row_start(request.sampling.greedy), K, frozen=snap.frozen, share=snap.share)
 
     def calibrator(self, request: GenerationRequest) -> Calibrator:
         """A --calibrate row's acceptance rates by depth and draft probability."""
         snap = self.calibration.snapshot(request.sampling.greedy)
         if snap is None:
             return Calibrator()
-        return Calibrator(start(snap, request.sampling.greedy), frozen=snap.frozen, share=snap.share)
+        return Calibrator(snap.row_start(request.sampling.greedy), frozen=snap.frozen, share=snap.share)
 
     def observations(self, greedy: bool) -> dict[str, int]:
         """What a greedy or sampled row admitted now starts from, by kind, e.g. for a benchmark's rows."""
         snaps = {cache.kind.folder: cache.snapshot(greedy) for cache in (self.ranks, self.calibration)}
-        return {name: start(snap, greedy).observations if snap is not None else 0 for name, snap in snaps.items()}
+        return {name: snap.row_start(greedy).observations if snap is not None else 0 for name, snap in snaps.items()}
 
     def save(self) -> None:
         self.ranks.save()

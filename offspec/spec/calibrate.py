@@ -224,9 +224,10 @@ UNCALIBRATED_NGRAM = NGRAM_PRIOR   # an n-gram node's estimate when calibration 
 
 
 class Calibrator:
-    """One row's running counts: `start` (the pair's counts from earlier runs, engine.pair_cache; none by
-    default) plus what the row observes, unless frozen. Each observation is also handed to `share` (the engine's
-    pair cache, saved at close). `calibration()` is the snapshot for the next round."""
+    """One row's running counts: `start` (the pair's counts from earlier runs, and for a greedy row this engine's
+    earlier rows: engine.pair_cache; none by default) plus what the row observes, unless frozen. Each observation is
+    also handed to `share` (the engine's pair cache, saved at close). `calibration()` is the snapshot for the next
+    round."""
 
     def __init__(self, start: Optional[AcceptanceCounts] = None, frozen: bool = False,
                  share: Optional[Callable[[AcceptanceCounts], None]] = None):

@@ -26,7 +26,8 @@ when the engine closes; once the cache holds 2000 observations the vector is fro
 with dyspec's acceptance by depth and draft probability ($OFFSPEC_HOME/calibration, frozen from 20000). So compare
 them after a calibration run into a throwaway rows file (one engine, a few prompts), or the first prompts measure
 the prior. Each row records what the pair's caches held when its engine started (learned_from), and each cell
-what its run started from (its own learned_from: for a greedy run also what the engine's earlier runs observed).
+what its run started from (its own learned_from: for a greedy run also what the engine's earlier runs observed;
+for a sampled sequoia run whose vector is still learning, the greedy vector's seed of at most 32 observations).
 
 Acceptance does not depend on where the target's weights live, so --offload none is the default (the fastest).
 One rows file per prompt set; rerunning a command resumes it (rows of other settings are refused).

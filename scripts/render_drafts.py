@@ -85,7 +85,7 @@ GRID = (
     *(Compare("twin g32 with sequoia / 0.5B with dyspec", Cell(f"self-g32-{rows}", f"sequoia-{b}"),
               Cell(f"small-{rows}", f"dyspec-{b}"))
       for rows, b in (("chat-256.jsonl", 64), ("code-256.jsonl", 64), ("code-256.jsonl", 256),
-                      ("chat-1024.jsonl", 1024))),
+                      ("chat-1024.jsonl", 1024), ("code-1024.jsonl", 1024))),
     # ... and on chat at 64 new tokens, both trees at budgets 64 and 256 (Sequoia's vector: the one learned on code
     # at 256 new tokens, frozen).
     *(Compare(f"twin g32{w} / 0.5B with dyspec", Cell("self-g32-chat.jsonl", f"{t}-{b}"),
@@ -100,6 +100,10 @@ GRID = (
     # The same rows again from the sampling vector the first run learned (on these prompts), over that first run
     # (from the prior): what a pair's cold start costs.
     Compare("twin g32 with sequoia, vector warm / cold", Cell("sampled-self-g32-chat-warm.jsonl", "sequoia-64", 0.6),
+            Cell("sampled-self-g32-chat.jsonl", "sequoia-64", 0.6)),
+    # ... and from no sampling vector but seeded by the pair's greedy one (how a new pair's sampled rows start now).
+    Compare("twin g32 with sequoia, no sampling vector: seeded by greedy / the prior",
+            Cell("sampled-self-g32-chat-seeded.jsonl", "sequoia-64", 0.6),
             Cell("sampled-self-g32-chat.jsonl", "sequoia-64", 0.6)),
     # A new pair's first greedy run (no vector cached): its rows starting from what the engine's earlier rows
     # observed, over every row starting from the prior (how greedy rows started before they learned from earlier ones).

@@ -14,6 +14,7 @@ from offspec.engine.load import load_engine
 from offspec.engine.pair_cache import CALIBRATION, SEQUOIA, Learned, pair_key
 from offspec.formats import int4
 from offspec.spec.calibrate import AcceptanceCounts, observe
+from offspec.spec.sequoia import RankCounts
 from offspec.spec.tree import TokenTree
 
 
@@ -64,7 +65,8 @@ def test_the_cache_is_written_at_close_read_back_and_frozen_when_full(tmp_path, 
     assert len(files) == 1 and per_tree > 0
     again = Learned("pair", home=tmp_path)
     assert learner_of(again, request()).counts.observations == 3 * per_tree       # a new engine starts there
-    assert learner_of(again, request(greedy=False)).counts.observations == 0        # sampling: its own file
+    sampled = learner_of(again, request(greedy=False)).counts.observations          # its own file (and the seed)
+    assert sampled == min(3 * per_tree, kind.seed_weight)
     assert learner_of(Learned("other", home=tmp_path), request()).counts.observations == 0
     # Full: frozen, not rewritten.
     files[0].write_text(json.dumps({"version": 1, **full()}))
@@ -92,6 +94,32 @@ def test_a_greedy_row_starts_from_what_earlier_rows_observed_a_sampled_row_from_
         assert seen > 0
         assert learner_of(learned, request(greedy)).counts.observations == (seen if greedy else 0)
         assert learned.observations(greedy)[kind.folder] == (seen if greedy else 0)
+
+
+def test_a_learning_sampled_row_is_seeded_by_the_greedy_counts_the_engine_read(tmp_path):
+    """Sequoia: a pair's sampled rows start from its greedy counts scaled to seed_weight observations (their
+    hazards kept), not from the fixed prior; the seed is the greedy file as the engine read it, never written
+    back, and a frozen sampled snapshot is used as it is. Calibration is not seeded."""
+    greedy = {"tried": [1000.0, 20.0], "hits": [980.0, 15.0]}
+    (tmp_path / "sequoia").mkdir()
+    Learned("pair", home=tmp_path).ranks.snapshot(True).path.write_text(json.dumps({"version": 1, **greedy}))
+    learned = Learned("pair", home=tmp_path)
+    sampled = learned.rank_learner(request(greedy=False))
+    cold = Learned("other", home=tmp_path).rank_learner(request(greedy=False))
+    seeded = RankCounts.from_dict(greedy).at_most(SEQUOIA.seed_weight).resized(4)
+    assert sampled.counts.observations == SEQUOIA.seed_weight == learned.observations(False)["sequoia"]
+    assert sampled.vector() == seeded.vector() and sampled.vector()[0] > 0.9 > cold.vector()[0]
+    add_greedy_row = learned.rank_learner(request())
+    add_greedy_row.observe(three_children(), {0: 3})             # what greedy rows learn later is not a seed
+    assert learned.rank_learner(request(greedy=False)).counts.observations == SEQUOIA.seed_weight
+    sampled.observe(three_children(), {0: 3})
+    learned.save()
+    path = learned.ranks.snapshot(False).path
+    assert RankCounts.from_dict(json.loads(path.read_text())).observations == 1   # the row's own, not the seed
+    path.write_text(json.dumps({"version": 1, "tried": [SEQUOIA.frozen_at, 900], "hits": [1100, 300]}))
+    frozen = Learned("pair", home=tmp_path).rank_learner(request(greedy=False))
+    assert frozen.frozen and frozen.counts.observations == SEQUOIA.frozen_at
+    assert Learned("pair", home=tmp_path).calibrator(request(greedy=False)).counts.observations == 0
 
 
 BAD = ["{not json", "[]", json.dumps({"version": 2}),

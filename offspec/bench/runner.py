@@ -79,8 +79,8 @@ def bench_limits(trees: Iterable[TreeConfig], longest: int, sampling: bool) -> R
 def offspec_runner(engine: Engine, tree: TreeConfig, sampling: SamplingConfig, ignore_eos: bool) -> Runner:
     """A system on a loaded engine: one request per call, timed around the whole generation. A cell's
     learned_from: the observations of the pair's acceptance its run started from, by kind
-    (engine.pair_cache.Snapshot.row_start: a greedy run's include what the engine's earlier runs, a warm-up's too,
-    observed)."""
+    (engine.pair_cache.PairCache.row_start: a greedy run's include what the engine's earlier runs, a warm-up's too,
+    observed; a learning sampled run's, the greedy seed)."""
     def measure(ids: Sequence[int], new_tokens: int, seed: int) -> dict:
         request = GenerationRequest(prompt_ids=tuple(ids), max_new_tokens=new_tokens, tree=tree,
                                     sampling=replace(sampling, seed=seed), ignore_eos=ignore_eos)

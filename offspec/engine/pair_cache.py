@@ -6,16 +6,22 @@ Two kinds, each a counts record that adds up (its own module defines it):
                dyspec grows by with --calibrate
 A file holds {"version": 1, **counts.to_dict()} of one key: a hash of the pair (pair_key: both models' weights,
 how each is held, the dtype) and of greedy vs sampling (T = 0 and T > 0 accept differently). An engine reads a
-mode's file once, when its first row of that kind and mode is admitted (its snapshot). A sampled row starts from
-the snapshot, so its tokens do not depend on what shares its passes or came before it. A greedy row's tokens are
-the target's whatever the tree, so it starts from the snapshot plus what the engine's rows have observed so far:
-a pair's first batch, or a server started before the pair had learned, learns as it goes (Snapshot.row_start).
+mode's file once, when its first row of that kind and mode is admitted (its snapshot; a seeded sampled row's reads
+the greedy file too). A sampled row starts from the snapshot, so its tokens do not depend on what shares its
+passes or came before it. A greedy row's tokens are the target's whatever the tree, so it starts from the snapshot
+plus what the engine's rows have observed so far: a pair's first batch, or a server started before the pair had
+learned, learns as it goes (Snapshot.row_start).
 
   learning  the snapshot holds fewer than the kind's frozen_at observations: each row adds what it observes to its
             own counts (from where it started), and the engine adds every row's new counts to the file when it closes
             (re-read then, so engines sharing the file add up; written atomically: a temporary file, os.replace).
   frozen    frozen_at observations or more: rows use the snapshot as it is and the file is never rewritten, so a
             seed's sampled output repeats from run to run.
+  seeded    a learning sampled snapshot of a kind with seed_weight > 0: its rows also start from the greedy
+            snapshot's counts as the engine read them, scaled to at most seed_weight observations
+            (PairCache.row_start). A pair's first sampled rows then start from what its greedy runs measured, not
+            from the kind's fixed prior, and their own observations outweigh it within a few rounds. The seed is
+            fixed when the engine reads the files, and never written back.
 An unreadable or malformed file counts as none, with one warning line. Without a key nothing is read or written.
 """
 from __future__ import annotations
@@ -39,15 +45,20 @@ VERSION = 1
 @dataclass(frozen=True)
 class Kind:
     """One kind of learned counts: its folder under $OFFSPEC_HOME, the observations after which its snapshot no
-    longer changes, and its counts record (empty(), from_dict(d); a record has +, -, observations, to_dict())."""
+    longer changes, the most observations the greedy counts weigh as a learning sampled snapshot's seed (0: not
+    seeded), and its counts record (empty(), from_dict(d); a record has +, -, observations, to_dict(), and where
+    seed_weight > 0 at_most(n))."""
     folder: str
     frozen_at: int
+    seed_weight: int
     empty: Callable[[], Any]
     from_dict: Callable[[dict], Any]
 
 
-SEQUOIA = Kind("sequoia", frozen_at=2000, empty=lambda: RankCounts.zeros(0), from_dict=RankCounts.from_dict)
-CALIBRATION = Kind("calibration", frozen_at=20000, empty=AcceptanceCounts.zeros, from_dict=AcceptanceCounts.from_dict)
+SEQUOIA = Kind("sequoia", frozen_at=2000, seed_weight=32, empty=lambda: RankCounts.zeros(0),
+               from_dict=RankCounts.from_dict)
+CALIBRATION = Kind("calibration", frozen_at=20000, seed_weight=0, empty=AcceptanceCounts.zeros,
+                   from_dict=AcceptanceCounts.from_dict)
 
 
 def pair_key(target, draft, *, target_quant: str, draft_quant: str, dtype, twin: bool = False) -> Optional[str]:
@@ -99,6 +110,17 @@ class PairCache:
             self._modes[greedy] = Snapshot(path, start, start.observations >= self.kind.frozen_at, self.kind.empty())
         return self._modes[greedy]
 
+    def row_start(self, greedy: bool):
+        """The counts a greedy or sampled row admitted now starts from (None without a key): its snapshot's
+        (Snapshot.row_start), and for a learning sampled snapshot the greedy seed (module docstring)."""
+        snap = self.snapshot(greedy)
+        if snap is None:
+            return None
+        start = snap.row_start(greedy)
+        if greedy or snap.frozen or self.kind.seed_weight == 0:
+            return start
+        return start + self.snapshot(True).start.at_most(self.kind.seed_weight)
+
     def save(self) -> None:
         """Add what rows observed since the last save to each learning mode's file (re-read now)."""
         for mode in self._modes.values():
@@ -145,22 +167,24 @@ class Learned:
     def rank_learner(self, request: GenerationRequest) -> RankLearner:
         """A sequoia row's acceptance by rank, K = its tree's branching."""
         K = request.tree.branching
-        snap = self.ranks.snapshot(request.sampling.greedy)
+        greedy = request.sampling.greedy
+        snap = self.ranks.snapshot(greedy)
         if snap is None:
             return RankLearner(RankCounts.zeros(K), K)
-        return RankLearner(snap.row_start(request.sampling.greedy), K, frozen=snap.frozen, share=snap.share)
+        return RankLearner(self.ranks.row_start(greedy), K, frozen=snap.frozen, share=snap.share)
 
     def calibrator(self, request: GenerationRequest) -> Calibrator:
         """A --calibrate row's acceptance rates by depth and draft probability."""
-        snap = self.calibration.snapshot(request.sampling.greedy)
+        greedy = request.sampling.greedy
+        snap = self.calibration.snapshot(greedy)
         if snap is None:
             return Calibrator()
-        return Calibrator(snap.row_start(request.sampling.greedy), frozen=snap.frozen, share=snap.share)
+        return Calibrator(self.calibration.row_start(greedy), frozen=snap.frozen, share=snap.share)
 
     def observations(self, greedy: bool) -> dict[str, int]:
         """What a greedy or sampled row admitted now starts from, by kind, e.g. for a benchmark's rows."""
-        snaps = {cache.kind.folder: cache.snapshot(greedy) for cache in (self.ranks, self.calibration)}
-        return {name: snap.row_start(greedy).observations if snap is not None else 0 for name, snap in snaps.items()}
+        starts = {cache.kind.folder: cache.row_start(greedy) for cache in (self.ranks, self.calibration)}
+        return {name: start.observations if start is not None else 0 for name, start in starts.items()}
 
     def save(self) -> None:
         self.ranks.save()

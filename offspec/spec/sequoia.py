@@ -78,7 +78,7 @@ def _best_tree(p: tuple[float, ...], n: int, depth: int) -> tuple[Shape, float]:
 def _best_first(p: tuple[float, ...], n: int, depth: int) -> tuple[Shape, float]:
     """Non-increasing p: f falls from a node to its first child and to its next sibling, so the n largest f
     (within the depth bound) form a valid tree, and no tree of n nodes does better; best first finds them."""
-    heap = [(-p[0], 0, 1.0, 0, 0, 1)]               # (-f, order, f(parent), parent (in `picked`, 0 = root), rank, depth)
+    heap = [(-p[0], 0, 1.0, 0, 0, 1)]       # (-f, order, f(parent), parent (in `picked`, 0 = root), rank, depth)
     picked: list[tuple[int, int, float]] = []       # (parent, rank, f), a parent before its children
     order = 0
     while heap and len(picked) < n:
@@ -185,6 +185,11 @@ class RankCounts:
 
     def __sub__(self, other: "RankCounts") -> "RankCounts":
         return self + RankCounts(-other.tried, -other.hits)
+
+    def at_most(self, n: int) -> "RankCounts":
+        """These counts scaled to at most n observations (hazards kept), e.g. another mode's as a prior."""
+        scale = min(1.0, n / self.observations) if self.observations else 1.0
+        return RankCounts(self.tried * scale, self.hits * scale)
 
     def vector(self) -> tuple[float, ...]:
         """p (K,): p_i = h_i prod_{j<i} (1 - h_j), h_i the hazard shrunk toward HAZARD_PRIOR."""

@@ -10,7 +10,7 @@ mode's file once, when its first row of that kind and mode is admitted (its snap
 the greedy file too). A sampled row starts from the snapshot, so its tokens do not depend on what shares its
 passes or came before it. A greedy row's tokens are the target's whatever the tree, so it starts from the snapshot
 plus what the engine's rows have observed so far: a pair's first batch, or a server started before the pair had
-learned, learns as it goes (Snapshot.row_start).
+learned, learns as it goes (PairCache.row_start).
 
   learning  the snapshot holds fewer than the kind's frozen_at observations: each row adds what it observes to its
             own counts (from where it started), and the engine adds every row's new counts to the file when it closes
@@ -84,11 +84,6 @@ class Snapshot:
     def share(self, counts) -> None:
         self.new = self.new + counts
 
-    def row_start(self, greedy: bool):
-        """The counts a row admitted now starts from: the snapshot, plus for a greedy row what the engine's rows
-        have observed since it was read (module docstring)."""
-        return self.start + self.new if greedy else self.start
-
 
 class PairCache:
     """The counts of one kind an engine's rows start from and add to (module docstring)."""
@@ -111,15 +106,17 @@ class PairCache:
         return self._modes[greedy]
 
     def row_start(self, greedy: bool):
-        """The counts a greedy or sampled row admitted now starts from (None without a key): its snapshot's
-        (Snapshot.row_start), and for a learning sampled snapshot the greedy seed (module docstring)."""
+        """The counts a row admitted now starts from (None without a key; module docstring): for a greedy row the
+        snapshot plus what the engine's rows have observed since it was read; for a sampled row the snapshot, plus
+        the greedy seed while it is learning."""
         snap = self.snapshot(greedy)
         if snap is None:
             return None
-        start = snap.row_start(greedy)
-        if greedy or snap.frozen or self.kind.seed_weight == 0:
-            return start
-        return start + self.snapshot(True).start.at_most(self.kind.seed_weight)
+        if greedy:
+            return snap.start + snap.new
+        if snap.frozen or self.kind.seed_weight == 0:
+            return snap.start
+        return snap.start + self.snapshot(True).start.at_most(self.kind.seed_weight)
 
     def save(self) -> None:
         """Add what rows observed since the last save to each learning mode's file (re-read now)."""

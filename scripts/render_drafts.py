@@ -103,9 +103,10 @@ GRID = (
             Cell("sampled-self-g32-chat.jsonl", "sequoia-64", 0.6)),
     # ... and from no sampling vector but seeded by the pair's greedy one (how a new pair's sampled rows start now).
     *(Compare(f"twin g32 with sequoia, no sampling vector: seeded by greedy / the prior{what}",
-              Cell(f"sampled-self-g32-chat{seed}-seeded.jsonl", "sequoia-64", 0.6),
-              Cell(f"sampled-self-g32-chat{seed}{prior}.jsonl", "sequoia-64", 0.6))
-      for seed, prior, what in (("", "", ""), ("-seed1", "-prior", " (seed 1)"))),
+              Cell(seeded, "sequoia-64", 0.6), Cell(prior, "sequoia-64", 0.6))
+      for seeded, prior, what in (
+          ("sampled-self-g32-chat-seeded.jsonl", "sampled-self-g32-chat.jsonl", ""),
+          ("sampled-self-g32-chat-seed1-seeded.jsonl", "sampled-self-g32-chat-seed1-prior.jsonl", " (seed 1)"))),
     # A new pair's first greedy run (no vector cached): its rows starting from what the engine's earlier rows
     # observed, over every row starting from the prior (how greedy rows started before they learned from earlier ones).
     Compare("twin g32 with sequoia, first run: rows learn / each from the prior",

@@ -103,10 +103,23 @@ GRID = (
             Cell("sampled-self-g32-chat.jsonl", "sequoia-64", 0.6)),
     # ... and from no sampling vector but seeded by the pair's greedy one (how a new pair's sampled rows start now).
     *(Compare(f"twin g32 with sequoia, no sampling vector: seeded by greedy / the prior{what}",
-              Cell(seeded, "sequoia-64", 0.6), Cell(prior, "sequoia-64", 0.6))
-      for seeded, prior, what in (
-          ("sampled-self-g32-chat-seeded.jsonl", "sampled-self-g32-chat.jsonl", ""),
-          ("sampled-self-g32-chat-seed1-seeded.jsonl", "sampled-self-g32-chat-seed1-prior.jsonl", " (seed 1)"))),
+              Cell(seeded, "sequoia-64", t), Cell(prior, "sequoia-64", t))
+      for seeded, prior, what, t in (
+          ("sampled-self-g32-chat-seeded.jsonl", "sampled-self-g32-chat.jsonl", "", 0.6),
+          ("sampled-self-g32-chat-seed1-seeded.jsonl", "sampled-self-g32-chat-seed1-prior.jsonl", " (seed 1)", 0.6),
+          ("sampled-self-g32-chat-t1-seeded.jsonl", "sampled-self-g32-chat-t1-prior.jsonl", "", 1.0),
+          ("sampled-self-g32-chat-t1-seed1-seeded.jsonl", "sampled-self-g32-chat-t1-seed1-prior.jsonl", " (seed 1)",
+           1.0))),
+    # At T = 1, seeded rows over rows starting from a sampling vector (plus the seed): the one learned at T = 0.6
+    # (982 nodes), and the one the seeded rows left (496 nodes at T = 1, on these prompts).
+    *(Compare(f"twin g32 with sequoia: seeded by greedy / sampling vector learned at {what}",
+              Cell(seeded, "sequoia-64", 1.0), Cell(rows, "sequoia-64", 1.0))
+      for seeded, rows, what in (
+          ("sampled-self-g32-chat-t1-seeded.jsonl", "sampled-self-g32-chat-t1-learned.jsonl", "T = 0.6"),
+          ("sampled-self-g32-chat-t1-seed1-seeded.jsonl", "sampled-self-g32-chat-t1-seed1-learned.jsonl",
+           "T = 0.6 (seed 1)"),
+          ("sampled-self-g32-chat-t1-seeded.jsonl", "sampled-self-g32-chat-t1-warm.jsonl",
+           "T = 1 (on these prompts)"))),
     # A new pair's first greedy run (no vector cached): its rows starting from what the engine's earlier rows
     # observed, over every row starting from the prior (how greedy rows started before they learned from earlier ones).
     Compare("twin g32 with sequoia, first run: rows learn / each from the prior",
@@ -141,6 +154,7 @@ GRID = (
            den_rows="sequoia-small-chat.jsonl"),
     _trees("sequoia-small-chat-256.jsonl", 256, "sequoia / dyspec (vector from chat)", den_rows="small-chat.jsonl"),
     _trees("small-code-256.jsonl", 64, "sequoia / dyspec (vector from chat)"),
+    _trees("small-chat-1024.jsonl", 1024, "sequoia / dyspec (vector from the prior, learned on these prompts)"),
     _trees("sequoia-smollm2-chat.jsonl", 64, "sequoia / dyspec (int8 twin)"),
     *(_trees("calibrated-smollm2-chat.jsonl", b, "sequoia / dyspec (both calibrated)") for b in (64, 256)),
     *(_trees("self-smollm2-code.jsonl", b) for b in (64, 256)),

@@ -110,8 +110,8 @@ GRID = (
           ("sampled-self-g32-chat-t1-seeded.jsonl", "sampled-self-g32-chat-t1-prior.jsonl", "", 1.0),
           ("sampled-self-g32-chat-t1-seed1-seeded.jsonl", "sampled-self-g32-chat-t1-seed1-prior.jsonl", " (seed 1)",
            1.0))),
-    # At T = 1, seeded rows over rows starting from a sampling vector (plus the seed): the one learned at T = 0.6
-    # (982 nodes), and the one the seeded rows left (496 nodes at T = 1, on these prompts).
+    # At T = 1, seeded rows over rows starting from a sampling vector (plus the seed): the one learned at T = 0.6,
+    # and the one the seeded rows left (learned at T = 1, on these prompts).
     *(Compare(f"twin g32 with sequoia: seeded by greedy / sampling vector learned at {what}",
               Cell(seeded, "sequoia-64", 1.0), Cell(rows, "sequoia-64", 1.0))
       for seeded, rows, what in (

@@ -79,6 +79,8 @@ def parse_args(argv=None):
                         "one the plan held")
     p.add_argument("--calibrate", default="off", choices=("on", "off"),
                    help="every system's node values from the acceptance it observes (offspec generate --calibrate)")
+    p.add_argument("--max-depth", type=int, default=TreeConfig().max_depth,
+                   help="deepest tree level every system may grow (offspec generate --max-depth)")
     p.add_argument("--rows", nargs="+", required=True,
                    help="the rows file to measure into (one), or the files to render (--report-only)")
     p.add_argument("--report-only", action="store_true", help="measure nothing: print (and write) the table")
@@ -93,8 +95,8 @@ def parse_args(argv=None):
         if len(args.rows) != 1:
             p.error("a measuring run appends to ONE --rows file")
         bench.check_appendable(args.rows[0])
-    if args.prompts < 1 or args.new_tokens < 1:
-        p.error("--prompts and --new-tokens must be >= 1")
+    if args.prompts < 1 or args.new_tokens < 1 or args.max_depth < 1:
+        p.error("--prompts, --new-tokens and --max-depth must be >= 1")
     if (args.target is None) != (args.draft is None):
         p.error("give both --target and --draft, or neither (the demo pair)")
     args.device = _common.compute_device(args.device, here=not args.report_only)
@@ -131,6 +133,8 @@ def measure(args) -> None:
         settings["draft_quant"] = args.draft_quant
     if args.calibrate == "on":                  # likewise: rows measured before it were all off
         settings["calibrate"] = True
+    if args.max_depth != TreeConfig().max_depth:   # likewise: rows measured before it had the default
+        settings["max_depth"] = args.max_depth
     if models.twin or args.draft_quant == "int4":   # rows without it: a dense target's twin in groups of 64
         settings["int4_group"] = int4.GROUP
     prompts = peer_hf.encoded_prompts(args.prompt_set, args.prompts, 0, models.tokenizer)
@@ -138,7 +142,7 @@ def measure(args) -> None:
                                                             args.seed, settings)}
     if len(done) == len(prompts) * len(args.temperatures):
         return
-    tree = TreeConfig(calibrate=args.calibrate == "on")
+    tree = TreeConfig(calibrate=args.calibrate == "on", max_depth=args.max_depth)
     trees = {name: bench.system_tree(name, tree) for name in args.systems}
     limits = bench.bench_limits(trees.values(), max(len(ids) for _, ids in prompts) + args.new_tokens,
                                 sampling=any(t > 0 for t in args.temperatures))

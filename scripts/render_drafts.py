@@ -74,6 +74,7 @@ GRID = (
     _twin("self-code-256.jsonl", "dyspec-64", "small-code-256.jsonl"),
     _twin("self-g32-code-256.jsonl", "dyspec-256", "small-code-256.jsonl"),
     *(_twin(f"self{g}-chat-1024.jsonl", "dyspec-1024", "small-chat-1024.jsonl") for g in ("", "-g32")),
+    _twin("self-g32-code-1024.jsonl", "dyspec-1024", "small-code-1024.jsonl"),
     # ... and the twin with Sequoia's tree against the 0.5B with dyspec, its default.
     *(Compare("twin with sequoia / 0.5B with dyspec", Cell(rows, f"sequoia-{b}"), Cell(small, f"dyspec-{b}"))
       for rows, small, b in (("sequoia-self-chat.jsonl", "small-chat.jsonl", 64),
@@ -139,7 +140,8 @@ GRID = (
     # the others); and the twin's chain of 32 (classic speculative decoding) against dyspec's 64-node tree.
     *(_trees(rows, b, "sequoia / dyspec (twin g32, vector from code)")
       for rows, b in (("self-g32-chat.jsonl", 64), ("self-g32-chat.jsonl", 256), ("self-g32-chat-1024.jsonl", 1024))),
-    _trees("self-g32-code-256.jsonl", 256, "sequoia / dyspec (twin g32, vector learned on these prompts)"),
+    *(_trees(rows, b, "sequoia / dyspec (twin g32, vector learned on these prompts)")
+      for rows, b in (("self-g32-code-256.jsonl", 256), ("self-g32-code-1024.jsonl", 1024))),
     _trees("sequoia-self-chat.jsonl", 64, "sequoia / dyspec (vector from code)", den_rows="self-chat.jsonl"),
     _trees("sequoia-self-chat-256.jsonl", 256, "sequoia / dyspec (vector from code and these prompts)",
            den_rows="self-chat.jsonl"),
@@ -155,6 +157,7 @@ GRID = (
     _trees("sequoia-small-chat-256.jsonl", 256, "sequoia / dyspec (vector from chat)", den_rows="small-chat.jsonl"),
     _trees("small-code-256.jsonl", 64, "sequoia / dyspec (vector from chat)"),
     _trees("small-chat-1024.jsonl", 1024, "sequoia / dyspec (vector from the prior, learned on these prompts)"),
+    _trees("small-code-1024.jsonl", 1024, "sequoia / dyspec (vector from chat)"),
     _trees("sequoia-smollm2-chat.jsonl", 64, "sequoia / dyspec (int8 twin)"),
     *(_trees("calibrated-smollm2-chat.jsonl", b, "sequoia / dyspec (both calibrated)") for b in (64, 256)),
     *(_trees("self-smollm2-code.jsonl", b) for b in (64, 256)),

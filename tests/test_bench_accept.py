@@ -63,6 +63,28 @@ def test_every_policy_on_every_prompt_and_temperature_resumable(ba, checkpoints,
         run(ba, checkpoints, rows_file, "--draft-quant", "int8-held")
 
 
+def test_max_depth_bounds_every_system_and_is_a_setting(ba, checkpoints, tmp_path, monkeypatch):
+    monkeypatch.setenv("OFFSPEC_HOME", str(tmp_path / "home"))
+    target, draft = checkpoints
+    rows_file = tmp_path / "rows.jsonl"
+
+    def measure(*extra):
+        return ba.main(["--prompt-set", "chat", "--prompts", "1", "--new-tokens", "8", "--systems",
+                        "chain-4,dyspec-8,sequoia-8", "--temperatures", "0", "--dtype", "float32", "--device", "cpu",
+                        "--target", str(target), "--draft", str(draft), "--rows", str(rows_file), *extra])
+
+    assert measure("--max-depth", "1") == 0
+    (row,) = [json.loads(line) for line in rows_file.read_text().splitlines()]
+    assert row["settings"]["max_depth"] == 1
+    for cell in row["systems"].values():                    # one drafted level: at most 2 tokens a pass
+        assert cell["tokens_per_pass"] <= 2.0 and len(cell["tokens"]) == 8
+    assert len({tuple(c["tokens"]) for c in row["systems"].values()}) == 1
+    with pytest.raises(InputError, match=r"other settings \(max_depth\)"):
+        measure()                                           # the default depth is not these rows' setting
+    with pytest.raises(SystemExit):
+        ba.parse_args(["--rows", "a.jsonl", "--max-depth", "0"])
+
+
 def cell(tpp, tree=4.0):
     return {"tokens_per_pass": tpp, "mean_tree_size": tree, "seconds_per_token": 0.1, "tokens": []}
 

@@ -167,11 +167,12 @@ def _stderr(message: str) -> None:
 def resumed_rows(path, prompts: Sequence[tuple[str, Sequence[int]]], systems: Iterable[str], temps: Sequence[float],
                  seed: int, settings: dict, warn: Callable[[str], None] = _stderr) -> list[dict]:
     """The measured rows of a rows file a run can reuse: its prompts (the same tokens), temperatures (T > 0 at
-    `seed`) and every one of its systems. Rows measured with other settings are an InputError, as they could not
-    be summarized with the new ones; rows of another kind (a "kind" field: a check, not a measurement) are passed
-    over. warn: where read_rows' warnings go."""
+    `seed`) and every one of its systems. Rows measured with other settings (a key's value differs, or only one
+    side has the key) are an InputError, as they could not be summarized with the new ones; rows of another kind
+    (a "kind" field: a check, not a measurement) are passed over. warn: where read_rows' warnings go."""
     old = [r for r in read_rows(path, warn) if "systems" in r and r.get("kind") is None]
-    other = sorted({k for r in old for k in settings if r.get("settings", {}).get(k) != settings[k]})
+    other = sorted({k for r in old for k in {*settings, *r.get("settings", {})}
+                    if r.get("settings", {}).get(k) != settings.get(k)})
     if other:
         raise InputError(f"{path} holds rows measured with other settings ({', '.join(other)}): pass the same "
                          "options or another rows file")

@@ -135,6 +135,9 @@ GRID = (
         ("self-g32-chat.jsonl", "sequoia-self-chat.jsonl", "sequoia-64", 0.0),
         ("self-g32-chat.jsonl", "sequoia-self-chat-256.jsonl", "sequoia-256", 0.0),
         *(("self-g32-chat-1024.jsonl", "self-chat-1024.jsonl", f"{t}-1024", 0.0) for t in ("dyspec", "sequoia")))),
+    # The twin's Sequoia tree allowed 64 levels against the default 32: the same budget and frozen vector.
+    Compare("depth 64 / depth 32 (twin g32 with sequoia)", Cell("self-g32-code-256-depth64.jsonl", "sequoia-64"),
+            Cell("self-g32-code-256.jsonl", "sequoia-64")),
     # Sequoia's tree against dyspec at an equal budget, each label naming where Sequoia's vector was learned: the
     # demo target's twin (greedy and sampled), the 0.5B, SmolLM2-135M's twin (held int8 in the first line, int4 in
     # the others); and the twin's chain of 32 (classic speculative decoding) against dyspec's 64-node tree.
@@ -230,7 +233,8 @@ def draft_name(cell: Cell) -> str:
 def side_text(cell: Cell, vals: list, paired: bool = True) -> str:
     figure = bench.fmt_ci(bench.median_ci(vals), 2) if vals else "not measured"
     figure += "" if paired or not vals else f" ({len(vals)} prompt{'s' * (len(vals) != 1)}, unpaired)"
-    return f"{draft_name(cell)}, {cell.system}: {figure}"
+    depth = settings_of(cell).get("max_depth")          # recorded only where it is not the default
+    return f"{draft_name(cell)}, {cell.system}{f' (depth {depth})' if depth else ''}: {figure}"
 
 
 def table_line(c: Compare, got: dict) -> list[str]:

@@ -76,8 +76,8 @@ def test_max_depth_bounds_every_system_and_is_a_setting(ba, checkpoints, tmp_pat
     assert measure("--max-depth", "1") == 0
     (row,) = [json.loads(line) for line in rows_file.read_text().splitlines()]
     assert row["settings"]["max_depth"] == 1
-    for cell in row["systems"].values():                    # one drafted level: at most 2 tokens a pass
-        assert cell["tokens_per_pass"] <= 2.0 and len(cell["tokens"]) == 8
+    for c in row["systems"].values():                       # one drafted level: at most 2 tokens a pass
+        assert c["tokens_per_pass"] <= 2.0 and len(c["tokens"]) == 8
     assert len({tuple(c["tokens"]) for c in row["systems"].values()}) == 1
     with pytest.raises(InputError, match=r"other settings \(max_depth\)"):
         measure()                                           # the default depth is not these rows' setting

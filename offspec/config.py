@@ -7,6 +7,7 @@ from typing import Optional
 import torch
 
 AUTO_MAX_TREE_BUDGET = 1024     # the largest tree the auto budget planner may grow
+FIXED_BUDGET_DEPTH = 32         # the depth bound of a fixed-budget tree where --max-depth is auto
 DEFAULT_PREFILL_CHUNK = 1024    # rows each layer processes at a time in one forward
 ATTENTION_SCORE_BYTES = 256 << 20   # the most one attention call's scores may take: its query rows are cut to fit
 LM_HEAD_CHUNK_BYTES = 256 << 20     # an lm_head kept in host memory crosses to the device this many bytes at a time
@@ -64,13 +65,21 @@ class TreeConfig:
     policy: str = "auto"                        # "auto" (by the draft: sequoia.chosen_policy) | "dyspec" | "heap" | "chain" | "static" | "sequoia" (Sequoia's DP shape) | "none" (plain autoregressive)
     budget: Optional[int] = None                # max tree nodes per round; None = "auto": chosen from measured draft and target costs
     threshold: Optional[float] = None           # DySpec C; None = adaptive (C set so the tree fills the budget)
-    max_depth: int = 32                         # deepest level the draft may grow in one round
+    max_depth: Optional[int] = None             # deepest level a round's tree may reach; None = "auto" (depth_bound)
     branching: int = 8                          # candidate children examined per frontier node each depth
     static_widths: tuple = (4, 2, 2, 1, 1, 1)   # "static": children per node at each depth
     prune: bool = True                          # dyspec: run the draft only on nodes at least as likely as last round's C
     # Both off by default: no measured grid shows them winning yet (docs/notes/2026-11-25-tree-levers.md).
     calibrate: bool = False                     # node values from acceptance rates observed this run (calibrate.py), not raw draft probabilities
     ngram: bool = False                         # graft continuations the sequence already contains onto each tree, no draft call (ngram.py)
+
+    def depth_bound(self) -> int:
+        """The deepest level a round's tree may reach: max_depth, or where it is auto, with an auto budget no
+        bound of its own (a tree of N nodes is at most N deep, and the budget planner prices every level as a
+        draft call: engine/controller.py), with a fixed budget FIXED_BUDGET_DEPTH (nothing prices the levels)."""
+        if self.max_depth is not None:
+            return self.max_depth
+        return AUTO_MAX_TREE_BUDGET if self.budget is None else FIXED_BUDGET_DEPTH
 
 
 @dataclass(frozen=True)

@@ -52,7 +52,7 @@ import peer_hf  # noqa: E402
 
 from offspec.bench import runner as bench  # noqa: E402
 from offspec.cli.options import DRAFT_QUANT_CHOICES  # noqa: E402
-from offspec.config import OffloadConfig, SamplingConfig, TreeConfig  # noqa: E402
+from offspec.config import FIXED_BUDGET_DEPTH, OffloadConfig, SamplingConfig, TreeConfig  # noqa: E402
 from offspec.errors import InputError  # noqa: E402
 
 SECTION = "bench_accept"
@@ -79,7 +79,7 @@ def parse_args(argv=None):
                         "one the plan held")
     p.add_argument("--calibrate", default="off", choices=("on", "off"),
                    help="every system's node values from the acceptance it observes (offspec generate --calibrate)")
-    p.add_argument("--max-depth", type=int, default=TreeConfig().max_depth,
+    p.add_argument("--max-depth", type=int, default=FIXED_BUDGET_DEPTH,
                    help="deepest tree level every system may grow (offspec generate --max-depth)")
     p.add_argument("--rows", nargs="+", required=True,
                    help="the rows file to measure into (one), or the files to render (--report-only)")
@@ -133,7 +133,7 @@ def measure(args) -> None:
         settings["draft_quant"] = args.draft_quant
     if args.calibrate == "on":                  # likewise: rows measured before it were all off
         settings["calibrate"] = True
-    if args.max_depth != TreeConfig().max_depth:   # likewise: rows measured before it had the default
+    if args.max_depth != FIXED_BUDGET_DEPTH:   # likewise: rows measured before it had the default
         settings["max_depth"] = args.max_depth
     if models.twin or args.draft_quant == "int4":   # rows without it: a dense target's twin in groups of 64
         settings["int4_group"] = int4.GROUP

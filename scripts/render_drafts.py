@@ -136,8 +136,8 @@ GRID = (
         ("self-g32-chat.jsonl", "sequoia-self-chat-256.jsonl", "sequoia-256", 0.0),
         *(("self-g32-chat-1024.jsonl", "self-chat-1024.jsonl", f"{t}-1024", 0.0) for t in ("dyspec", "sequoia")))),
     # The twin's Sequoia tree allowed 64 levels against the default 32: the same budget and frozen vector.
-    Compare("depth 64 / depth 32 (twin g32 with sequoia)", Cell("self-g32-code-256-depth64.jsonl", "sequoia-64"),
-            Cell("self-g32-code-256.jsonl", "sequoia-64")),
+    *(Compare("depth 64 / depth 32 (twin g32 with sequoia)", Cell(f"self-g32-{s}-256-depth64.jsonl", "sequoia-64"),
+              Cell(f"self-g32-{s}-256.jsonl", "sequoia-64")) for s in ("chat", "code")),
     # Sequoia's tree against dyspec at an equal budget, each label naming where Sequoia's vector was learned: the
     # demo target's twin (greedy and sampled), the 0.5B, SmolLM2-135M's twin (held int8 in the first line, int4 in
     # the others); and the twin's chain of 32 (classic speculative decoding) against dyspec's 64-node tree.

@@ -586,3 +586,24 @@ def test_one_row_on_a_cpu_whose_target_streams_grows_a_fixed_tree():
     for start in (RunStart(gpu=False, streamed=True, rows=2, max_budget=1024),
                   RunStart(gpu=True, streamed=True, rows=1, max_budget=1024)):
         assert not Controller.for_run(start).fixed
+
+
+def test_a_row_is_held_shallow_only_where_its_last_tokens_bind():
+    """RoundRecord.capped: a tree cut by the row's last tokens (its trees then say little of its next ones), not one
+    whose budget or depth bound is shallower than what the tokens left allow (an auto depth bound is 1024)."""
+    from offspec.config import TreeConfig
+    from offspec.engine.request import GenerationRequest
+    from offspec.engine.rows import Row, StopChecker
+
+    def row(max_new_tokens, budget, max_depth):
+        request = GenerationRequest(prompt_ids=(1,), max_new_tokens=max_new_tokens,
+                                    tree=TreeConfig(policy="sequoia", max_depth=max_depth))
+        r = Row(index=0, request=request, cache_row=0, seq=[1], stops=StopChecker(None, (), (), max_new_tokens),
+                seed_gen=torch.Generator(), speculative=True, auto=True, budget=budget)
+        r.start_round(budget, max_context=4096, device=torch.device("cpu"))
+        return r.held_shallow()
+
+    assert not row(200, budget=64, max_depth=1024)     # 199 levels allowed, a 64-node tree needs at most 64
+    assert row(40, budget=64, max_depth=1024)          # 39 levels, the tree could have reached 64
+    assert not row(40, budget=64, max_depth=32)        # its bound was below the tokens left
+    assert row(20, budget=64, max_depth=32)

@@ -5,7 +5,7 @@ import pytest
 import torch
 from drivers import grow
 
-from offspec.config import SamplingConfig, TreeConfig
+from offspec.config import AUTO_MAX_TREE_BUDGET, FIXED_BUDGET_DEPTH, SamplingConfig, TreeConfig
 from offspec.spec.sampling import make_generator, process_logits
 from offspec.spec.tree import TokenTree
 
@@ -86,11 +86,13 @@ def check_tree(tree: TokenTree, draft: FakeDraft, cfg: TreeConfig, sampling: Sam
     for n in range(1, tree.n_nodes):
         u = parents[n]
         assert 0 <= u < n                                          # parents precede children
-        assert depths[n] == depths[u] + 1 <= cfg.max_depth
+        assert depths[n] == depths[u] + 1 <= cfg.depth_bound()
         p = float(draft.probs[tokens[u], tokens[n]])
-        assert p > 0
-        # v(x) = v(u) p(x), up to the float32 rounding of the mass still undrawn (see _Growth.add)
-        assert values[n] == pytest.approx(values[u] * p, rel=1e-9, abs=1e-6 * values[u])
+        assert p > 0 and tree.draft_prob(n) == pytest.approx(p)
+        # v(x) = v(u) a(x), a = p but for Sequoia's tree (p_rank), up to the float32 rounding of the mass
+        # still undrawn (see _Growth.add)
+        a = tree.estimate(n) if cfg.policy == "sequoia" else p
+        assert values[n] == pytest.approx(values[u] * a, rel=1e-9, abs=1e-6 * values[u])
     for u in range(tree.n_nodes):
         kids = tree.children(u)
         assert kids == sorted(kids)
@@ -236,6 +238,16 @@ def test_max_depth_is_respected():
         tree, draft = run(cfg, GREEDY, 256)
         assert tree.depth <= 3
         check_tree(tree, draft, cfg, GREEDY, 256)
+
+
+def test_an_auto_depth_bound_follows_the_budget():
+    """--max-depth auto: an auto budget's tree has no depth bound of its own (the planner prices each level), a
+    fixed budget's stops at FIXED_BUDGET_DEPTH; a bound given is kept."""
+    for cfg, depth in ((TreeConfig(policy="chain"), 40), (TreeConfig(policy="chain", budget=40), FIXED_BUDGET_DEPTH),
+                       (TreeConfig(policy="chain", max_depth=8), 8)):
+        tree, _ = run(cfg, GREEDY, 40)
+        assert tree.depth == depth
+    assert TreeConfig().depth_bound() == AUTO_MAX_TREE_BUDGET and TreeConfig(budget=0, max_depth=3).depth_bound() == 3
 
 
 @pytest.mark.parametrize("sampling", [GREEDY, SAMPLED], ids=["T0", "T1"])

@@ -11,7 +11,7 @@ from test_grow import GREEDY, SAMPLED, check_tree, run
 from tiny import save_agreeing_pair
 
 from offspec.cli.main import main
-from offspec.config import OffloadConfig, RunLimits, RuntimeConfig, SamplingConfig, TreeConfig
+from offspec.config import FIXED_BUDGET_DEPTH, OffloadConfig, RunLimits, RuntimeConfig, SamplingConfig, TreeConfig
 from offspec.engine.generate import GenerationRequest
 from offspec.engine.load import load_engine
 from offspec.engine.pair_cache import Learned
@@ -170,11 +170,18 @@ def test_growth_follows_the_shape_one_draft_call_per_depth(sampling):
     cfg = TreeConfig(policy="sequoia", branching=4, max_depth=5)
     tree, draft = run(cfg, sampling, 24)
     check_tree(tree, draft, cfg, sampling, 24)
-    shape, _ = best_tree(RankCounts.zeros(4).vector(), 24, 5)
+    shape, F = best_tree(RankCounts.zeros(4).vector(), 24, 5)
     grown = [(int(tree.parents[n]), tree.children(int(tree.parents[n])).index(n)) for n in range(1, tree.n_nodes)]
     assert all(len(depths) == 1 for depths in draft.depths)     # one draft call per depth
+    p = RankCounts.zeros(4).vector()
+    f = [1.0]                                                    # f(v): the product of p_rank along v's path
+    for n in range(1, tree.n_nodes):
+        parent = int(tree.parents[n])
+        f.append(f[parent] * p[tree.children(parent).index(n)])
+    assert tree.values.tolist() == pytest.approx(f)              # values are Sequoia's f, not draft probabilities
     if sampling.greedy:                                          # every candidate exists: the tree is the shape
         assert grown == list(shape) and tree.n_draft_calls == tree.depth - 1
+        assert float(tree.values[1:].sum()) == pytest.approx(F, rel=1e-3)   # ... and sum to the DP's F (p rounded)
     else:                                                        # top-p leaves some out, with their subtrees
         assert tree.size <= len(shape) and tree.n_draft_calls <= tree.depth
 
@@ -228,6 +235,20 @@ def test_engine_sampled_rows_keep_their_tokens_in_a_batch(engine):
     for event in engine.run_batch(reqs, concurrency=2):
         batched[event.request] += event.step.tokens
     assert [batched[i] for i in range(len(reqs))] == [tokens_alone(engine, r) for r in reqs]
+
+
+def test_the_engine_resolves_the_depth_bound_when_it_admits_a_request(engine):
+    """--max-depth auto: a fixed budget stops at FIXED_BUDGET_DEPTH, a bound given is kept (and an auto budget
+    has none of its own: test_grow); either way greedy output is the plain one."""
+    engine.learned = Learned(None)
+    prompt = tuple(range(5, 12))
+    plain = tokens_alone(engine, GenerationRequest(prompt_ids=prompt, max_new_tokens=48, ignore_eos=True,
+                                                   tree=TreeConfig(policy="none")))
+    for max_depth, deepest in ((None, FIXED_BUDGET_DEPTH), (40, 40)):
+        tree = TreeConfig(policy="chain", budget=40, max_depth=max_depth)
+        steps = list(engine.generate(GenerationRequest(prompt_ids=prompt, max_new_tokens=48, ignore_eos=True,
+                                                       tree=tree)))
+        assert max(s.tree_depth for s in steps) == deepest and [t for s in steps for t in s.tokens] == plain
 
 
 def test_cli_generate_with_sequoia_trees(pair, tmp_path, monkeypatch):

@@ -14,6 +14,7 @@ import click
 from offspec.config import (
     AUTO_MAX_TREE_BUDGET,
     DEFAULT_PREFILL_CHUNK,
+    FIXED_BUDGET_DEPTH,
     OffloadConfig,
     RunLimits,
     SamplingConfig,
@@ -179,8 +180,10 @@ def model_options(f):
                           f"{ONE_ROW_CPU_BUDGET} every round)."),
         click.option("--threshold", type=float, default=None,
                      help="DySpec threshold C. Default: adaptive (C set so the tree fills the budget)."),
-        click.option("--max-depth", type=int, default=TreeConfig.max_depth, show_default=True,
-                     help="Deepest tree level."),
+        click.option("--max-depth", default="auto", show_default=True,
+                     help="Deepest tree level, or 'auto': with an auto --tree-budget no bound of its own (the budget "
+                          "planner prices each level as a draft call, so the measured costs choose the depth with the "
+                          f"size), with a fixed budget {FIXED_BUDGET_DEPTH}."),
         click.option("--branching", type=int, default=TreeConfig.branching, show_default=True,
                      help="Candidate children examined per node per depth."),
         click.option("--no-prune", is_flag=True,
@@ -236,10 +239,11 @@ def build_configs(o: dict, check_device: bool = True):
         raise InputError("--top-k must be >= 0 (0 = off)")
     if o["threshold"] is not None and not 0 <= o["threshold"] <= 1:
         raise InputError("--threshold must be in [0, 1]")
-    if o["max_depth"] < 1 or o["branching"] < 1:
-        raise InputError("--max-depth and --branching must be at least 1")
+    if o["branching"] < 1:
+        raise InputError("--branching must be at least 1")
     tree = TreeConfig(policy=o["policy"], budget=parse_auto_count(o["tree_budget"], "--tree-budget", 0),
-                      threshold=o["threshold"], max_depth=o["max_depth"], branching=o["branching"],
+                      threshold=o["threshold"], max_depth=parse_auto_count(o["max_depth"], "--max-depth", 1),
+                      branching=o["branching"],
                       prune=not o["no_prune"], ngram=o["ngram"] == "on", calibrate=o["calibrate"] == "on")
     sampling = SamplingConfig(temperature=o["temperature"], top_p=o["top_p"], top_k=o["top_k"], seed=o["seed"])
     return runtime, offload, tree, sampling

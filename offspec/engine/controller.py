@@ -21,7 +21,10 @@ measured while generating:
                               call is compute (a CPU) and cheap where it is latency (a GPU: c1 ~ 0), so the
                               planner picks chain-like trees on the one and bushy ones on the other.
   e           seconds a token of the catch-up calls (total over total): feeding tokens, no tree work
-  E(N)        from the values of each row's last tree, merged and sorted (cumulative)
+  E(N)        from the values of each row's last tree, merged and sorted (cumulative). A Sequoia tree's values
+              are its f(v), the measured acceptance by rank that shaped it (sequoia.grow_shape): its N best
+              nodes are then (p non-increasing) Sequoia's best tree of N nodes, so with no depth bound of its
+              own (--max-depth auto) the choice of N is Sequoia's hardware-aware choice of size and depth.
 With several rows in a pass, the N best nodes over ALL rows' candidates are the pass's node budget shared by
 value: row r's budget is the number of its nodes among them, so rows whose drafts do well get more of the
 pass. With one row this is the single-sequence planner.

@@ -232,7 +232,7 @@ class Engine:
             behind={row.index: len(row.seq) - batch.d_cache.lengths[row.cache_row] for row in going},
             left={row.index: row.tokens_left() for row in going}, yielded=yielded,
             finished=tuple(row.index for row in finished),
-            capped=frozenset(row.index for row in rows if row.auto and row.round_depth < row.request.tree.max_depth)))
+            capped=frozenset(row.index for row in rows if row.auto and row.held_shallow())))
         self._retire(batch, finished)
 
     def _pass(self, batch: Batch) -> tuple[list[TokenTree], list, list[int], PassCost, DraftWork]:
@@ -290,8 +290,11 @@ class Engine:
         return len(request.prompt_ids) + request.max_new_tokens + self._tree_room(request) + 2
 
     def _admit(self, index: int, request: GenerationRequest, batch: Batch) -> Row:
-        """`request`, its tree's policy resolved (chosen_policy), checked and given the batch's next free cache row."""
-        request = replace(request, tree=replace(request.tree, policy=chosen_policy(request.tree.policy, self.twin)))
+        """`request`, its tree's policy (chosen_policy) and depth bound (TreeConfig.depth_bound) resolved, checked
+        and given the batch's next free cache row."""
+        tree = request.tree
+        request = replace(request, tree=replace(tree, policy=chosen_policy(tree.policy, self.twin),
+                                                max_depth=tree.depth_bound()))
         speculative = self.speculative(request)
         check_request(request, RowLimits(self.max_context, self.max_tree_budget, batch.capacity),
                       speculative=speculative, row_tokens=self._row_tokens(request))

@@ -97,6 +97,11 @@ class Row:
         # A round with a larger budget than the floor's (the controller probing) must reach below it: no floor.
         self.round_floor = self.floor if self.round_budget <= self.floor_budget else 0.0
 
+    def held_shallow(self) -> bool:
+        """This round's tree was held shallower by the row's last tokens than its depth bound and its budget (a
+        tree of N nodes is at most N deep) would have let it grow."""
+        return self.round_depth < min(self.request.tree.max_depth, self.round_budget)
+
     def rank_acceptance(self) -> Optional[tuple[float, ...]]:
         """Policy "sequoia": the acceptance by rank this round's shape is built for (None: another policy)."""
         return self.ranks.vector() if self.ranks is not None else None

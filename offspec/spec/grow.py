@@ -23,8 +23,9 @@ Terms (DySpec, Xiong et al. 2024; p is the draft's processed distribution, q the
   budget B    the most nodes a tree may have, root not counted.
   estimate    a(x), the chance the target accepts x once it accepted x's parent: p(x) above (DySpec's
               hypothesis), or with a Calibration (calibrate.py) the acceptance rate observed so far for draft
-              nodes of x's depth and probability. Then v(x) = v(u) * a(x). A calibration is non-decreasing in
-              p and at most 1, so values still fall along paths and siblings keep the draft's order.
+              nodes of x's depth and probability, or in Sequoia's tree (sequoia.grow_shape) p_i, the measured
+              acceptance of x's rank. Then v(x) = v(u) * a(x). A calibration is non-decreasing in p and at most
+              1, so values still fall along paths and siblings keep the draft's order.
   n-gram node a continuation the sequence already contains (ngram.py), grafted onto the grown tree after
               growth at no draft call: v = v(u) * (its own calibrated estimate), its key. Where the tree already
               has the chain's token, the chain follows that node (at T > 0 only an n-gram node: see below). The
@@ -80,7 +81,7 @@ from __future__ import annotations
 
 import heapq
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Generator, Optional, Sequence
 
 import torch
@@ -118,6 +119,7 @@ def grow_steps(tree_cfg: TreeConfig, sampling: SamplingConfig, root_token: int, 
         raise ValueError(f"unknown tree policy {tree_cfg.policy!r}; expected one of {', '.join(POLICIES)}")
     if budget < 0:
         raise ValueError(f"tree budget must be >= 0, got {budget}")
+    tree_cfg = replace(tree_cfg, max_depth=tree_cfg.depth_bound())
     g = _Growth(root_token, root_dist, sampling, generator, capacity=budget + 1, calibration=calibration,
                 ngram=ngram, budget=budget, max_depth=tree_cfg.max_depth)
     if budget == 0 or tree_cfg.policy == "none" or tree_cfg.max_depth < 1:
@@ -132,7 +134,7 @@ def grow_steps(tree_cfg: TreeConfig, sampling: SamplingConfig, root_token: int, 
     if tree_cfg.policy == "sequoia":
         g.ngram = ()
         p = rank_acceptance if rank_acceptance is not None else RankCounts.zeros(tree_cfg.branching).vector()
-        return (yield from grow_shape(g, best_tree(p, budget, tree_cfg.max_depth)[0]))
+        return (yield from grow_shape(g, best_tree(p, budget, tree_cfg.max_depth)[0], p))
     return (yield from _grow_static(tree_cfg, g, budget))
 
 
@@ -235,10 +237,13 @@ class _Growth:
             return self.value[node] * opts.estimates[i]             # v(x_i) = v(u) a(x_i)
         return self.value[node] * max(0.0, 1.0 - opts.mass_before[i])   # w(u, i) = v(u) R_i
 
-    def add(self, node: int, i: int) -> int:
-        """Make `node`'s i-th candidate a node of the tree; returns its id."""
+    def add(self, node: int, i: int, estimate: Optional[float] = None) -> int:
+        """Make `node`'s i-th candidate a node of the tree; returns its id. estimate: its a(x) when the caller's
+        model of acceptance is not the draft's (Sequoia's p_i by rank, sequoia.grow_shape); it joins on no key."""
         opts = self.options[node]
         key = self.slot_key(node, i)
+        if estimate is not None:
+            return self._new(node, opts.tokens[i], self.value[node] * estimate, key, opts.probs[i], estimate, 0)
         value = self.value[node] * opts.estimates[i]                # v(x_i) = v(u) a(x_i)
         if not self.greedy:
             # v(x_i) <= w(u, i) holds exactly for a = p (p(x_i) <= R_i), but R_i is computed from float32

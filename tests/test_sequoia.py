@@ -170,10 +170,10 @@ def test_growth_follows_the_shape_one_draft_call_per_depth(sampling):
     cfg = TreeConfig(policy="sequoia", branching=4, max_depth=5)
     tree, draft = run(cfg, sampling, 24)
     check_tree(tree, draft, cfg, sampling, 24)
-    shape, F = best_tree(RankCounts.zeros(4).vector(), 24, 5)
+    p = RankCounts.zeros(4).vector()                              # the prior: what the growth ran on
+    shape, F = best_tree(p, 24, 5)
     grown = [(int(tree.parents[n]), tree.children(int(tree.parents[n])).index(n)) for n in range(1, tree.n_nodes)]
     assert all(len(depths) == 1 for depths in draft.depths)     # one draft call per depth
-    p = RankCounts.zeros(4).vector()
     f = [1.0]                                                    # f(v): the product of p_rank along v's path
     for n in range(1, tree.n_nodes):
         parent = int(tree.parents[n])

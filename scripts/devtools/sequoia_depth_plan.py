@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))   # offspec
 from offspec.config import AUTO_MAX_TREE_BUDGET, FIXED_BUDGET_DEPTH, TreeConfig  # noqa: E402
 from offspec.spec.sequoia import RankCounts, best_tree  # noqa: E402
 
-BUDGETS = [2 ** i for i in range(2, 11)]
+BUDGETS = [2 ** i for i in range(2, AUTO_MAX_TREE_BUDGET.bit_length())]     # 4 ... the auto budget's largest
 
 
 def best_round(p, a: float, b: float, c0: float, bound: int) -> tuple[float, int, int, float]:
@@ -30,11 +30,12 @@ def best_round(p, a: float, b: float, c0: float, bound: int) -> tuple[float, int
     rounds = []
     for n in BUDGETS:
         shape, F = best_tree(p, n, bound)
-        depth = [0]
+        depths = [0]
         for parent, _ in shape:
-            depth.append(depth[parent] + 1)
-        seconds = c0 * (max(depth) + 1) + a + b * (n + 1)
-        rounds.append((seconds / (1 + F), n, max(depth), 1 + F))
+            depths.append(depths[parent] + 1)
+        L = max(depths)
+        seconds = c0 * (L + 1) + a + b * (n + 1)
+        rounds.append((seconds / (1 + F), n, L, 1 + F))
     return min(rounds)
 
 

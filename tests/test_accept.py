@@ -366,9 +366,9 @@ def test_an_ngram_chain_never_decides_a_drawn_siblings_presence(cfg, budget, cha
 def test_chi_square_catches_a_chain_that_follows_drawn_nodes_during_the_cut(monkeypatch, cfg, budget, chain):
     """Negative control: the rule the fold replaced (during the cut a chain follows a drawn node with its token,
     as it may at T = 0) is caught in every case above."""
-    from offspec.spec.grow import _Growth
+    from offspec.spec.candidates import Candidates
 
-    graft = _Growth.graft_ngrams
+    graft = Candidates.graft_ngrams
 
     def graft_as_if_greedy(self, keep):
         greedy, self.greedy = self.greedy, True
@@ -376,5 +376,5 @@ def test_chi_square_catches_a_chain_that_follows_drawn_nodes_during_the_cut(monk
             return graft(self, keep)
         finally:
             self.greedy = greedy
-    monkeypatch.setattr(_Growth, "graft_ngrams", graft_as_if_greedy)
+    monkeypatch.setattr(Candidates, "graft_ngrams", graft_as_if_greedy)
     assert min(chain_cut_pvalues(cfg, budget, chain)) < 1e-3

@@ -90,7 +90,7 @@ def check_tree(tree: TokenTree, draft: FakeDraft, cfg: TreeConfig, sampling: Sam
         p = float(draft.probs[tokens[u], tokens[n]])
         assert p > 0 and tree.draft_prob(n) == pytest.approx(p)
         # v(x) = v(u) a(x), a = p but for Sequoia's tree (p_rank), up to the float32 rounding of the mass
-        # still undrawn (see _Growth.add)
+        # still undrawn (see Candidates.add)
         a = tree.estimate(n) if cfg.policy == "sequoia" else p
         assert values[n] == pytest.approx(values[u] * a, rel=1e-9, abs=1e-6 * values[u])
     for u in range(tree.n_nodes):

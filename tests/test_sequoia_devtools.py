@@ -24,6 +24,14 @@ def test_the_table_from_a_cache_file(tmp_path, capsys):
     assert row[1].strip() == "2" and float(row[-2].strip().rstrip("x")) > 1.0
 
 
+def test_a_missing_or_malformed_vector_is_one_line(tmp_path):
+    with pytest.raises(SystemExit, match="cannot read an acceptance vector from .*missing.json"):
+        plan.main([str(tmp_path / "missing.json")])
+    (tmp_path / "bad.json").write_text('{"tried": [1.0], "hits": [2.0]}')
+    with pytest.raises(SystemExit, match="hits <= tried"):
+        plan.main([str(tmp_path / "bad.json")])
+
+
 # ------------------------------------------------------------------------------------------------ tree_values.py
 def test_tree_values_sets_both_models_beside_the_accepted_tokens():
     from offspec.spec.tree import TokenTree

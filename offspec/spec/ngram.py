@@ -7,7 +7,7 @@ both repeat their own phrases.
 
     lookup(seq, max_chains, max_len, max_match) -> [NgramChain]
 
-Growth grafts each chain onto the round's tree from the root (grow.py, `_Growth.graft_ngrams`): where the
+Growth grafts each chain onto the round's tree from the root (candidates.py, `Candidates.graft_ngrams`): where the
 tree already has the chain's token it follows that node (at T > 0 only once the budget's cut is made, so that
 no drawn node's presence depends on its own draw), elsewhere it adds the token as a new node (an
 "n-gram node": never run through the draft, no draft distribution, a value from its own calibration table).

@@ -257,7 +257,7 @@ class RankLearner:
 
 
 def grow_shape(g, shape: Shape, p: Sequence[float]) -> Generator:
-    """Grow `shape` (best_tree's for the vector p) with growth g (grow._Growth): depth by depth, ONE draft call
+    """Grow `shape` (best_tree's for the vector p) with the round's candidates g (candidates.Candidates): depth by depth, ONE draft call
     over the nodes that have children in the shape, each asked for the most children any of them has (a node's
     children are then a prefix of its candidates, and whether its k-th child exists is fixed before anything is
     drawn). A missing candidate (probability 0) leaves its place, and its subtree, empty. Returns g's final tree.

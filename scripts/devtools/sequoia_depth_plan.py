@@ -25,6 +25,14 @@ from offspec.spec.sequoia import RankCounts, best_tree  # noqa: E402
 BUDGETS = [2 ** i for i in range(2, AUTO_MAX_TREE_BUDGET.bit_length())]     # 4 ... the auto budget's largest
 
 
+def read_vector(path: str) -> RankCounts:
+    """A pair's cached counts by rank, resized to the tree's branching; SystemExit with one line if unreadable."""
+    try:
+        return RankCounts.from_dict(json.loads(Path(path).expanduser().read_text())).resized(TreeConfig.branching)
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise SystemExit(f"sequoia_depth_plan: cannot read an acceptance vector from {path}: {e}") from None
+
+
 def best_round(p, a: float, b: float, c0: float, bound: int) -> tuple[float, int, int, float]:
     """(seconds a token, n, depth, tokens a round) of the cheapest tree a token under the depth bound."""
     rounds = []
@@ -46,7 +54,7 @@ def main(argv=None) -> int:
     ap.add_argument("--call-ms", default="5,15,40", help="draft call milliseconds c0, comma-separated")
     ap.add_argument("--token-ms", type=float, default=1.0, help="b: milliseconds a verified token")
     args = ap.parse_args(argv)
-    counts = RankCounts.from_dict(json.loads(Path(args.vector).expanduser().read_text())).resized(TreeConfig.branching)
+    counts = read_vector(args.vector)
     p = counts.vector()
     print(f"p = {', '.join(f'{x:.4f}' for x in p[:3])}, ...; {counts.observations:.0f} observations; "
           f"b = {args.token_ms:g} ms a token")

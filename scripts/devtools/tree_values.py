@@ -66,7 +66,11 @@ def main(argv=None) -> int:
     ap.add_argument("--prompts", type=int, default=4)
     ap.add_argument("--new-tokens", type=int, default=128)
     args = ap.parse_args(argv)
-    rounds = measure(args)
+    from offspec.errors import OffspecError
+    try:
+        rounds = measure(args)
+    except OffspecError as e:
+        raise SystemExit(f"tree_values: {e}") from None
     print("\n".join(summary(rounds)))
     return 0
 

@@ -129,7 +129,8 @@ class Controller:
         16-node tree every round instead (`fixed`): an answer of a few dozen tokens is over in a handful of rounds
         there, before the fits have seen enough to choose better, and every mischosen round costs draft calls that
         are compute on a CPU. Why each start: docs/notes/2026-11-23-batch-host-ram-and-planner.md,
-        docs/notes/2026-11-27-the-default-on-a-cpu.md, docs/notes/2026-11-28-twin-from-the-stream.md."""
+        docs/notes/2026-11-27-the-default-on-a-cpu.md, docs/notes/2026-11-28-twin-from-the-stream.md, and for the
+        twin drafting one prompt from disk docs/notes/2026-11-30-one-prompt-from-disk-with-the-twin.md."""
         B = run.rows
         if not run.gpu and run.streamed and B == 1:
             return cls(start=ONE_ROW_CPU_BUDGET, max_budget=run.max_budget, max_depth=0, fixed=True,

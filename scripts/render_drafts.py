@@ -98,6 +98,9 @@ GRID = (
               Cell("sampled-small-chat.jsonl", "dyspec-64", 0.6))
       for rows, g in (("sampled-self-g32-chat.jsonl", " g32"), ("sampled-self-chat.jsonl", ""))
       for t, w in (("dyspec", ""), ("sequoia", " with sequoia"))),
+    # ... and at 256 new tokens (the 64-token cells are counts of passes), the twin with Sequoia alone.
+    Compare("twin g32 with sequoia / 0.5B with dyspec", Cell("sampled-self-g32-chat-256.jsonl", "sequoia-64", 0.6),
+            Cell("sampled-small-chat-256.jsonl", "dyspec-64", 0.6)),
     # The same rows again from the sampling vector the first run learned (on these prompts), over that first run
     # (from the prior): what a pair's cold start costs.
     Compare("twin g32 with sequoia, vector warm / cold", Cell("sampled-self-g32-chat-warm.jsonl", "sequoia-64", 0.6),

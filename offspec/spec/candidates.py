@@ -71,7 +71,7 @@ class Candidates:
         self.match = [0]                                 # n-gram match length, 0 = a draft node
         self.work = [0]                                  # working-tree index, -1 until sent to the draft
         self.free: list[int] = []                        # working-tree indices of dropped nodes, to reuse
-        self.options: dict[int, Options] = {}           # for expanded candidates
+        self.options: dict[int, Options] = {}            # for expanded candidates
         self.dist: dict[int, torch.Tensor] = {}          # T > 0: (V,) draft distribution of expanded candidates
         self.work_tree = TokenTree(root_token, capacity=capacity)   # what the draft requests carry; never over B + 1
 
@@ -116,7 +116,7 @@ class Candidates:
                 before.append(mass)
                 mass += p
             self.options[c] = Options([t for t, _, _ in kept], [p for _, p, _ in kept], before,
-                                       [e for _, _, e in kept])
+                                      [e for _, _, e in kept])
             if not self.greedy:
                 self.dist[c] = dists[f]
 

@@ -257,10 +257,11 @@ class RankLearner:
 
 
 def grow_shape(g, shape: Shape, p: Sequence[float]) -> Generator:
-    """Grow `shape` (best_tree's for the vector p) with the round's candidates g (candidates.Candidates): depth by depth, ONE draft call
-    over the nodes that have children in the shape, each asked for the most children any of them has (a node's
-    children are then a prefix of its candidates, and whether its k-th child exists is fixed before anything is
-    drawn). A missing candidate (probability 0) leaves its place, and its subtree, empty. Returns g's final tree.
+    """Grow `shape` (best_tree's for the vector p) with the round's candidates g (candidates.Candidates): depth by
+    depth, ONE draft call over the nodes that have children in the shape, each asked for the most children any of
+    them has (a node's children are then a prefix of its candidates, and whether its k-th child exists is fixed
+    before anything is drawn). A missing candidate (probability 0) leaves its place, and its subtree, empty.
+    Returns g's final tree.
     A node's value is f(v), the model that chose the shape (its estimate p_rank(v)), not the draft's
     probability: the tree's values sum to best_tree's F, and the auto budget prices the tree by them."""
     kids: list[list[int]] = [[] for _ in range(len(shape) + 1)]
